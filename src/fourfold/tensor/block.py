@@ -1,0 +1,133 @@
+"""Attention, MLP and the pre-norm transformer block on the 3D grid (tensor3d.md).
+
+Residual stream: [batch/z, seq, hidden/x], replicated over y; with sequence parallelism
+[batch/z, seq/y, hidden/x]. Non-redundant path (heads and kv heads divisible by x*y): the QKV
+output is reduce-scattered over x along whole heads, each rank attends with heads/(x*y) heads,
+and the result is all-gathered over x into the output projection; the MLP likewise with FFN
+features. Otherwise the published path: all-reduce over x, attention replicated over x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.blockspec import BlockConfig, attention_chunks, mlp_chunks
+from fourfold.grid import Grid
+from fourfold.tensor.linear import ParallelLinear, RowSource
+from fourfold.tensor.norm import ParallelNorm
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    seq_parallel: bool = False  # residual stream, norms on seq/y tokens (Megatron-SP generalised)
+    keep_weights: bool = False  # keep each gathered weight from forward to backward
+    dtype: torch.dtype = torch.float32
+
+
+def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] at the given positions [seq]."""
+    d = q.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    half = d // 2
+    rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
+    return q * cos + rotated * sin
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float, prefix: str):
+        super().__init__()
+        self.cfg = cfg
+        chunks = attention_chunks(cfg, grid.size("x"), grid.size("y"))
+        self.own_heads = chunks == grid.size("x") * grid.size("y")
+        d = cfg.head_dim
+        self.heads, self.kv_heads = cfg.heads // chunks, cfg.kv_heads // chunks
+        # Fused rows, chunk by chunk: each chunk holds whole heads with their q, k and v.
+        rows = []
+        for c in range(chunks):
+            rows += [
+                RowSource(f"{prefix}.q", c * self.heads * d, self.heads * d),
+                RowSource(f"{prefix}.k", c * self.kv_heads * d, self.kv_heads * d),
+                RowSource(f"{prefix}.v", c * self.kv_heads * d, self.kv_heads * d),
+            ]
+        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype)
+        self.qkv = ParallelLinear(
+            grid, cfg.hidden, rows, "x-in", std=std, name=f"{prefix}.qkv",
+            reduction="scatter_features" if self.own_heads else "all_reduce",
+            input_gather="tokens" if opts.seq_parallel else "none", **common,
+        )
+        self.out = ParallelLinear(
+            grid, cfg.hidden, [RowSource(f"{prefix}.o", 0, cfg.hidden)], "y-in", std=out_std, name=f"{prefix}.o",
+            input_gather="features" if self.own_heads else "none",
+            reduction="scatter_tokens" if opts.seq_parallel else "all_reduce", **common,
+        )
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(h)
+        b, s, _ = qkv.shape
+        d = self.cfg.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = q.view(b, s, self.heads, d).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, d).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
+        if self.cfg.rope:
+            q, k = rotary(q, positions, self.cfg.rope_theta), rotary(k, positions, self.cfg.rope_theta)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        return self.out(o.transpose(1, 2).reshape(b, s, self.heads * d))
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float, prefix: str):
+        super().__init__()
+        self.cfg = cfg
+        chunks = mlp_chunks(cfg, grid.size("x"), grid.size("y"))
+        own = chunks == grid.size("x") * grid.size("y")
+        f = cfg.ffn // chunks
+        if cfg.gated:  # gate and up rows of each chunk side by side
+            rows = [RowSource(f"{prefix}.{n}", c * f, f) for c in range(chunks) for n in ("gate", "up")]
+        else:
+            rows = [RowSource(f"{prefix}.fc", 0, cfg.ffn)]
+        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype)
+        self.up = ParallelLinear(
+            grid, cfg.hidden, rows, "x-in", std=std, name=f"{prefix}.up",
+            reduction="scatter_features" if own else "all_reduce",
+            input_gather="tokens" if opts.seq_parallel else "none", **common,
+        )
+        self.down = ParallelLinear(
+            grid, cfg.ffn, [RowSource(f"{prefix}.down", 0, cfg.hidden)], "y-in", std=out_std, name=f"{prefix}.down",
+            input_gather="features" if own else "none",
+            reduction="scatter_tokens" if opts.seq_parallel else "all_reduce", **common,
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = self.up(h)
+        if self.cfg.gated:
+            gate, up = u.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = F.gelu(u, approximate="tanh" if self.cfg.activation == "gelu_tanh" else "none")
+        return self.down(a)
+
+
+class ParallelBlock(nn.Module):
+    """h + attn(norm(h)), then + mlp(norm(h)): a pre-norm Llama/GPT block."""
+
+    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float = 0.02,
+                 out_std: float | None = None, prefix: str = "block"):
+        super().__init__()
+        out_std = std if out_std is None else out_std
+        norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype)
+        self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
+        self.attn = ParallelAttention(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.attn")
+        self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
+        self.mlp = ParallelMLP(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.mlp")
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), positions)
+        return h + self.mlp(self.mlp_norm(h))

@@ -1,0 +1,238 @@
+"""The 3D-parallel linear layer (tensor3d.md): weight blocks over (x, y), flattened and split over z.
+
+An "x-in" layer splits its input features K over x and output features N over y; a "y-in" layer
+the reverse. Activations are [batch/z, seq, features]. Around the GEMM, one autograd function
+carries out, in order:
+
+    forward:  [all-gather of the input over the out-dim (tokens or features)]
+              all-gather of the weight over z; GEMM;
+              all-reduce, or reduce-scatter (tokens or features), over the in-dim
+    backward: [all-gather of dY over the in-dim]; the weight again (or the kept copy);
+              dX GEMM, then its all-reduce (or reduce-scatter) over the out-dim launched async
+              and overlapped with the dW GEMM; reduce-scatter of dW over z.
+
+`RowSource` says which serial parameter each output row comes from, so fused layers (QKV,
+gate+up) are initialised and exported as the serial model's separate matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from fourfold import comm
+from fourfold.grid import Grid
+from fourfold.layout import GridError
+from fourfold.tensor import init
+
+KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}  # kind -> (dim splitting K, dim splitting N)
+SEQ_DIM, FEATURE_DIM = 1, -1
+REDUCTIONS = ("all_reduce", "scatter_tokens", "scatter_features")
+GATHERS = ("none", "tokens", "features")
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Rows [start, start + count) of the serial parameter `name`."""
+
+    name: str
+    start: int
+    count: int
+
+
+class ShardedMatrix:
+    """Where the elements of a fused [N, K] matrix live: block (N over out, K over in), flat over z."""
+
+    def __init__(self, grid: Grid, rows: Sequence[RowSource], in_features: int, kind: str, what: str):
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} must be one of {', '.join(KINDS)}")
+        self.grid, self.rows, self.kind = grid, tuple(rows), kind
+        self.in_dim, self.out_dim = KINDS[kind]
+        self.n, self.k = sum(r.count for r in rows), in_features
+        size_in, size_out = grid.size(self.in_dim), grid.size(self.out_dim)
+        if self.k % size_in or self.n % size_out:
+            raise GridError(
+                f"{what}: {self.k} input features over {self.in_dim}={size_in} and {self.n} outputs over "
+                f"{self.out_dim}={size_out} must divide evenly; choose {self.in_dim} dividing {self.k} "
+                f"and {self.out_dim} dividing {self.n}"
+            )
+        self.block_shape = (self.n // size_out, self.k // size_in)
+        self.block_numel = self.block_shape[0] * self.block_shape[1]
+        # The flat block is split over z in equal shards; the last ones are padded with zeros.
+        self.shard_numel = -(-self.block_numel // grid.size("z"))
+
+    def local_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global (row, col) in the fused matrix of the elements of this rank's shard that are not
+        padding (they come first in the shard)."""
+        c = self.grid.coords
+        start = c["z"] * self.shard_numel
+        flat = torch.arange(start, min(start + self.shard_numel, self.block_numel))
+        rows = flat // self.block_shape[1] + c[self.out_dim] * self.block_shape[0]
+        cols = flat % self.block_shape[1] + c[self.in_dim] * self.block_shape[1]
+        return rows, cols
+
+    def serial_rows(self, rows: torch.Tensor) -> list[tuple[RowSource, torch.Tensor, torch.Tensor]]:
+        """For global fused `rows`: (source, mask of the rows from it, their rows in the serial matrix)."""
+        out, start = [], 0
+        for src in self.rows:
+            mask = (rows >= start) & (rows < start + src.count)
+            if mask.any():
+                out.append((src, mask, rows[mask] - start + src.start))
+            start += src.count
+        return out
+
+    def init_shard(self, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = self.local_indices()
+        shard = torch.zeros(self.shard_numel, dtype=dtype)
+        for src, mask, serial in self.serial_rows(rows):
+            shard[: len(rows)][mask] = init.normal(seed, src.name, serial * self.k + cols[mask], std, dtype)
+        return shard
+
+    def shard_of(self, weights: dict[str, torch.Tensor], suffix: str = "") -> torch.Tensor:
+        """This rank's shard, cut from the serial matrices (name + suffix -> [rows, K])."""
+        rows, cols = self.local_indices()
+        shard = None
+        for src, mask, serial in self.serial_rows(rows):
+            values = weights[src.name + suffix][serial, cols[mask]]
+            shard = values.new_zeros(self.shard_numel) if shard is None else shard
+            shard[: len(rows)][mask] = values
+        return shard
+
+    def rows_of(self, vectors: dict[str, torch.Tensor], suffix: str = "") -> torch.Tensor:
+        """This rank's out-dim block of a fused per-row vector (a bias), from the serial vectors."""
+        n_local = self.block_shape[0]
+        rows = torch.arange(n_local) + self.grid.coords[self.out_dim] * n_local
+        out = None
+        for src, mask, serial in self.serial_rows(rows):
+            values = vectors[src.name + suffix][serial]
+            out = values.new_empty(n_local) if out is None else out
+            out[mask] = values
+        return out
+
+    def split_rows(self, fused: torch.Tensor, suffix: str = "") -> dict[str, torch.Tensor]:
+        """Cut a full fused matrix (or vector) into the serial ones it is made of."""
+        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        start = 0
+        for src in self.rows:
+            pieces.setdefault(src.name + suffix, []).append((src.start, fused[start : start + src.count]))
+            start += src.count
+        return {name: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for name, parts in pieces.items()}
+
+    def gather_block(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.unpad(comm.all_gather(shard, self.grid.group("z")))
+
+    def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The weight block from the concatenated z shards."""
+        return gathered[: self.block_numel].view(self.block_shape)
+
+    def pad(self, block: torch.Tensor) -> torch.Tensor:
+        """The flat block padded to z shards (for the reduce-scatter of its gradient)."""
+        flat = block.reshape(-1)
+        padding = self.shard_numel * self.grid.size("z") - self.block_numel
+        return torch.nn.functional.pad(flat, (0, padding)) if padding else flat
+
+    def gather_full(self, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The serial matrices this shard is part of (every rank gets them all): for export and tests."""
+        block = self.gather_block(shard)
+        rows = comm.all_gather(block, self.grid.group(self.in_dim), dim=1)
+        return self.split_rows(comm.all_gather(rows, self.grid.group(self.out_dim), dim=0))
+
+
+class _Linear3D(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard, layer: "ParallelLinear"):
+        grid, m = layer.grid, layer.matrix
+        in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
+        if layer.input_gather != "none":
+            x = comm.all_gather(x, out_group, dim=SEQ_DIM if layer.input_gather == "tokens" else x.dim() - 1)
+        weight = m.gather_block(shard)
+        y = x @ weight.t()
+        if layer.reduction == "all_reduce":
+            y = comm.all_reduce(y, in_group)
+        else:
+            y = comm.reduce_scatter(y, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else y.dim() - 1)
+        ctx.layer = layer
+        ctx.save_for_backward(x, weight if layer.keep_weight else shard)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer = ctx.layer
+        grid, m = layer.grid, layer.matrix
+        in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
+        x, saved = ctx.saved_tensors
+        if layer.reduction != "all_reduce":
+            dy = comm.all_gather(dy, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else dy.dim() - 1)
+        weight = saved if layer.keep_weight else m.gather_block(saved)
+        dx = dy @ weight
+        if layer.input_gather == "none":
+            pending = comm.all_reduce(dx, out_group, async_op=True)
+        else:
+            pending = comm.reduce_scatter(dx, out_group, dim=SEQ_DIM if layer.input_gather == "tokens" else dx.dim() - 1, async_op=True)
+        # The dW GEMM runs while the input-gradient collective is in flight.
+        dweight = dy.reshape(-1, m.block_shape[0]).t() @ x.reshape(-1, m.block_shape[1])
+        dshard = comm.reduce_scatter(m.pad(dweight), grid.group("z"))
+        return pending.wait(), dshard, None
+
+
+class ParallelLinear(nn.Module):
+    """Y = X W^T (+ b) on the 3D grid; see the module docstring for the collectives.
+
+    `reduction` over the in-dim: "all_reduce" (output replicated over it), "scatter_features"
+    (each rank keeps 1/in of the output features) or "scatter_tokens" (1/in of the sequence).
+    `input_gather` over the out-dim: "none" (input replicated), "tokens" or "features" (the input
+    holds 1/out of them and is gathered first). `keep_weight` keeps the gathered weight from
+    forward to backward instead of gathering it again.
+    """
+
+    def __init__(
+        self, grid: Grid, in_features: int, rows: Sequence[RowSource], kind: str, *, seed: int, std: float,
+        bias: bool = False, reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
+        dtype: torch.dtype = torch.float32, name: str = "linear",
+    ):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction {reduction!r} must be one of {', '.join(REDUCTIONS)}")
+        if input_gather not in GATHERS:
+            raise ValueError(f"input_gather {input_gather!r} must be one of {', '.join(GATHERS)}")
+        self.grid, self.reduction, self.input_gather, self.keep_weight = grid, reduction, input_gather, keep_weight
+        self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
+        self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
+        self.weight.grad_sum_dims = ()  # complete after the reduce-scatter over z
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.matrix.block_shape[0], dtype=dtype))  # GPT-2 starts biases at 0
+            # The bias is added after the reduction: its gradient is a sum over the local tokens
+            # (split over z, and over the in-dim when scattering tokens) and, when scattering
+            # features, only this rank's slice is filled.
+            self.bias.grad_sum_dims = ("z",) if reduction == "all_reduce" else ("z", self.matrix.in_dim)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Linear3D.apply(x, self.weight, self)
+        if self.bias is None:
+            return y
+        bias = self.bias
+        if self.reduction == "scatter_features":
+            in_group = self.grid.group(self.matrix.in_dim)
+            bias = bias.chunk(in_group.size)[in_group.rank]
+        return y + bias
+
+    def load_full(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set this rank's shards from serial tensors (as `full_weights` names them)."""
+        with torch.no_grad():
+            self.weight.copy_(self.matrix.shard_of(weights))
+            if self.bias is not None:
+                self.bias.copy_(self.matrix.rows_of(weights, ".bias"))
+
+    def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Serial weights (or their gradients), gathered from every rank; biases as NAME.bias."""
+        shard = self.weight.grad if grads else self.weight
+        out = self.matrix.gather_full(shard.detach())
+        if self.bias is not None:
+            bias = (self.bias.grad if grads else self.bias).detach()
+            out.update(self.matrix.split_rows(comm.all_gather(bias, self.grid.group(self.matrix.out_dim)), ".bias"))
+        return out

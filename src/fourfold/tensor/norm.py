@@ -1,0 +1,59 @@
+"""RMSNorm and LayerNorm over features split across x, with statistics over the full hidden size.
+
+The published implementation normalised each rank's feature slice on its own (not the serial
+model when x > 1); here the per-token sums are all-reduced over x ([tokens, 1]: negligible).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fourfold import comm
+from fourfold.grid import Grid
+from fourfold.layout import GridError
+from fourfold.tensor.regions import all_reduce_partial
+
+
+class ParallelNorm(nn.Module):
+    def __init__(self, grid: Grid, hidden: int, kind: str, eps: float, *, seq_parallel: bool, dtype: torch.dtype, name: str):
+        super().__init__()
+        if hidden % grid.size("x"):
+            raise GridError(f"{name}: hidden={hidden} is not divisible by x={grid.size('x')}; choose x dividing {hidden}")
+        self.grid, self.hidden, self.kind, self.eps, self.name = grid, hidden, kind, eps, name
+        local = hidden // grid.size("x")
+        self.weight = nn.Parameter(torch.ones(local, dtype=dtype))
+        # Tokens are split over z (and over y with sequence parallelism); without it the y ranks
+        # compute the same gradient, so it must not be summed over y.
+        sum_dims = ("z", "y") if seq_parallel else ("z",)
+        self.weight.grad_sum_dims = sum_dims
+        if kind == "layer":
+            self.bias = nn.Parameter(torch.zeros(local, dtype=dtype))
+            self.bias.grad_sum_dims = sum_dims
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x_group = self.grid.group("x")
+        if self.kind == "layer":
+            mean = all_reduce_partial(h.sum(-1, keepdim=True), x_group) / self.hidden
+            centred = h - mean
+            var = all_reduce_partial((centred * centred).sum(-1, keepdim=True), x_group) / self.hidden
+            return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        mean_square = all_reduce_partial((h * h).sum(-1, keepdim=True), x_group) / self.hidden
+        return h * torch.rsqrt(mean_square + self.eps) * self.weight
+
+    def load_full(self, weights: dict[str, torch.Tensor]) -> None:
+        x_group = self.grid.group("x")
+        with torch.no_grad():
+            for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+                if p is not None:
+                    p.copy_(weights[f"{self.name}.{suffix}"].chunk(x_group.size)[x_group.rank])
+
+    def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        out = {}
+        for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+            if p is not None:
+                t = (p.grad if grads else p).detach()
+                out[f"{self.name}.{suffix}"] = comm.all_gather(t, self.grid.group("x"))
+        return out

@@ -1,0 +1,75 @@
+"""Collectives as autograd functions: each forward op paired with the backward op it implies.
+
+Which pair is right depends on how the ranks of the group use the result:
+- `all_reduce_replicated`: the sum is used identically on every rank (the rest of the
+  computation is replicated), so the backward is the identity.
+- `all_reduce_partial`: the sum is used by different partial computations (e.g. norm statistics
+  used by each rank's feature slice), so the backward sums the gradients too.
+- `reduce_scatter` (backward all-gather) and `all_gather` (backward reduce-scatter) along a dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fourfold import comm
+from fourfold.comm import Group
+
+
+class _AllReduceReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllReducePartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.reduce_scatter(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=ctx.dim), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.all_gather(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None
+
+
+def all_reduce_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _AllReduceReplicated.apply(x, group)
+
+
+def all_reduce_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _AllReducePartial.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim % x.dim())
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _AllGather.apply(x, group, dim % x.dim())

@@ -1,0 +1,79 @@
+"""Vocabulary-parallel embedding, LM head and cross-entropy: no rank ever holds the full logits.
+
+The table [V, H] is laid out like an x-in weight (H over x, V over y, flat over z), so a tied LM
+head is the same parameter. The cross-entropy over V/y logits all-reduces three [tokens] vectors
+over y: the max, the sum of exponentials and the target's logit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold import comm
+from fourfold.comm import Group
+from fourfold.grid import Grid
+from fourfold.tensor.linear import SEQ_DIM, RowSource, ShardedMatrix
+from fourfold.tensor.regions import all_gather, all_reduce_replicated, reduce_scatter
+
+
+class ParallelEmbedding(nn.Module):
+    def __init__(self, grid: Grid, vocab: int, hidden: int, *, seed: int, std: float, seq_parallel: bool,
+                 dtype: torch.dtype, name: str = "embed"):
+        super().__init__()
+        self.grid, self.seq_parallel, self.name = grid, seq_parallel, name
+        self.matrix = ShardedMatrix(grid, [RowSource(name, 0, vocab)], hidden, "x-in", name)
+        self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
+        self.weight.grad_sum_dims = ()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""
+        y_group = self.grid.group("y")
+        rows = self.matrix.block_shape[0]
+        table = self.matrix.unpad(all_gather(self.weight, self.grid.group("z"), dim=0))
+        local = ids - y_group.rank * rows
+        inside = (local >= 0) & (local < rows)
+        partial = F.embedding(local.clamp(0, rows - 1), table) * inside.unsqueeze(-1).to(table.dtype)
+        if self.seq_parallel:
+            return reduce_scatter(partial, y_group, dim=SEQ_DIM)
+        return all_reduce_replicated(partial, y_group)
+
+    def load_full(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.weight.copy_(self.matrix.shard_of(weights))
+
+    def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        shard = self.weight.grad if grads else self.weight
+        return self.matrix.gather_full(shard.detach())
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group: Group):
+        rows = logits.shape[-1]
+        local = targets - group.rank * rows
+        inside = (local >= 0) & (local < rows)
+        local = local.clamp(0, rows - 1)
+        # The max only stabilises the exponentials; it needs no gradient.
+        top = comm.all_reduce(logits.detach().amax(-1), group, op=dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce(exp.sum(-1), group)
+        target = comm.all_reduce(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside, group)
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, inside)
+        return sum_exp.log() - target
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Per-token loss from logits [..., V/y] (vocab split over y) and global target ids [...]."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, grid.group("y"))
+

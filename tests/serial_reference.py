@@ -1,0 +1,87 @@
+"""A plain single-process transformer block: the reference every parallel layer is compared with."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fourfold.blockspec import BlockConfig
+
+
+def norm(h, w, b, kind, eps):
+    if kind == "layer":
+        return F.layer_norm(h, h.shape[-1:], w, b, eps)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(t, positions, theta):
+    d = t.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    emb = torch.cat([positions.double()[:, None] * inv_freq] * 2, dim=-1)
+    rotated = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], dim=-1)
+    return t * emb.cos().to(t.dtype) + rotated * emb.sin().to(t.dtype)
+
+
+def linear(h, w, name):
+    out = h @ w[name].T
+    return out + w[name + ".bias"] if name + ".bias" in w else out
+
+
+def attention(h, w, cfg: BlockConfig, p):
+    b, s, _ = h.shape
+    d = cfg.head_dim
+    q = linear(h, w, f"{p}.q").view(b, s, cfg.heads, d).transpose(1, 2)
+    k = linear(h, w, f"{p}.k").view(b, s, cfg.kv_heads, d).transpose(1, 2)
+    v = linear(h, w, f"{p}.v").view(b, s, cfg.kv_heads, d).transpose(1, 2)
+    if cfg.rope:
+        pos = torch.arange(s)
+        q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    rep = cfg.heads // cfg.kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    o = scores.softmax(-1) @ v
+    return linear(o.transpose(1, 2).reshape(b, s, cfg.hidden), w, f"{p}.o")
+
+
+def mlp(h, w, cfg: BlockConfig, p):
+    if cfg.gated:
+        a = F.silu(linear(h, w, f"{p}.gate")) * linear(h, w, f"{p}.up")
+    else:
+        a = F.gelu(linear(h, w, f"{p}.fc"), approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+    return linear(a, w, f"{p}.down")
+
+
+def block(h, w, cfg: BlockConfig, p="block"):
+    def n(x, name):
+        return norm(x, w[f"{p}.{name}.weight"], w.get(f"{p}.{name}.bias"), cfg.norm, cfg.eps)
+
+    h = h + attention(n(h, "attn_norm"), w, cfg, f"{p}.attn")
+    return h + mlp(n(h, "mlp_norm"), w, cfg, f"{p}.mlp")
+
+
+def random_block_weights(cfg: BlockConfig, seed: int, dtype=torch.float64, p="block"):
+    """Every weight random (norm weights near 1, biases included when the config has them)."""
+    g = torch.Generator().manual_seed(seed)
+    d = cfg.head_dim
+
+    def r(*shape, scale=0.3, centre=0.0):
+        return centre + scale * torch.randn(*shape, generator=g, dtype=dtype)
+
+    shapes = {f"{p}.attn.q": (cfg.heads * d, cfg.hidden), f"{p}.attn.k": (cfg.kv_heads * d, cfg.hidden),
+              f"{p}.attn.v": (cfg.kv_heads * d, cfg.hidden), f"{p}.attn.o": (cfg.hidden, cfg.hidden),
+              f"{p}.mlp.down": (cfg.hidden, cfg.ffn)}
+    if cfg.gated:
+        shapes.update({f"{p}.mlp.gate": (cfg.ffn, cfg.hidden), f"{p}.mlp.up": (cfg.ffn, cfg.hidden)})
+    else:
+        shapes[f"{p}.mlp.fc"] = (cfg.ffn, cfg.hidden)
+    w = {}
+    for name, shape in shapes.items():
+        w[name] = r(*shape)
+        if cfg.bias:
+            w[name + ".bias"] = r(shape[0], scale=0.1)
+    for n in ("attn_norm", "mlp_norm"):
+        w[f"{p}.{n}.weight"] = r(cfg.hidden, scale=0.1, centre=1.0)
+        if cfg.norm == "layer":
+            w[f"{p}.{n}.bias"] = r(cfg.hidden, scale=0.1)
+    return w

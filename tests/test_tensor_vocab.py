@@ -1,0 +1,85 @@
+"""Vocabulary-parallel embedding, LM head and cross-entropy against the serial ones (float64)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fourfold import comm
+from fourfold.grid import Grid
+from fourfold.layout import GridError, Layout
+from fourfold.tensor.linear import ParallelLinear, RowSource
+from fourfold.tensor.params import full_weights, load_full, sum_replicated_grads
+from fourfold.tensor.regions import all_gather
+from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
+
+VOCAB, HIDDEN, SEQ = 40, 24, 8
+GRIDS = [dict(x=1), dict(y=2), dict(x=2, y=2), dict(y=4, z=2), dict(x=2, y=2, z=2), dict(x=2, z=4), dict(y=8), dict(dp=2, y=2, z=2)]
+
+
+def _check_lm(sizes, tied, seq_parallel):
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    g = torch.Generator().manual_seed(0)
+    batch = 2 * layout.dp * layout.z
+    ids = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+    table = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    head = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    mix = torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) / HIDDEN**0.5  # so hidden features interact
+    # serial: embed, a fixed feature mix, head, mean cross-entropy over every token
+    t = table.clone().requires_grad_()
+    hd = t if tied else head.clone().requires_grad_()
+    logits = (F.embedding(ids[:, :-1], t) @ mix) @ hd.T
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    loss.backward()
+    # parallel
+    c = grid.coords
+    opts = dict(seed=0, std=0.02, dtype=torch.float64)
+    embed = ParallelEmbedding(grid, VOCAB, HIDDEN, seq_parallel=seq_parallel, **opts)
+    lm_head = ParallelLinear(grid, HIDDEN, [RowSource("lm_head", 0, VOCAB)], "x-in", name="lm_head",
+                             input_gather="tokens" if seq_parallel else "none", **opts)
+    if tied:
+        lm_head.weight = embed.weight
+    modules = torch.nn.ModuleList([embed, lm_head])
+    load_full(modules, {"embed": table, "lm_head": table if tied else head})
+    local_ids = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+    h = _mix(embed(local_ids[:, :-1]), mix, grid)
+    per_token = vocab_parallel_cross_entropy(lm_head(h), local_ids[:, 1:], grid)
+    local_loss = per_token.sum() / (batch * SEQ)
+    local_loss.backward()
+    total = comm.all_reduce(local_loss.detach().clone(), grid.group(("dp", "z")))
+    sum_replicated_grads(modules, grid)
+    for p in modules.parameters():
+        comm.all_reduce(p.grad, grid.group("dp"))
+    grads = full_weights(modules, grads=True)
+    assert abs(total.item() - loss.item()) < 1e-12 * loss.item()
+    assert (grads["embed"] - t.grad).abs().max() < 1e-10 * t.grad.abs().max()
+    if not tied:
+        assert (grads["lm_head"] - hd.grad).abs().max() < 1e-10 * hd.grad.abs().max()
+    assert per_token.shape[-1] == SEQ and lm_head(h).shape[-1] == VOCAB // layout.y  # never the full vocab
+    return True
+
+
+def _mix(h, mix, grid):
+    """Stands for the blocks: h [.., H/x] -> (h @ mix)[.., H/x], features gathered over x."""
+    x = grid.group("x")
+    full = all_gather(h, x, dim=-1) @ mix
+    return full.chunk(x.size, -1)[x.rank]
+
+
+@pytest.mark.parametrize("seq_parallel", [False, True], ids=["", "sp"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("sizes", GRIDS, ids=lambda s: ",".join(f"{k}{v}" for k, v in s.items()))
+def test_embedding_head_and_loss_match_serial(ranks, sizes, tied, seq_parallel):
+    n = Layout(**sizes).world_size
+    assert ranks.run(_check_lm, n, sizes, tied, seq_parallel) == [True] * n
+
+
+def _indivisible_vocab():
+    grid = Grid(Layout(y=3))
+    with pytest.raises(GridError, match="40 outputs over y=3 must divide evenly; choose .* y dividing 40"):
+        ParallelEmbedding(grid, VOCAB, HIDDEN, seq_parallel=False, seed=0, std=0.02, dtype=torch.float64)
+    return True
+
+
+def test_indivisible_vocabulary_names_the_fix(ranks):
+    assert ranks.run(_indivisible_vocab, 3) == [True] * 3
