@@ -16,8 +16,8 @@ def norm(h, w, b, kind, eps):
 
 def rope(t, positions, theta):
     d = t.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    emb = torch.cat([positions.double()[:, None] * inv_freq] * 2, dim=-1)
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)  # float32, as transformers does
+    emb = torch.cat([positions.float()[:, None] * inv_freq] * 2, dim=-1)
     rotated = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], dim=-1)
     return t * emb.cos().to(t.dtype) + rotated * emb.sin().to(t.dtype)
 

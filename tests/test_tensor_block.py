@@ -49,8 +49,11 @@ def _check_block(sizes: dict):
     grid = Grid(layout)
     batch = 2 * layout.dp * layout.z
     report = []
-    for cfg, seq_parallel in itertools.product(CONFIGS, (False, True)):
-        opts = TensorOptions(seq_parallel=seq_parallel, keep_weights=seq_parallel, dtype=torch.float64)
+    # (sequence parallel, non-redundant attention/MLP): fourfold's paths and the published one
+    paths = [(False, True), (True, True), (False, False)]
+    for cfg, (seq_parallel, non_redundant) in itertools.product(CONFIGS, paths):
+        opts = TensorOptions(seq_parallel=seq_parallel, keep_weights=seq_parallel, non_redundant=non_redundant,
+                             dtype=torch.float64)
         if not _allowed(cfg, layout.x, layout.y):
             with pytest.raises(GridError):
                 ParallelBlock(grid, cfg, opts, seed=0)
@@ -73,7 +76,7 @@ def _check_block(sizes: dict):
         (out * _local(upstream, grid, seq_parallel)).sum().backward()
         expected = ledger_bytes(
             block_collectives(cfg, layout.sizes, batch // (layout.dp * layout.z), SEQ, seq_parallel=seq_parallel,
-                              keep_weights=seq_parallel), layout.sizes, 8)
+                              keep_weights=seq_parallel, non_redundant=non_redundant), layout.sizes, 8)
         assert grid.ledger.bytes() == expected, (cfg, seq_parallel, grid.ledger.bytes(), expected)
         sum_replicated_grads(block, grid)
         for p in block.parameters():
@@ -104,7 +107,7 @@ def test_both_attention_paths_are_exercised(ranks):
     # (kv_heads, norm, seq_parallel, own_heads, worst error) per variant, from rank 0
     own = {r[3] for r in ranks.run(_check_block, 4, dict(x=2, y=2))[0]}
     fallback = {r[3] for r in ranks.run(_check_block, 8, dict(x=2, y=4))[0]}
-    assert own == {True} and fallback == {False}
+    assert own == {True, False} and fallback == {False}  # x2y2 runs the published path on request
 
 
 DP_GRIDS = [(x, y, z) for x, y, z in GRIDS if x * y * z <= 4]

@@ -47,10 +47,10 @@ class BlockConfig:
         return self.activation == "swiglu"
 
 
-def attention_chunks(cfg: BlockConfig, x: int, y: int) -> int:
+def attention_chunks(cfg: BlockConfig, x: int, y: int, non_redundant: bool = True) -> int:
     """Head groups over the (x, y) grid: x*y (each rank owns its heads: the non-redundant path)
     or y (the published path: attention replicated over x)."""
-    if cfg.heads % (x * y) == 0 and cfg.kv_heads % (x * y) == 0:
+    if non_redundant and cfg.heads % (x * y) == 0 and cfg.kv_heads % (x * y) == 0:
         return x * y
     if cfg.heads % y == 0 and cfg.kv_heads % y == 0:
         return y
@@ -60,9 +60,9 @@ def attention_chunks(cfg: BlockConfig, x: int, y: int) -> int:
     )
 
 
-def mlp_chunks(cfg: BlockConfig, x: int, y: int) -> int:
+def mlp_chunks(cfg: BlockConfig, x: int, y: int, non_redundant: bool = True) -> int:
     """FFN feature groups: x*y when they divide the FFN size, else y (activation replicated over x)."""
-    if cfg.ffn % (x * y) == 0:
+    if non_redundant and cfg.ffn % (x * y) == 0:
         return x * y
     if cfg.ffn % y == 0:
         return y

@@ -84,15 +84,15 @@ def norm_collectives(sizes: dict, kind: str, tokens: int) -> list[Collective]:
 
 
 def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
-                      keep_weights: bool = False) -> list[Collective]:
+                      keep_weights: bool = False, non_redundant: bool = True) -> list[Collective]:
     """One `ParallelBlock` forward and backward on `batch` local sequences of `seq` tokens."""
     x, y = sizes["x"], sizes["y"]
     tokens = batch * seq
     stream = tokens // y if seq_parallel else tokens  # tokens of the residual stream on this rank
     out_reduction = "scatter_tokens" if seq_parallel else "all_reduce"
     in_gather = "tokens" if seq_parallel else "none"
-    own_heads = attention_chunks(cfg, x, y) == x * y
-    own_ffn = mlp_chunks(cfg, x, y) == x * y
+    own_heads = attention_chunks(cfg, x, y, non_redundant) == x * y
+    own_ffn = mlp_chunks(cfg, x, y, non_redundant) == x * y
     qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     up_rows = 2 * cfg.ffn if cfg.gated else cfg.ffn
     kw = dict(keep_weight=keep_weights)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fourfold.blockspec import BlockConfig, attention_chunks, mlp_chunks
 from fourfold.grid import Grid
@@ -25,14 +26,18 @@ from fourfold.tensor.norm import ParallelNorm
 class TensorOptions:
     seq_parallel: bool = False  # residual stream, norms on seq/y tokens (Megatron-SP generalised)
     keep_weights: bool = False  # keep each gathered weight from forward to backward
+    non_redundant: bool = True  # False: the published all-reduce path, attention/MLP replicated over x
     dtype: torch.dtype = torch.float32
 
 
 def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] at the given positions [seq]."""
+    """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] at the given positions [seq].
+
+    The angles are computed in float32 whatever the model's dtype, exactly as Hugging Face does,
+    so that float64 runs match transformers to rounding."""
     d = q.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
     half = d // 2
@@ -41,10 +46,11 @@ def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float, prefix: str):
+    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float,
+                 prefix: str, recompute_core: bool = False):
         super().__init__()
-        self.cfg = cfg
-        chunks = attention_chunks(cfg, grid.size("x"), grid.size("y"))
+        self.cfg, self.recompute_core = cfg, recompute_core
+        chunks = attention_chunks(cfg, grid.size("x"), grid.size("y"), opts.non_redundant)
         self.own_heads = chunks == grid.size("x") * grid.size("y")
         d = cfg.head_dim
         self.heads, self.kv_heads = cfg.heads // chunks, cfg.kv_heads // chunks
@@ -68,8 +74,8 @@ class ParallelAttention(nn.Module):
             reduction="scatter_tokens" if opts.seq_parallel else "all_reduce", **common,
         )
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(h)
+    def core(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]."""
         b, s, _ = qkv.shape
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
@@ -79,14 +85,20 @@ class ParallelAttention(nn.Module):
         if self.cfg.rope:
             q, k = rotary(q, positions, self.cfg.rope_theta), rotary(k, positions, self.cfg.rope_theta)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
-        return self.out(o.transpose(1, 2).reshape(b, s, self.heads * d))
+        return o.transpose(1, 2).reshape(b, s, self.heads * d)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(h)
+        if self.recompute_core:  # selective recompute: keep only qkv, redo attention in backward
+            return self.out(checkpoint(self.core, qkv, positions, use_reentrant=False))
+        return self.out(self.core(qkv, positions))
 
 
 class ParallelMLP(nn.Module):
     def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float, prefix: str):
         super().__init__()
         self.cfg = cfg
-        chunks = mlp_chunks(cfg, grid.size("x"), grid.size("y"))
+        chunks = mlp_chunks(cfg, grid.size("x"), grid.size("y"), opts.non_redundant)
         own = chunks == grid.size("x") * grid.size("y")
         f = cfg.ffn // chunks
         if cfg.gated:  # gate and up rows of each chunk side by side
@@ -119,12 +131,13 @@ class ParallelBlock(nn.Module):
     """h + attn(norm(h)), then + mlp(norm(h)): a pre-norm Llama/GPT block."""
 
     def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float = 0.02,
-                 out_std: float | None = None, prefix: str = "block"):
+                 out_std: float | None = None, prefix: str = "block", recompute_attention: bool = False):
         super().__init__()
         out_std = std if out_std is None else out_std
         norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype)
         self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
-        self.attn = ParallelAttention(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.attn")
+        self.attn = ParallelAttention(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.attn",
+                                      recompute_core=recompute_attention)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
         self.mlp = ParallelMLP(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.mlp")
 

@@ -91,26 +91,28 @@ class ShardedMatrix:
             shard[: len(rows)][mask] = init.normal(seed, src.name, serial * self.k + cols[mask], std, dtype)
         return shard
 
-    def shard_of(self, weights: dict[str, torch.Tensor], suffix: str = "") -> torch.Tensor:
-        """This rank's shard, cut from the serial matrices (name + suffix -> [rows, K])."""
-        rows, cols = self.local_indices()
-        shard = None
-        for src, mask, serial in self.serial_rows(rows):
-            values = weights[src.name + suffix][serial, cols[mask]]
-            shard = values.new_zeros(self.shard_numel) if shard is None else shard
-            shard[: len(rows)][mask] = values
-        return shard
+    def read_shard(self, read) -> torch.Tensor:
+        """This rank's shard, reading only its block of the serial matrices (see params.Read)."""
+        n_local, k_local = self.block_shape
+        first = self.grid.coords[self.out_dim] * n_local
+        cols = slice(self.grid.coords[self.in_dim] * k_local, (self.grid.coords[self.in_dim] + 1) * k_local)
+        block = torch.cat(self._read_rows(read, first, n_local, cols, ""))
+        start = self.grid.coords["z"] * self.shard_numel
+        return self.pad(block)[start : start + self.shard_numel].clone()
 
-    def rows_of(self, vectors: dict[str, torch.Tensor], suffix: str = "") -> torch.Tensor:
-        """This rank's out-dim block of a fused per-row vector (a bias), from the serial vectors."""
+    def read_bias(self, read) -> torch.Tensor:
         n_local = self.block_shape[0]
-        rows = torch.arange(n_local) + self.grid.coords[self.out_dim] * n_local
-        out = None
-        for src, mask, serial in self.serial_rows(rows):
-            values = vectors[src.name + suffix][serial]
-            out = values.new_empty(n_local) if out is None else out
-            out[mask] = values
-        return out
+        return torch.cat(self._read_rows(read, self.grid.coords[self.out_dim] * n_local, n_local, None, ".bias"))
+
+    def _read_rows(self, read, first: int, count: int, cols: slice | None, suffix: str) -> list[torch.Tensor]:
+        """Fused rows [first, first + count), read from the serial tensors they come from."""
+        pieces, start = [], 0
+        for src in self.rows:
+            lo, hi = max(start, first), min(start + src.count, first + count)
+            if lo < hi:
+                pieces.append(read(src.name + suffix, slice(lo - start + src.start, hi - start + src.start), cols))
+            start += src.count
+        return pieces
 
     def split_rows(self, fused: torch.Tensor, suffix: str = "") -> dict[str, torch.Tensor]:
         """Cut a full fused matrix (or vector) into the serial ones it is made of."""
@@ -221,12 +223,12 @@ class ParallelLinear(nn.Module):
             bias = bias.chunk(in_group.size)[in_group.rank]
         return y + bias
 
-    def load_full(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set this rank's shards from serial tensors (as `full_weights` names them)."""
+    def load(self, read) -> None:
+        """Set this rank's shards from serial tensors (see params.Read)."""
         with torch.no_grad():
-            self.weight.copy_(self.matrix.shard_of(weights))
+            self.weight.copy_(self.matrix.read_shard(read))
             if self.bias is not None:
-                self.bias.copy_(self.matrix.rows_of(weights, ".bias"))
+                self.bias.copy_(self.matrix.read_bias(read))
 
     def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Serial weights (or their gradients), gathered from every rank; biases as NAME.bias."""

@@ -43,12 +43,13 @@ class ParallelNorm(nn.Module):
         mean_square = all_reduce_partial((h * h).sum(-1, keepdim=True), x_group) / self.hidden
         return h * torch.rsqrt(mean_square + self.eps) * self.weight
 
-    def load_full(self, weights: dict[str, torch.Tensor]) -> None:
-        x_group = self.grid.group("x")
+    def load(self, read) -> None:
+        local = self.weight.numel()
+        features = slice(self.grid.coords["x"] * local, (self.grid.coords["x"] + 1) * local)
         with torch.no_grad():
             for suffix, p in (("weight", self.weight), ("bias", self.bias)):
                 if p is not None:
-                    p.copy_(weights[f"{self.name}.{suffix}"].chunk(x_group.size)[x_group.rank])
+                    p.copy_(read(f"{self.name}.{suffix}", features, None))
 
     def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
         out = {}

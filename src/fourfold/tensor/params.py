@@ -1,11 +1,57 @@
-"""What a 3D-parallel module's parameters need beyond their own layers' collectives."""
+"""Whole-module helpers for 3D-parallel layers: loading, gathering, replicated gradients.
+
+Loading goes through a `Read`: a function giving a slice of a *serial* tensor by fourfold's name,
+`read(name, rows, cols)` (cols is None for vectors). Each layer asks only for the block it owns.
+"""
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
+import torch
 from torch import nn
 
 from fourfold import comm
 from fourfold.grid import Grid
+
+Read = Callable[[str, slice, "slice | None"], torch.Tensor]
+
+
+def dict_reader(weights: dict[str, torch.Tensor]) -> Read:
+    """A `Read` over serial tensors held in memory."""
+
+    def read(name: str, rows: slice, cols: slice | None) -> torch.Tensor:
+        t = weights[name]
+        return t[rows] if cols is None else t[rows, cols]
+
+    return read
+
+
+def _parallel_layers(module: nn.Module) -> Iterator[nn.Module]:
+    """The layers that own parallel parameters (each once, tied ones too)."""
+    seen = set()
+    for layer in module.modules():
+        if layer is not module and hasattr(layer, "full_weights") and id(layer) not in seen:
+            seen.add(id(layer))
+            yield layer
+
+
+def load(module: nn.Module, read: Read) -> None:
+    """Set every parallel layer of `module` from serial tensors."""
+    for layer in _parallel_layers(module):
+        layer.load(read)
+
+
+def load_full(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    load(module, dict_reader(weights))
+
+
+def full_weights(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Serial name -> full tensor (or gradient), gathered onto every rank."""
+    out = {}
+    for layer in _parallel_layers(module):
+        out.update(layer.full_weights(grads))
+    return out
 
 
 def sum_replicated_grads(module: nn.Module, grid: Grid) -> None:
@@ -14,19 +60,3 @@ def sum_replicated_grads(module: nn.Module, grid: Grid) -> None:
     for p in module.parameters():
         if p.grad is not None and p.grad_sum_dims:
             comm.all_reduce(p.grad, grid.group(p.grad_sum_dims))
-
-
-def full_weights(module: nn.Module, grads: bool = False) -> dict:
-    """Serial name -> full tensor (or gradient) for every parallel layer in `module`."""
-    out = {}
-    for layer in module.modules():
-        if layer is not module and hasattr(layer, "full_weights"):
-            out.update(layer.full_weights(grads))
-    return out
-
-
-def load_full(module: nn.Module, weights: dict) -> None:
-    """Set every parallel layer of `module` from serial tensors named as `full_weights` names them."""
-    for layer in module.modules():
-        if layer is not module and hasattr(layer, "load_full"):
-            layer.load_full(weights)

@@ -40,9 +40,9 @@ class ParallelEmbedding(nn.Module):
             return reduce_scatter(partial, y_group, dim=SEQ_DIM)
         return all_reduce_replicated(partial, y_group)
 
-    def load_full(self, weights: dict[str, torch.Tensor]) -> None:
+    def load(self, read) -> None:
         with torch.no_grad():
-            self.weight.copy_(self.matrix.shard_of(weights))
+            self.weight.copy_(self.matrix.read_shard(read))
 
     def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
         shard = self.weight.grad if grads else self.weight

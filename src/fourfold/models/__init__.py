@@ -1,0 +1,1 @@
+"""Llama and GPT assembled from the 3D-parallel layers, with Hugging Face import/export."""

@@ -1,0 +1,156 @@
+"""Hugging Face checkpoints (config.json + safetensors, as `save_pretrained` writes them): import
+into any grid, each rank reading only the blocks it owns, and export back.
+
+Every loader asks a `Reader` for a slice of a *serial* tensor by fourfold's name; the reader
+maps the name to the checkpoint's tensor (transposing GPT-2's Conv1D weights, cutting its fused
+c_attn) and reads just that slice through safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from fourfold.models.config import ModelConfig
+from fourfold.tensor.params import Read, full_weights, load
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message says what differs."""
+
+
+def llama_names(cfg: ModelConfig) -> dict[str, str]:
+    names = {"embed": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tied:
+        names["lm_head"] = "lm_head.weight"
+    for i in range(cfg.layers):
+        p, h = f"layers.{i}", f"model.layers.{i}"
+        for n in "qkvo":
+            names[f"{p}.attn.{n}"] = f"{h}.self_attn.{n}_proj.weight"
+        for n in ("gate", "up", "down"):
+            names[f"{p}.mlp.{n}"] = f"{h}.mlp.{n}_proj.weight"
+        names[f"{p}.attn_norm.weight"] = f"{h}.input_layernorm.weight"
+        names[f"{p}.mlp_norm.weight"] = f"{h}.post_attention_layernorm.weight"
+    return names
+
+
+def gpt2_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, bool]]:
+    """fourfold name -> (checkpoint name, column offset in the Conv1D weight, transposed)."""
+    out = {"embed": ("transformer.wte.weight", 0, False), "positions": ("transformer.wpe.weight", 0, False)}
+    if not cfg.tied:
+        out["lm_head"] = ("lm_head.weight", 0, False)
+    for suffix in ("weight", "bias"):
+        out[f"norm.{suffix}"] = (f"transformer.ln_f.{suffix}", 0, False)
+    for i in range(cfg.layers):
+        p, h = f"layers.{i}", f"transformer.h.{i}"
+        for j, n in enumerate("qkv"):
+            out[f"{p}.attn.{n}"] = (f"{h}.attn.c_attn.weight", j * cfg.hidden, True)
+            out[f"{p}.attn.{n}.bias"] = (f"{h}.attn.c_attn.bias", j * cfg.hidden, True)
+        for ours, theirs in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
+            out[f"{p}.{ours}"] = (f"{h}.{theirs}.weight", 0, True)
+            out[f"{p}.{ours}.bias"] = (f"{h}.{theirs}.bias", 0, True)
+        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            for suffix in ("weight", "bias"):
+                out[f"{p}.{ours}.{suffix}"] = (f"{h}.{theirs}.{suffix}", 0, False)
+    return out
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: directory / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{directory} has neither model.safetensors nor model.safetensors.index.json; "
+                              "save the model with save_pretrained(..., safe_serialization=True)")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> Read:
+    """A `Read` over a Hugging Face checkpoint directory; checks names and shapes as it reads."""
+    directory = Path(directory)
+    files = _tensor_files(directory)
+    handles: dict[Path, object] = {}
+
+    def sliced(name: str):
+        if name not in files:
+            raise CheckpointError(f"{directory} has no tensor {name!r}: the checkpoint does not match config "
+                                  f"({cfg.family}, {cfg.layers} layers, tied={cfg.tied})")
+        path = files[name]
+        if path not in handles:
+            handles[path] = safe_open(path, "pt")
+        return handles[path].get_slice(name)
+
+    if cfg.family == "llama":
+        names = llama_names(cfg)
+
+        def read(name, rows, cols):
+            t = sliced(names[name])
+            return (t[rows] if cols is None else t[rows, cols]).to(dtype)
+    else:
+        layout = gpt2_layout(cfg)
+
+        def read(name, rows, cols):
+            hf, offset, conv1d = layout[name]
+            t = sliced(hf)
+            if not conv1d:
+                return (t[rows] if cols is None else t[rows, cols]).to(dtype)
+            shifted = slice(rows.start + offset, rows.stop + offset)
+            return (t[shifted] if cols is None else t[cols, shifted].T).to(dtype)
+
+    return read
+
+
+def _check_config(directory: Path, cfg: ModelConfig) -> None:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json; pass the directory save_pretrained wrote")
+    theirs = ModelConfig.from_hf(json.loads(path.read_text()))
+    if theirs != cfg:
+        diffs = [f"{k}: checkpoint {getattr(theirs, k)} vs model {getattr(cfg, k)}"
+                 for k in cfg.__dataclass_fields__ if getattr(theirs, k) != getattr(cfg, k)]
+        raise CheckpointError(f"checkpoint {directory} does not match the model config: {'; '.join(diffs)}")
+
+
+def load_hf(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Fill a fourfold `Transformer` (on any grid) from a Hugging Face checkpoint directory."""
+    directory = Path(directory)
+    _check_config(directory, model.cfg)
+    dtype = next(model.parameters()).dtype
+    load(model, checkpoint_reader(directory, model.cfg, dtype))
+
+
+def to_hf_tensors(cfg: ModelConfig, serial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fourfold's serial tensors under the checkpoint's names (and layouts)."""
+    if cfg.family == "llama":
+        return {hf: serial[ours].contiguous() for ours, hf in llama_names(cfg).items()}
+    out: dict[str, list] = {}
+    for ours, (hf, offset, conv1d) in gpt2_layout(cfg).items():
+        t = serial[ours]
+        out.setdefault(hf, []).append((offset, t.T if conv1d and t.dim() == 2 else t))
+    fused = {}
+    for hf, parts in out.items():
+        parts = [t for _, t in sorted(parts, key=lambda p: p[0])]
+        fused[hf] = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).contiguous()
+    return fused
+
+
+def save_hf(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Write config.json and model.safetensors as save_pretrained does (rank 0 writes; all ranks
+    take part in gathering). Writes to a temporary name first, so a failed save leaves no half file."""
+    serial = full_weights(model)
+    if model.grid.rank != 0:
+        return
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf_tensors(model.cfg, serial)
+    tmp = directory / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=1))

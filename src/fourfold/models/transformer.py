@@ -1,0 +1,101 @@
+"""A decoder-only language model (Llama or GPT-2 family) built only from the 3D-parallel layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fourfold import comm
+from fourfold.grid import Grid
+from fourfold.models.config import ModelConfig
+from fourfold.tensor import init
+from fourfold.tensor.block import ParallelBlock, TensorOptions
+from fourfold.tensor.linear import ParallelLinear, RowSource
+from fourfold.tensor.norm import ParallelNorm
+from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class PositionEmbedding(nn.Module):
+    """GPT-2's learned positions [max_positions, hidden], features split over x (small: not z-sharded)."""
+
+    def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions, seed: int, std: float):
+        super().__init__()
+        self.grid, x = grid, grid.group("x")
+        local = cfg.hidden // x.size
+        rows = torch.arange(cfg.max_positions)[:, None]
+        cols = torch.arange(local)[None, :] + x.rank * local
+        self.weight = nn.Parameter(init.normal(seed, "positions", rows * cfg.hidden + cols, std, opts.dtype))
+        self.weight.grad_sum_dims = ("z", "y") if opts.seq_parallel else ("z",)
+        self.seq_parallel = opts.seq_parallel
+
+    def forward(self, seq: int) -> torch.Tensor:
+        table = self.weight[:seq]
+        if self.seq_parallel:
+            y = self.grid.group("y")
+            table = table.chunk(y.size)[y.rank]
+        return table
+
+    def load(self, read) -> None:
+        local = self.weight.shape[1]
+        features = slice(self.grid.coords["x"] * local, (self.grid.coords["x"] + 1) * local)
+        with torch.no_grad():
+            self.weight.copy_(read("positions", slice(0, self.weight.shape[0]), features))
+
+    def full_weights(self, grads: bool = False) -> dict:
+        t = (self.weight.grad if grads else self.weight).detach()
+        return {"positions": comm.all_gather(t, self.grid.group("x"), dim=1)}
+
+
+class Transformer(nn.Module):
+    """ids [batch/z, seq] -> per-token loss [batch/z, seq]; the full logits never exist on a rank.
+
+    Serial parameter names (what `params.full_weights` and `params.load` use): embed, positions (GPT-2),
+    layers.{i}.attn.{q,k,v,o}, layers.{i}.mlp.{gate,up,down | fc,down}, layers.{i}.{attn,mlp}_norm.weight
+    (and .bias), norm.weight (.bias), lm_head (untied), biases as NAME.bias.
+    """
+
+    def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions = TensorOptions(), *, seed: int = 0,
+                 std: float = 0.02, recompute: str = "none"):
+        super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {recompute!r} must be one of {', '.join(RECOMPUTE)}")
+        self.grid, self.cfg, self.opts, self.recompute = grid, cfg, opts, recompute
+        block = cfg.block
+        out_std = std / (2 * cfg.layers) ** 0.5  # GPT-2's scaled init of the residual projections
+        self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std, seq_parallel=opts.seq_parallel,
+                                       dtype=opts.dtype)
+        self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family == "gpt2" else None
+        self.layers = nn.ModuleList(
+            ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
+                          recompute_attention=recompute == "selective")
+            for i in range(cfg.layers)
+        )
+        self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
+                                 dtype=opts.dtype, name="norm")
+        self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed, std=std,
+                                      input_gather="tokens" if opts.seq_parallel else "none", dtype=opts.dtype,
+                                      name="lm_head")
+        if cfg.tied:
+            self.lm_head.weight = self.embed.weight
+            self.lm_head.matrix = self.embed.matrix
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel logits [batch/z, seq, vocab/y] (replicated over x)."""
+        seq = ids.shape[1]
+        h = self.embed(ids)
+        if self.positions is not None:
+            h = h + self.positions(seq)
+        positions = torch.arange(seq, device=ids.device)
+        for layer in self.layers:
+            if self.recompute == "full":
+                h = checkpoint(layer, h, positions, use_reentrant=False)
+            else:
+                h = layer(h, positions)
+        return self.lm_head(self.norm(h))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy [batch/z, seq] of `targets` given `ids` (global token ids)."""
+        return vocab_parallel_cross_entropy(self.logits(ids), targets, self.grid)

@@ -1,0 +1,184 @@
+"""Llama and GPT-2 on the 3D grid against Hugging Face transformers, with import and export."""
+
+import json
+
+import pytest
+import torch
+
+from fourfold import comm
+from fourfold.grid import Grid
+from fourfold.layout import GridError, Layout
+from fourfold.models.config import ModelConfig, load_config, preset_names
+from fourfold.models.hf import CheckpointError, load_hf, save_hf, to_hf_tensors
+from fourfold.models.transformer import Transformer
+from fourfold.tensor.block import TensorOptions
+from fourfold.tensor.params import full_weights, sum_replicated_grads
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ = 8, 16
+HF_CONFIGS = {
+    "llama-gqa": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, intermediate_size=128, vocab_size=128, tie_word_embeddings=False),
+    "llama-mha-tied": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=8, intermediate_size=96, vocab_size=128, tie_word_embeddings=True),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=32),
+}
+GRIDS_8 = [dict(x=x, y=y, z=8 // (x * y)) for x in (1, 2, 4, 8) for y in (1, 2, 4, 8) if 8 % (x * y) == 0]
+GRIDS_DP = [dict(dp=2, x=2, y=2), dict(dp=2, y=2, z=2), dict(dp=2, x=4)]
+
+
+def _hf_model(name, dtype):
+    cfg = transformers.AutoConfig.for_model(**HF_CONFIGS[name])
+    torch.manual_seed(0)
+    # sdpa: the eager path takes the softmax in float32, which would cap a float64 reference
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype).eval()  # no dropout
+    with torch.no_grad():  # make every parameter (norms and biases too) non-trivial
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _rms_norm_in_input_dtype(self, h):
+    # transformers' LlamaRMSNorm computes in float32 whatever the input: a float64 reference
+    # would be float32-accurate. This is the same formula in the input's dtype.
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """A saved random model and transformers' loss, logits and gradients on a fixed batch (float64)."""
+    name = request.param
+    model = _hf_model(name, torch.float64)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        logits = model(input_ids=ids[:, :-1]).logits
+    # every position scored (transformers' own loss would drop the last one)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    return name, str(path), ids, loss.item(), logits.detach(), grads
+
+
+def _compare(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, tol, recompute="none", seq_parallel=False):
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    cfg = load_config(path)
+    model = Transformer(grid, cfg, TensorOptions(dtype=dtype, seq_parallel=seq_parallel), recompute=recompute)
+    load_hf(model, path)
+    c = grid.coords
+    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+    logits = model.logits(local[:, :-1])
+    per_token = model(local[:, :-1], local[:, 1:])
+    (per_token.sum() / ids[:, 1:].numel()).backward()
+    sum_replicated_grads(model, grid)
+    for p in model.parameters():
+        comm.all_reduce(p.grad, grid.group("dp"))
+    total = comm.all_reduce(per_token.detach().sum(), grid.group(("dp", "z"))) / ids[:, 1:].numel()
+    full_logits = comm.all_gather(logits.detach(), grid.group("y"), dim=-1)
+    ref_local = logits_ref.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+    errors = {"loss": abs(total.item() - loss_ref) / loss_ref,
+              "logits": ((full_logits - ref_local.to(dtype)).abs().max() / ref_local.abs().max()).item()}
+    grads = to_hf_tensors(cfg, full_weights(model, grads=True))
+    for name, ref in grads_ref.items():
+        ref = ref.to(dtype)
+        errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max()).item()
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < tol, (sizes, worst, errors[worst])
+    return errors[worst]
+
+
+def _allowed(name, sizes):
+    hf = HF_CONFIGS[name]
+    heads = hf.get("num_attention_heads", hf.get("n_head"))
+    kv = hf.get("num_key_value_heads", heads)
+    return kv % sizes.get("y", 1) == 0 and heads % sizes.get("y", 1) == 0
+
+
+def test_llama_and_gpt2_equal_transformers_on_every_8_rank_grid(ranks, checkpoint):
+    name, path, ids, loss, logits, grads = checkpoint
+    checked = 0
+    for sizes in GRIDS_8 + GRIDS_DP:
+        n = Layout(**sizes).world_size
+        if not _allowed(name, sizes):
+            continue
+        ranks.run(_compare, n, path, sizes, ids, loss, logits, grads, torch.float64, 1e-10)
+        checked += 1
+    assert checked >= 8
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_and_sequence_parallel_change_nothing(ranks, checkpoint, recompute):
+    name, path, ids, loss, logits, grads = checkpoint
+    ranks.run(_compare, 8, path, dict(x=2, y=2, z=2), ids, loss, logits, grads, torch.float64, 1e-10, recompute, True)
+
+
+def test_float32_within_1e5(ranks, checkpoint):
+    name, path, ids, loss, logits, grads = checkpoint
+    ranks.run(_compare, 8, path, dict(x=2, y=2, z=2), ids, loss, logits, grads, torch.float32, 1e-5)
+
+
+def _export(src, dst, sizes):
+    grid = Grid(Layout(**sizes))
+    model = Transformer(grid, load_config(src), TensorOptions(dtype=torch.float64))
+    load_hf(model, src)
+    save_hf(model, dst)
+    return True
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, y=2, z=2), dict(y=2, z=4)])
+def test_round_trip_gives_identical_tensors(ranks, checkpoint, tmp_path, sizes):
+    name, path, *_ = checkpoint
+    ranks.run(_export, 8, path, str(tmp_path / "out"), sizes)
+    original = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float64)
+    a, b = original.state_dict(), exported.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _mismatch(path):
+    grid = Grid(Layout(x=2))
+    cfg = load_config(path)
+    wrong = ModelConfig(**{**cfg.__dict__, "layers": cfg.layers + 1})
+    with pytest.raises(CheckpointError, match=r"does not match the model config: layers: checkpoint 2 vs model 3"):
+        load_hf(Transformer(grid, wrong), path)
+    return True
+
+
+def test_config_mismatch_is_a_clear_error(ranks, checkpoint):
+    assert ranks.run(_mismatch, 2, checkpoint[1]) == [True, True]
+
+
+def test_presets_read_as_hf_configs():
+    names = preset_names()
+    for n in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
+              "gpt-5b", "gpt-80b", "gpt-640b", "gpt-3-175b", "tiny-llama", "tiny-gpt"):
+        assert n in names
+    assert round(load_config("llama-3.1-8b").parameter_count() / 1e9, 2) == 8.03
+    assert round(load_config("llama-3.1-405b").parameter_count() / 1e9, 1) == 405.9
+    assert round(load_config("gpt-3-175b").parameter_count() / 1e9, 1) == 174.6
+    with pytest.raises(ValueError, match="neither a config.json nor a preset; presets: gpt-10b"):
+        load_config("no-such-model")
+
+
+def test_parameter_count_matches_transformers():
+    for name in HF_CONFIGS:
+        model = _hf_model(name, torch.float32)
+        cfg = ModelConfig.from_hf(json.loads(model.config.to_json_string()))
+        assert cfg.parameter_count() == sum(p.numel() for p in model.parameters())
+
+
+def _indivisible_heads():
+    grid = Grid(Layout(y=8))
+    with pytest.raises(GridError, match="y=8 must divide heads=8 and kv_heads=4"):
+        Transformer(grid, ModelConfig.from_hf(HF_CONFIGS["llama-gqa"]))
+    return True
+
+
+def test_indivisible_heads_name_the_fix(ranks):
+    assert all(ranks.run(_indivisible_heads, 8))
