@@ -13,6 +13,7 @@ from fourfold.models.hf import CheckpointError, load_hf, save_hf, to_hf_tensors
 from fourfold.models.transformer import Transformer
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import full_weights, sum_replicated_grads
+from fourfold.volumes import ledger_bytes, model_collectives
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,8 +73,11 @@ def _compare(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, tol, reco
     c = grid.coords
     local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
     logits = model.logits(local[:, :-1])
+    grid.ledger.reset()
     per_token = model(local[:, :-1], local[:, 1:])
     (per_token.sum() / ids[:, 1:].numel()).backward()
+    expected = model_collectives(cfg, layout.sizes, len(local), SEQ, seq_parallel=seq_parallel, recompute=recompute)
+    assert grid.ledger.bytes() == ledger_bytes(expected, layout.sizes, torch.finfo(dtype).bits // 8)
     sum_replicated_grads(model, grid)
     for p in model.parameters():
         comm.all_reduce(p.grad, grid.group("dp"))
@@ -182,3 +186,28 @@ def _indivisible_heads():
 
 def test_indivisible_heads_name_the_fix(ranks):
     assert all(ranks.run(_indivisible_heads, 8))
+
+
+def test_eval_command_gives_transformers_loss(checkpoint, tmp_path):
+    """`fourfold eval` end to end: torchrun on 4 CPU ranks, against transformers on the same windows."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    name, path, *_ = checkpoint
+    tokens = np.random.default_rng(0).integers(0, 128, size=16 * 10 + 5).astype(np.int32)  # 10 windows, 1 padded
+    np.save(tmp_path / "tokens.npy", tokens)
+    cmd = [sys.executable, "-m", "fourfold.cli", "eval", "--hf", path, "--tokens", str(tmp_path / "tokens.npy"),
+           "--seq", "16", "--grid", "x=2,z=2", "--dtype", "float64", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64, attn_implementation="sdpa")
+    ids = torch.from_numpy(tokens.astype(np.int64))[torch.arange(10)[:, None] * 16 + torch.arange(17)]
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        logits = model(input_ids=ids[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1)).item()
+    assert result["tokens"] == 160
+    assert abs(result["loss"] - expected) < 1e-10 * expected

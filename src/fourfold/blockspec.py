@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from fourfold.layout import GridError
 
 NORMS = ("rms", "layer")
+# A linear layer's kind -> (grid dim splitting its input features K, dim splitting its outputs N).
+LINEAR_KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from fourfold.blockspec import BlockConfig, attention_chunks, mlp_chunks
+from fourfold.blockspec import LINEAR_KINDS, BlockConfig, attention_chunks, mlp_chunks
+from fourfold.models.config import ModelConfig
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
@@ -39,10 +40,8 @@ def bytes_sent(op: str, group_size: int, message_bytes: int) -> Fraction:
 
 
 # ----- the collectives of 3D tensor-parallel layers (fourfold.tensor), per rank ---------------
-# Each function lists, in the order the runtime issues them, the collectives of one forward and
-# backward pass: (group, op, elements of the full message). Groups of one rank are left out.
-
-_LINEAR_DIMS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
+# Each function gives the collectives of one forward pass and of one backward pass, as
+# (group, op, elements of the full message), groups of one rank left out.
 
 
 @dataclass(frozen=True)
@@ -52,40 +51,56 @@ class Collective:
     numel: int
 
 
-def _keep(sizes: dict, items: list[Collective]) -> list[Collective]:
-    return [c for c in items if sizes[c.group] > 1]
+@dataclass(frozen=True)
+class Passes:
+    forward: list[Collective]
+    backward: list[Collective]
+
+    def __add__(self, other: "Passes") -> "Passes":
+        return Passes(self.forward + other.forward, self.backward + other.backward)
+
+    def __mul__(self, times: int) -> "Passes":
+        return Passes(self.forward * times, self.backward * times)
+
+    def all(self) -> list[Collective]:
+        return self.forward + self.backward
 
 
-def linear_collectives(sizes: dict, kind: str, in_features: int, out_features: int, tokens: int, *,
-                       reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False) -> list[Collective]:
+def _passes(sizes: dict, forward: list[Collective], backward: list[Collective]) -> Passes:
+    return Passes([c for c in forward if sizes[c.group] > 1], [c for c in backward if sizes[c.group] > 1])
+
+
+def padded_block(sizes: dict, rows: int, cols: int) -> int:
+    """Elements of a weight block once padded to equal z shards (what the z collectives move)."""
+    return -(-rows * cols // sizes["z"]) * sizes["z"]
+
+
+def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, tokens: int, *,
+                  reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False) -> Passes:
     """A `ParallelLinear` on `tokens` local tokens (after any gather of its input)."""
-    i, o = _LINEAR_DIMS[kind]
+    i, o = LINEAR_KINDS[kind]
     k_local, n_local = in_features // sizes[i], out_features // sizes[o]
-    block = -(-k_local * n_local // sizes["z"]) * sizes["z"]  # padded to equal z shards
-    c = []
-    if input_gather != "none":
-        c.append(Collective(o, "all_gather", tokens * k_local))
-    c.append(Collective("z", "all_gather", block))
-    c.append(Collective(i, "all_reduce" if reduction == "all_reduce" else "reduce_scatter", tokens * n_local))
-    # backward
-    if reduction != "all_reduce":
-        c.append(Collective(i, "all_gather", tokens * n_local))
-    if not keep_weight:
-        c.append(Collective("z", "all_gather", block))
-    c.append(Collective(o, "all_reduce" if input_gather == "none" else "reduce_scatter", tokens * k_local))
-    c.append(Collective("z", "reduce_scatter", block))
-    return _keep(sizes, c)
+    block = padded_block(sizes, n_local, k_local)
+    scatter = reduction != "all_reduce"
+    forward = [Collective(o, "all_gather", tokens * k_local)] if input_gather != "none" else []
+    forward += [Collective("z", "all_gather", block),
+                Collective(i, "reduce_scatter" if scatter else "all_reduce", tokens * n_local)]
+    backward = [Collective(i, "all_gather", tokens * n_local)] if scatter else []
+    backward += [] if keep_weight else [Collective("z", "all_gather", block)]
+    backward += [Collective(o, "all_reduce" if input_gather == "none" else "reduce_scatter", tokens * k_local),
+                 Collective("z", "reduce_scatter", block)]
+    return _passes(sizes, forward, backward)
 
 
-def norm_collectives(sizes: dict, kind: str, tokens: int) -> list[Collective]:
+def norm_passes(sizes: dict, kind: str, tokens: int) -> Passes:
     """Statistics all-reduced over x: RMSNorm one [tokens] sum, LayerNorm two; as many in backward."""
-    per_pass = 1 if kind == "rms" else 2
-    return _keep(sizes, [Collective("x", "all_reduce", tokens)] * (2 * per_pass))
+    stats = [Collective("x", "all_reduce", tokens)] * (1 if kind == "rms" else 2)
+    return _passes(sizes, stats, stats)
 
 
-def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
-                      keep_weights: bool = False, non_redundant: bool = True) -> list[Collective]:
-    """One `ParallelBlock` forward and backward on `batch` local sequences of `seq` tokens."""
+def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
+                 keep_weights: bool = False, non_redundant: bool = True) -> Passes:
+    """One `ParallelBlock` on `batch` local sequences of `seq` tokens."""
     x, y = sizes["x"], sizes["y"]
     tokens = batch * seq
     stream = tokens // y if seq_parallel else tokens  # tokens of the residual stream on this rank
@@ -96,18 +111,56 @@ def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, se
     qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
     up_rows = 2 * cfg.ffn if cfg.gated else cfg.ffn
     kw = dict(keep_weight=keep_weights)
-    return [
-        *norm_collectives(sizes, cfg.norm, stream),
-        *linear_collectives(sizes, "x-in", cfg.hidden, qkv_rows, tokens, input_gather=in_gather,
-                            reduction="scatter_features" if own_heads else "all_reduce", **kw),
-        *linear_collectives(sizes, "y-in", cfg.hidden, cfg.hidden, tokens, reduction=out_reduction,
-                            input_gather="features" if own_heads else "none", **kw),
-        *norm_collectives(sizes, cfg.norm, stream),
-        *linear_collectives(sizes, "x-in", cfg.hidden, up_rows, tokens, input_gather=in_gather,
-                            reduction="scatter_features" if own_ffn else "all_reduce", **kw),
-        *linear_collectives(sizes, "y-in", cfg.ffn, cfg.hidden, tokens, reduction=out_reduction,
-                            input_gather="features" if own_ffn else "none", **kw),
-    ]
+    return (
+        norm_passes(sizes, cfg.norm, stream)
+        + linear_passes(sizes, "x-in", cfg.hidden, qkv_rows, tokens, input_gather=in_gather,
+                        reduction="scatter_features" if own_heads else "all_reduce", **kw)
+        + linear_passes(sizes, "y-in", cfg.hidden, cfg.hidden, tokens, reduction=out_reduction,
+                        input_gather="features" if own_heads else "none", **kw)
+        + norm_passes(sizes, cfg.norm, stream)
+        + linear_passes(sizes, "x-in", cfg.hidden, up_rows, tokens, input_gather=in_gather,
+                        reduction="scatter_features" if own_ffn else "all_reduce", **kw)
+        + linear_passes(sizes, "y-in", cfg.ffn, cfg.hidden, tokens, reduction=out_reduction,
+                        input_gather="features" if own_ffn else "none", **kw)
+    )
+
+
+def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, **options) -> list[Collective]:
+    """One `ParallelBlock` forward and backward (see `block_passes`)."""
+    return block_passes(cfg, sizes, batch, seq, **options).all()
+
+
+def embedding_passes(sizes: dict, vocab: int, hidden: int, tokens: int, *, seq_parallel: bool = False) -> Passes:
+    """A `ParallelEmbedding` on `tokens` local tokens (full sequences)."""
+    table = padded_block(sizes, vocab // sizes["y"], hidden // sizes["x"])
+    out = tokens * (hidden // sizes["x"])
+    if seq_parallel:
+        forward, backward = [Collective("y", "reduce_scatter", out)], [Collective("y", "all_gather", out)]
+    else:
+        forward, backward = [Collective("y", "all_reduce", out)], []
+    return _passes(sizes, [Collective("z", "all_gather", table)] + forward,
+                   backward + [Collective("z", "reduce_scatter", table)])
+
+
+def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
+                      keep_weights: bool = False, non_redundant: bool = True, recompute: str = "none") -> list[Collective]:
+    """A `Transformer` forward and backward, loss included, on `batch` local sequences of `seq`
+    tokens. The synchronisation of replicated parameters' gradients is not included."""
+    tokens = batch * seq
+    stream = tokens // sizes["y"] if seq_parallel else tokens
+    block = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
+                         non_redundant=non_redundant)
+    if recompute == "full":  # the block's forward runs again during backward, its collectives too
+        block = Passes(block.forward, block.forward + block.backward)
+    loss = _passes(sizes, [Collective("y", "all_reduce", tokens)] * 3, [])  # max, sum of exp, target logit
+    return (
+        embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel)
+        + block * cfg.layers
+        + norm_passes(sizes, cfg.block.norm, stream)
+        + linear_passes(sizes, "x-in", cfg.hidden, cfg.vocab, tokens, input_gather="tokens" if seq_parallel else "none",
+                        keep_weight=keep_weights)
+        + loss
+    ).all()
 
 
 def ledger_bytes(collectives: list[Collective], sizes: dict, element_size: int) -> dict[tuple[str, str], Fraction]:

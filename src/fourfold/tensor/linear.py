@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from fourfold import comm
+from fourfold.blockspec import LINEAR_KINDS
 from fourfold.grid import Grid
 from fourfold.layout import GridError
 from fourfold.tensor import init
 
-KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}  # kind -> (dim splitting K, dim splitting N)
 SEQ_DIM, FEATURE_DIM = 1, -1
 REDUCTIONS = ("all_reduce", "scatter_tokens", "scatter_features")
 GATHERS = ("none", "tokens", "features")
@@ -47,10 +47,10 @@ class ShardedMatrix:
     """Where the elements of a fused [N, K] matrix live: block (N over out, K over in), flat over z."""
 
     def __init__(self, grid: Grid, rows: Sequence[RowSource], in_features: int, kind: str, what: str):
-        if kind not in KINDS:
-            raise ValueError(f"kind {kind!r} must be one of {', '.join(KINDS)}")
+        if kind not in LINEAR_KINDS:
+            raise ValueError(f"kind {kind!r} must be one of {', '.join(LINEAR_KINDS)}")
         self.grid, self.rows, self.kind = grid, tuple(rows), kind
-        self.in_dim, self.out_dim = KINDS[kind]
+        self.in_dim, self.out_dim = LINEAR_KINDS[kind]
         self.n, self.k = sum(r.count for r in rows), in_features
         size_in, size_out = grid.size(self.in_dim), grid.size(self.out_dim)
         if self.k % size_in or self.n % size_out:

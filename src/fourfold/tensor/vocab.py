@@ -53,8 +53,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group: Group):
         rows = logits.shape[-1]
+        scored = targets >= 0  # negative targets (padding) score 0 and get no gradient
         local = targets - group.rank * rows
-        inside = (local >= 0) & (local < rows)
+        inside = (local >= 0) & (local < rows) & scored
         local = local.clamp(0, rows - 1)
         # The max only stabilises the exponentials; it needs no gradient.
         top = comm.all_reduce(logits.detach().amax(-1), group, op=dist.ReduceOp.MAX)
@@ -62,8 +63,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         sum_exp = comm.all_reduce(exp.sum(-1), group)
         target = comm.all_reduce(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside, group)
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, inside)
-        return sum_exp.log() - target
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1) * scored.unsqueeze(-1), local, inside)
+        return (sum_exp.log() - target) * scored
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -74,6 +75,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """Per-token loss from logits [..., V/y] (vocab split over y) and global target ids [...]."""
+    """Per-token loss from logits [..., V/y] (vocab split over y) and global target ids [...];
+    a negative target marks padding: its loss is 0."""
     return _VocabParallelCrossEntropy.apply(logits, targets, grid.group("y"))
 
