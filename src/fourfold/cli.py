@@ -74,7 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--dtype", choices=DTYPES, default="float32")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
     _add_grid_options(ev, "dp=1")
+    from fourfold.plan.cli import add_commands, run as run_planner
+
+    add_commands(commands)
     args = parser.parse_args(argv)
+    if args.command in ("memory", "estimate", "plan"):
+        return run_planner(args)
     try:
         return {"demo": _demo, "eval": _eval}[args.command](args, argv)
     except GridError as err:

@@ -1,0 +1,1 @@
+"""The planner: memory estimator, performance model and search. Pure arithmetic: no torch."""

@@ -1,0 +1,134 @@
+"""`fourfold memory | estimate | plan`: argument parsing and printing (table or JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from fourfold.layout import GridError
+from fourfold.models.config import load_config
+from fourfold.plan.hardware import CLUSTERS, GPUS, make_cluster
+from fourfold.plan.memory import FRAMEWORKS, RECOMPUTE, Setup
+from fourfold.plan.perf import Calibration
+from fourfold.plan.search import evaluate, search
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json (or its directory)")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default: the cluster's)")
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), default="dgx-h100")
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--intra-node-gbs", type=float, help="intra-node bandwidth per GPU, GB/s")
+    p.add_argument("--inter-node-gbs", type=float, help="inter-node bandwidth per GPU, GB/s")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--recompute", choices=RECOMPUTE)
+    p.add_argument("--framework", choices=FRAMEWORKS, default="fourfold")
+    p.add_argument("--no-80-rule", action="store_true", help="megatron profile: compare with the whole card")
+    p.add_argument("--calibrate", help="JSON with efficiency_max, efficiency_half, bandwidth_factor")
+    p.add_argument("--json", action="store_true")
+
+
+def add_config(p: argparse.ArgumentParser) -> None:
+    for dim in ("dp", "pp", "cp", "x", "y", "z", "vpp"):
+        p.add_argument(f"--{dim}", type=int, default=1)
+    p.add_argument("--tp", type=int, help="1D tensor parallelism: x=1, y=TP, z=1")
+    p.add_argument("--order", default=None, help="placement order, innermost first")
+
+
+def _setup(args, **extra) -> Setup:
+    s = Setup(seq=args.seq, global_batch=args.global_batch, framework=args.framework,
+              micro_batch=args.micro_batch or 1, recompute=args.recompute or "none", **extra)
+    return s
+
+
+def _context(args):
+    cluster = make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
+    cal = Calibration(**json.load(open(args.calibrate))) if args.calibrate else Calibration()
+    return load_config(args.model), cluster, cal
+
+
+def _one(args) -> dict:
+    cfg, cluster, cal = _context(args)
+    y = args.tp if args.tp else args.y
+    x = 1 if args.tp else args.x
+    z = 1 if args.tp else args.z
+    order = tuple(d.strip() for d in args.order.split(",")) if args.order else None
+    extra = dict(dp=args.dp, pp=args.pp, cp=args.cp, x=x, y=y, z=z, vpp=args.vpp)
+    if order:
+        from fourfold.layout import Layout
+
+        extra["order"] = Layout(order=order).order
+    return evaluate(cfg, _setup(args, **extra), cluster, cal, not args.no_80_rule)
+
+
+def _row(r: dict) -> str:
+    grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
+    return (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
+            f" {'yes' if r['fits'] else 'NO ':<4} {r['step_seconds']:9.3f} {r['tokens_per_second']:12.0f}"
+            f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
+
+
+HEADER = (f"{'grid':<28} {'mb':<3} {'recompute':<9} {'GiB/limit':>15} {'fits':<4} {'step s':>9} {'tokens/s':>12}"
+          f" {'TFLOP/s':>7} {'MFU':>6}  order")
+
+
+def _print_one(r: dict, memory_only: bool) -> None:
+    print(HEADER)
+    print(_row(r))
+    print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["memory_breakdown_gib"].items()))
+    if not memory_only:
+        print("time (s):     " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_breakdown_seconds"].items()))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.command in ("memory", "estimate"):
+            r = _one(args)
+            if args.command == "memory":
+                r = {k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_second", "model_tflops_per_gpu",
+                                                            "mfu", "time_breakdown_seconds")}
+            print(json.dumps(r, indent=1)) if args.json else _print_one(r, args.command == "memory")
+            return 0
+        cfg, cluster, cal = _context(args)
+        start = time.perf_counter()
+        mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
+        recomputes = (args.recompute,) if args.recompute else RECOMPUTE
+        found = search(cfg, args.gpus, cluster, _setup(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
+                       rule80=not args.no_80_rule, include_unfit=args.all)
+        if args.json:
+            print(json.dumps({"candidates": found[: args.top] if args.top else found}))
+        else:
+            print(f"{cfg.family} {cfg.parameter_count() / 1e9:.1f}B on {args.gpus} x {cluster.gpu.name}, "
+                  f"{args.framework} profile: {len(found)} candidates in {time.perf_counter() - start:.1f} s")
+            print(HEADER)
+            for r in found[: args.top or 10]:
+                print(_row(r))
+            if not found:
+                print("nothing fits: add GPUs, enable recompute, or lower the micro-batch")
+        if args.plot:
+            from fourfold.plan.plots import plot_candidates
+
+            plot_candidates(found, args.plot, f"{args.model} on {args.gpus} GPUs")
+        return 0
+    except (ValueError, GridError) as err:
+        print(f"fourfold: error: {err}", file=sys.stderr)
+        return 2
+
+
+def add_commands(commands) -> None:
+    memory = commands.add_parser("memory", help="memory per GPU of one configuration")
+    add_common(memory)
+    add_config(memory)
+    estimate = commands.add_parser("estimate", help="memory and speed of one configuration")
+    add_common(estimate)
+    add_config(estimate)
+    plan = commands.add_parser("plan", help="search every configuration of a GPU count, best first")
+    add_common(plan)
+    plan.add_argument("--gpus", type=int, required=True)
+    plan.add_argument("--all", action="store_true", help="also list candidates that do not fit")
+    plan.add_argument("--top", type=int, default=0, help="how many to print (table default 10, JSON default all)")
+    plan.add_argument("--plot", help="write a PNG: throughput against memory, and the top time breakdowns")

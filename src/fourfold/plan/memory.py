@@ -1,0 +1,186 @@
+"""Memory per GPU of one training configuration.
+
+Two profiles:
+- `megatron`: the closed formulas of arXiv 2411.06465 for Megatron-LM (bf16, flash attention,
+  sequence parallelism, distributed optimizer, 1F1B), reproduced exactly; first pipeline stage;
+  with the seed paper's rule that a configuration fits when the estimate is under 80% of the card.
+- `fourfold`: fourfold's own runtime, term by term (z-sharded weights and their gathered copies,
+  the tensors each layer saves for backward, in-flight micro-batches, logits, communication
+  buffers, CUDA context, fragmentation), compared with the whole card.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from fourfold.blockspec import attention_chunks, mlp_chunks
+from fourfold.layout import DEFAULT_ORDER, Layout
+from fourfold.models.config import ModelConfig
+
+GIB = 2**30
+RECOMPUTE = ("none", "selective", "full")
+FRAMEWORKS = ("fourfold", "megatron")
+
+# Terms the 80% rule stands for, modelled (assumptions to calibrate; docs/planner.md).
+CUDA_CONTEXT_BYTES = 0.5 * GIB
+NCCL_BYTES_PER_COMMUNICATOR = 32 * 2**20
+FRAGMENTATION = 0.05  # of the dynamic (activation and buffer) bytes
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A parallel configuration and the training setup it runs."""
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    x: int = 1
+    y: int = 1
+    z: int = 1
+    micro_batch: int = 1
+    seq: int = 4096
+    global_batch: int = 1024  # sequences per optimizer step
+    recompute: str = "none"
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B)
+    order: tuple[str, ...] = DEFAULT_ORDER
+    framework: str = "fourfold"
+    seq_parallel: bool = True
+
+    @property
+    def tp(self) -> int:
+        return self.x * self.y * self.z
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @cached_property
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, pp=self.pp, cp=self.cp, x=self.x, y=self.y, z=self.z, order=self.order)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+
+@dataclass
+class Memory:
+    terms: dict[str, float] = field(default_factory=dict)  # bytes
+    limit_bytes: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def gib(self) -> float:
+        return self.total / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit_bytes
+
+    def breakdown_gib(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in self.terms.items()}
+
+
+def layer_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama."""
+    b = cfg.block
+    d = b.head_dim
+    matrices = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.hidden * cfg.hidden
+    matrices += (3 if b.gated else 2) * cfg.hidden * cfg.ffn
+    vectors = (2 if b.norm == "rms" else 4) * cfg.hidden
+    if b.bias:
+        vectors += (cfg.heads + 2 * cfg.kv_heads) * d + 2 * cfg.hidden + cfg.ffn
+    return matrices, vectors
+
+
+def megatron_memory(cfg: ModelConfig, s: Setup, memory_gib: float, rule80: bool = True) -> Memory:
+    """The seed paper's formulas (first pipeline stage), bytes; t = TP (y), c = CP, p = PP, d = DP."""
+    h, F, a, k, v, L = cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.layers
+    t, c, p, d, b, seq = s.y, s.cp, s.pp, s.dp, s.micro_batch, s.seq
+    matrices, vectors = layer_params(cfg)
+    params = L / p * (matrices / t + vectors) + h * v / t  # embedding on the first stage
+    if p == 1:
+        params += (0 if cfg.tied else h * v / t) + h  # LM head and final norm on the same stage
+    if s.recompute == "full":  # our extension: each layer keeps its bf16 input, sequence-parallel
+        per_layer = 2 * (seq / c) * b * h / t
+    else:  # flash attention: selective recompute keeps the same tensors
+        per_layer = (seq / c) * b * h * (12 + 4 * k / a + 8 * F / h) / t
+    terms = {
+        "weights_and_grads": params * (2 + 4),
+        "optimizer": params * 12 / (d * c),
+        "activations": L * per_layer,  # 1F1B: p micro-batches of L/p layers in flight
+        "first_stage_inputs": 8 * (seq / c) * b * h * p / t,
+    }
+    if p == 1:
+        terms["logits"] = 4 * (seq / c) * b * h * (1 + v / h) / t
+    limit = memory_gib * GIB * (0.8 if rule80 else 1.0)
+    return Memory(terms, limit)
+
+
+def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
+    """fourfold's runtime on the most loaded pipeline stage, bytes, against the whole card."""
+    h, F, v, L = cfg.hidden, cfg.ffn, cfg.vocab, cfg.layers
+    x, y, z, c, p = s.x, s.y, s.z, s.cp, s.pp
+    blk = cfg.block
+    d = blk.head_dim
+    matrices, vectors = layer_params(cfg)
+    layers_here = L / p
+    params = layers_here * (matrices / (x * y * z) + vectors / x)
+    embed = h * v / (x * y * z)
+    head = 0 if cfg.tied else embed
+    params += max(embed, head) if p > 1 else embed + head + h / x  # first or last stage; both when p = 1
+    # Activations saved for backward by one layer, bf16, on this rank (see docs/planner.md).
+    T = (s.seq / c) * (s.micro_batch / z)  # tokens on this rank
+    Ts = T / y if s.seq_parallel else T  # tokens of the residual stream
+    heads = cfg.heads / attention_chunks(blk, x, y)
+    kv = cfg.kv_heads / attention_chunks(blk, x, y)
+    ffn_local = F / mlp_chunks(blk, x, y)
+    up_rows = (2 if blk.gated else 1) * ffn_local
+    saved = {
+        "norm inputs": 2 * Ts * h / x,
+        "qkv input (gathered)": T * h / x,
+        "q, k, v": T * (heads + 2 * kv) * d,
+        "attention output and stats": T * heads * d + T * heads / d,
+        "out-proj input (gathered)": T * h / y,
+        "mlp input (gathered)": T * h / x,
+        "gate/up output": T * up_rows,
+        "activation output": T * ffn_local,
+        "down input (gathered)": T * F / y,
+    }
+    per_layer = 2 * sum(saved.values())
+    if s.recompute == "full":
+        per_layer_kept, working = 2 * Ts * h / x, per_layer
+    elif s.recompute == "selective":
+        per_layer_kept = per_layer - 2 * (saved["q, k, v"] + saved["attention output and stats"])
+        working = 0.0
+    else:
+        per_layer_kept, working = per_layer, 0.0
+    in_flight = min(p, s.micro_batches) if p > 1 else 1  # 1F1B: the first stage holds p micro-batches
+    # The largest gathered weight block (bf16) and its prefetched successor; fp32 gradient block.
+    largest_block = max(h * (cfg.heads + 2 * cfg.kv_heads) * d, h * (2 if blk.gated else 1) * F, h * v) / (x * y)
+    buffers = (2 * 2 + 4) * largest_block if z > 1 else 0.0
+    groups = sum(1 for n in (s.dp, s.pp, s.cp, x, y, z) if n > 1) + (1 if s.dp * s.cp > max(s.dp, s.cp) else 0)
+    dynamic = layers_here * per_layer_kept * in_flight + working + buffers
+    terms = {
+        "weights": 2 * params,
+        "gradients": 4 * params,
+        "optimizer": 12 * params / (s.dp * c),  # fp32 master + Adam m, v; ZeRO-1 over dp*cp
+        "activations": layers_here * per_layer_kept * in_flight + working,
+        "logits": 8 * T * v / y,  # fp32 logits and the saved softmax, on the last stage
+        "gathered_weights": buffers,
+        "ring_attention": (2 * 2 * 2 * T * (cfg.kv_heads / attention_chunks(blk, x, y)) * d) if c > 1 else 0.0,
+        "nccl": NCCL_BYTES_PER_COMMUNICATOR * groups,
+        "cuda_context": CUDA_CONTEXT_BYTES,
+        "fragmentation": FRAGMENTATION * dynamic,
+    }
+    return Memory(terms, memory_gib * GIB)
+
+
+def estimate_memory(cfg: ModelConfig, s: Setup, memory_gib: float, rule80: bool = True) -> Memory:
+    if s.framework == "megatron":
+        return megatron_memory(cfg, s, memory_gib, rule80)
+    return fourfold_memory(cfg, s, memory_gib)

@@ -1,0 +1,190 @@
+"""Time of one training step: compute + exposed communication + pipeline bubble + optimizer.
+
+Communication volumes come from `fourfold.volumes`, the functions the runtime's ledger is
+tested against; each collective runs at the bandwidth its group gets under the placement order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fourfold.blockspec import attention_chunks
+from fourfold.models.config import ModelConfig
+from fourfold.plan.hardware import Cluster
+from fourfold.plan.memory import Setup, layer_params
+from fourfold.volumes import Collective, block_passes, bytes_sent, embedding_passes, linear_passes
+
+EFFICIENCY_MAX = 0.8  # best fraction of peak a large bf16 GEMM reaches
+EFFICIENCY_HALF = 128  # GEMM dimension at which efficiency is half of the best
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a user can measure on their machine and feed back (`--calibrate FILE`, JSON)."""
+
+    efficiency_max: float = EFFICIENCY_MAX
+    efficiency_half: float = EFFICIENCY_HALF
+    bandwidth_factor: float = 1.0  # measured / modelled bandwidth
+
+
+def gemm_efficiency(m: float, n: float, k: float, cal: Calibration) -> float:
+    """Small local GEMMs after heavy sharding run far below peak."""
+    smallest = min(m, n, k)
+    return cal.efficiency_max * smallest / (smallest + cal.efficiency_half)
+
+
+def group_bandwidth(s: Setup, cluster: Cluster, dims: tuple[str, ...]) -> float:
+    """Bytes/s per GPU for a collective over `dims`: intra-node if the group fits in a node, else
+    the node's NICs shared by the groups of this dim that cross the node boundary together."""
+    layout = s.layout
+    inner = min(dims, key=layout.order.index)
+    stride = layout.stride(inner)
+    span = stride * layout.size(dims) if len(dims) == 1 else max(layout.stride(d) * layout.size(d) for d in dims)
+    if span <= cluster.gpus_per_node:
+        gbs = cluster.intra_node_gbs
+    else:
+        gbs = cluster.inter_node_gbs * cluster.gpus_per_node / min(stride, cluster.gpus_per_node)
+        gbs = min(gbs, cluster.intra_node_gbs)
+    return gbs * 1e9
+
+
+def comm_seconds(collectives: list[Collective], s: Setup, cluster: Cluster, element_size: int, cal: Calibration) -> float:
+    """Seconds of these collectives run one after another: volume over the group's bandwidth, plus
+    a latency per ring step. Collectives of a kind are summed first (the volume is linear)."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for c in collectives:
+        entry = totals.setdefault((c.group, c.op), [0, 0])
+        entry[0] += c.numel
+        entry[1] += 1
+    seconds = 0.0
+    for (group, op), (numel, count) in totals.items():
+        dims = tuple(group.split("_"))
+        g = s.layout.size(dims)
+        steps = 2 * (g - 1) if op == "all_reduce" else (g - 1)
+        bandwidth = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
+        seconds += float(bytes_sent(op, g, numel * element_size)) / bandwidth + count * steps * cluster.latency_us * 1e-6
+    return seconds
+
+
+@dataclass
+class StepTime:
+    compute: float
+    exposed_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+    flops_per_gpu: float  # model FLOPs (6N + attention) per GPU per step
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble + self.dp_comm + self.optimizer
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
+                "dp_comm": self.dp_comm, "optimizer": self.optimizer}
+
+
+def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """6 N (non-embedding parameters) + 6 L h s for causal attention (forward and backward)."""
+    matrices, _ = layer_params(cfg)
+    return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 6 * cfg.layers * cfg.hidden * seq
+
+
+def _layer_compute_seconds(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration) -> tuple[float, float]:
+    """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank."""
+    b = cfg.block
+    if s.framework == "megatron":
+        x, y = 1, s.y
+    else:
+        x, y = s.x, s.y
+    T = s.seq / s.cp * s.micro_batch / s.z
+    peak = cluster.gpu.bf16_tflops * 1e12
+    d = b.head_dim
+    gemms = [(cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * d, "x"), (cfg.hidden, cfg.hidden, "y"),
+             (cfg.hidden, (2 if b.gated else 1) * cfg.ffn, "x"), (cfg.ffn, cfg.hidden, "y")]
+    forward = 0.0
+    for K, N, kind in gemms:
+        k_local, n_local = (K / x, N / y) if kind == "x" else (K / y, N / x)
+        forward += 2 * T * k_local * n_local / (peak * gemm_efficiency(T, k_local, n_local, cal))
+    heads = cfg.heads / attention_chunks(b, x, y) if s.framework == "fourfold" else cfg.heads / y
+    attention = 2 * 2 * T * (s.seq / s.cp) * d * heads / 2  # QK^T and PV, causal
+    forward += attention / (peak * gemm_efficiency(T, d, s.seq / s.cp, cal))
+    return forward, forward - attention / (peak * gemm_efficiency(T, d, s.seq / s.cp, cal))
+
+
+def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration, dw_seconds: float) -> float:
+    """Exposed tensor-parallel communication of one layer for one micro-batch (forward and backward)."""
+    b = 2  # bf16
+    sizes = s.layout.sizes
+    T = int(s.seq / s.cp * s.micro_batch / s.z)
+    if s.framework == "megatron":  # 1D TP with sequence parallelism: AG + RS per sublayer, both passes
+        sublayer = [Collective("y", "all_gather", T * cfg.hidden), Collective("y", "reduce_scatter", T * cfg.hidden)]
+        return comm_seconds(sublayer * 4, s, cluster, b, cal)
+    passes = block_passes(cfg.block, sizes, int(s.micro_batch / s.z), int(s.seq / s.cp), seq_parallel=s.seq_parallel)
+    total = comm_seconds(passes.all(), s, cluster, b, cal)
+    # The input-gradient all-reduce hides behind the dW GEMM of the same layer (the runtime's overlap).
+    input_grad = [c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]
+    return total - min(dw_seconds, comm_seconds(input_grad, s, cluster, b, cal))
+
+
+def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration) -> float:
+    """Ring attention over cp: cp-1 steps, each passing this rank's K and V shard on (forward) and
+    K, V and their gradients (backward), hidden behind the block attention of the same step."""
+    T = s.seq / s.cp * s.micro_batch / s.z
+    tp_heads = s.y if s.framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
+    kv = T * 2 * (cfg.kv_heads / tp_heads) * cfg.block.head_dim
+    send = comm_seconds([Collective("cp", "send", int(kv))], s, cluster, 2, cal)
+    peak = cluster.gpu.bf16_tflops * 1e12
+    heads = cfg.heads / tp_heads
+    block_attention = 4 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
+    forward = (s.cp - 1) * max(0.0, send - block_attention)
+    backward = (s.cp - 1) * max(0.0, 2 * send - 2 * block_attention)
+    return forward + backward
+
+
+def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = Calibration()) -> StepTime:
+    forward, dw = _layer_compute_seconds(cfg, s, cluster, cal)
+    per_layer = 3 * forward  # forward, then dX and dW GEMMs in backward
+    if s.recompute == "full":
+        per_layer += forward
+    layers_per_stage = cfg.layers / s.pp
+    comm_layer = _tensor_comm(cfg, s, cluster, cal, dw)
+    if s.recompute == "full":
+        comm_layer *= 1.5  # the forward's collectives again
+    micro_compute = layers_per_stage * per_layer
+    micro_comm = layers_per_stage * comm_layer
+    # Embedding, LM head and loss: on the first and last stage, counted once per micro-batch.
+    T = s.seq / s.cp * s.micro_batch / s.z
+    y = s.y
+    peak = cluster.gpu.bf16_tflops * 1e12
+    head = 6 * T * cfg.hidden * cfg.vocab / (s.x * y if s.framework == "fourfold" else y)
+    micro_compute += head / (peak * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / y, cal))
+    if s.framework == "fourfold":
+        sizes = s.layout.sizes
+        extra = embedding_passes(sizes, cfg.vocab, cfg.hidden, int(T)).all() + linear_passes(
+            sizes, "x-in", cfg.hidden, cfg.vocab, int(T)).all()
+        micro_comm += comm_seconds(extra, s, cluster, 2, cal)
+    # Pipeline: P2P of each micro-batch's activation shard in both directions, then the bubble.
+    if s.pp > 1:
+        shard = T * cfg.hidden / (s.x * s.y if s.framework == "fourfold" else s.y)
+        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2, s, cluster, 2, cal)
+    if s.cp > 1:
+        micro_comm += layers_per_stage * _ring_attention_exposed(cfg, s, cluster, cal)
+    m = s.micro_batches
+    compute, exposed = m * micro_compute, m * micro_comm
+    bubble = (s.pp - 1) / s.vpp * (micro_compute + micro_comm)
+    # Data-parallel gradients (fp32) over dp*cp: reduce-scatter + all-gather of the parameters.
+    matrices, vectors = layer_params(cfg)
+    tp = s.x * s.y * s.z if s.framework == "fourfold" else s.y
+    params_rank = layers_per_stage * (matrices + vectors) / tp + cfg.hidden * cfg.vocab / tp
+    g = s.dp * s.cp
+    dp_comm = 0.0
+    if g > 1:
+        dims = ("dp", "cp")
+        bw = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
+        dp_comm = float(bytes_sent("reduce_scatter", g, 4 * params_rank) + bytes_sent("all_gather", g, 2 * params_rank)) / bw
+        if s.framework == "megatron":  # Megatron overlaps the gradient reduction with backward
+            dp_comm = max(0.0, dp_comm - compute * 2 / 3)
+    optimizer = 16 * params_rank / g / (cluster.gpu.hbm_tbs * 1e12)
+    flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.gpus
+    return StepTime(compute, exposed, bubble, dp_comm, optimizer, flops)

@@ -1,0 +1,150 @@
+"""The planner: the seed paper's formulas, search invariants, CLI output; no processes needed."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fourfold.models.config import load_config
+from fourfold.plan.hardware import make_cluster
+from fourfold.plan.memory import GIB, Setup, estimate_memory, fourfold_memory, megatron_memory
+from fourfold.plan.search import check, evaluate, search
+
+LLAMA7 = load_config("llama-2-7b")
+
+
+def test_megatron_formulas_by_hand_llama2_7b():
+    # t=2, p=1, c=1, d=4, b=1, s=4096; h=4096, F=11008, a=k=32, v=32000, L=32, untied
+    h, F, v, L, t, d, s = 4096, 11008, 32000, 32, 2, 4, 4096
+    layer = 2 * h * h * (1 + 1) + 3 * h * F  # matrices; plus 2h of norms not divided by t
+    params = L * (layer / t + 2 * h) + h * v / t + h * v / t + h
+    assert params == 3369340928
+    mem = megatron_memory(LLAMA7, Setup(dp=d, y=t, seq=s, micro_batch=1, framework="megatron"), 80)
+    assert mem.terms["weights_and_grads"] == 6 * params
+    assert mem.terms["optimizer"] == 12 * params / d
+    assert mem.terms["activations"] == L * s * h * (12 + 4 + 8 * F / h) / t == 10066329600
+    assert mem.terms["first_stage_inputs"] == 8 * s * h / t
+    assert mem.terms["logits"] == 4 * s * h * (1 + v / h) / t
+    assert mem.total == 40753205248
+    assert mem.limit_bytes == 0.8 * 80 * GIB and mem.fits  # 37.95 GiB < 64 GiB
+
+
+def test_megatron_pipeline_terms_by_hand_llama3_70b():
+    cfg = load_config("llama-3.1-70b")  # GQA: k/a = 8/64
+    h, F, v, L, t, p, c, d, b, s = 8192, 28672, 128256, 80, 8, 4, 2, 4, 2, 8192
+    mem = megatron_memory(cfg, Setup(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s, framework="megatron"), 80)
+    params = L / p * ((2 * h * h * (1 + 8 / 64) + 3 * h * F) / t + 2 * h) + h * v / t  # no head: not on stage 1
+    assert mem.terms["weights_and_grads"] == pytest.approx(6 * params, rel=1e-15)
+    assert mem.terms["optimizer"] == pytest.approx(12 * params / (d * c), rel=1e-15)
+    assert mem.terms["activations"] == pytest.approx(L * (s / c) * b * h * (12 + 4 * 8 / 64 + 8 * F / h) / t, rel=1e-15)
+    assert mem.terms["first_stage_inputs"] == 8 * (s / c) * b * h * p / t
+    assert "logits" not in mem.terms
+    assert not megatron_memory(cfg, Setup(y=1, seq=s, framework="megatron"), 80).fits
+    assert megatron_memory(cfg, Setup(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s, framework="megatron"), 80,
+                           rule80=False).limit_bytes == 80 * GIB
+
+
+CLUSTER = make_cluster("dgx-h100")
+SMALL = load_config("llama-2-7b")
+
+
+@given(gpus=st.sampled_from([8, 16, 32, 64]), framework=st.sampled_from(["fourfold", "megatron"]))
+@settings(max_examples=8, deadline=None)
+def test_every_candidate_multiplies_out_and_divides(gpus, framework):
+    base = Setup(seq=2048, global_batch=64, framework=framework)
+    found = search(SMALL, gpus, CLUSTER, base, include_unfit=True)
+    assert found
+    for r in found:
+        assert r["dp"] * r["pp"] * r["cp"] * r["x"] * r["y"] * r["z"] == gpus
+        assert r["tp"] == r["x"] * r["y"] * r["z"]
+        assert SMALL.heads % r["y"] == 0 and SMALL.layers % r["pp"] == 0 and r["micro_batch"] % r["z"] == 0
+        assert 64 % (r["dp"] * r["micro_batch"]) == 0
+        if framework == "megatron":
+            assert r["x"] == r["z"] == 1
+    fitting = [r["step_seconds"] for r in found if r["fits"]]
+    assert fitting == sorted(fitting) and found[: len(fitting)] == [r for r in found if r["fits"]]  # best first
+
+
+SETUPS = st.builds(
+    Setup, dp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]),
+    x=st.sampled_from([1, 2, 4]), y=st.sampled_from([1, 2, 4]), z=st.sampled_from([1, 2]),
+    micro_batch=st.sampled_from([2, 4]), seq=st.just(4096), global_batch=st.just(256),
+    recompute=st.sampled_from(["none", "selective", "full"]))
+
+
+@given(s=SETUPS)
+@settings(max_examples=200, deadline=None)
+def test_memory_is_monotone_in_micro_batch(s):
+    bigger = replace(s, micro_batch=2 * s.micro_batch)
+    for profile in (fourfold_memory, lambda c, st_, m: megatron_memory(c, replace(st_, x=1, z=1, framework="megatron"), m)):
+        assert profile(SMALL, bigger, 80).total >= profile(SMALL, s, 80).total
+
+
+@given(s=SETUPS, dim=st.sampled_from(["x", "y", "z", "pp", "dp", "cp"]))
+@settings(max_examples=300, deadline=None)
+def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
+    doubled = replace(s, **{dim: 2 * getattr(s, dim)})
+    before, after = fourfold_memory(SMALL, s, 80).terms, fourfold_memory(SMALL, doubled, 80).terms
+    if dim in ("x", "y", "z", "pp"):
+        for term in ("weights", "gradients", "optimizer"):
+            assert after[term] <= before[term] * (1 + 1e-12), term
+    assert after["optimizer"] <= before["optimizer"] * (1 + 1e-12)
+    if dim in ("x", "y", "z", "cp"):
+        assert after["activations"] <= before["activations"] * (1 + 1e-12)
+
+
+def test_invalid_configurations_name_the_fix():
+    with pytest.raises(ValueError, match="layers=32 must be divisible by pp\\*vpp=3"):
+        check(SMALL, Setup(pp=3))
+    with pytest.raises(ValueError, match="micro-batch 1 must be divisible by z=2"):
+        check(SMALL, Setup(z=2, micro_batch=1))
+    with pytest.raises(ValueError, match="sequence 4097 must be divisible by 2\\*cp=4"):
+        check(SMALL, Setup(cp=2, seq=4097))
+    with pytest.raises(ValueError, match="the megatron profile has 1D tensor parallelism"):
+        check(SMALL, Setup(x=2, framework="megatron"))
+
+
+def test_planner_does_not_import_torch():
+    code = "import sys, fourfold.plan.cli, fourfold.plan.search; print(any(m.startswith('torch') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_volume_functions_are_the_runtimes():
+    import fourfold.plan.perf as perf
+    import fourfold.volumes as volumes
+
+    assert perf.block_passes is volumes.block_passes and perf.bytes_sent is volumes.bytes_sent
+
+
+def _cli(*args):
+    out = subprocess.run([sys.executable, "-m", "fourfold.cli", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+KEYS = {"dp", "pp", "cp", "x", "y", "z", "tp", "micro_batch", "recompute", "memory_gib", "memory_limit_gib", "fits",
+        "step_seconds", "tokens_per_second", "model_tflops_per_gpu", "mfu", "memory_breakdown_gib", "time_breakdown_seconds"}
+
+
+def test_cli_json_objects(tmp_path):
+    one = json.loads(_cli("estimate", "--model", "llama-3.1-8b", "--tp", "4", "--dp", "2", "--json"))
+    assert KEYS <= one.keys() and (one["x"], one["y"], one["z"]) == (1, 4, 1)
+    memory = json.loads(_cli("memory", "--model", "llama-3.1-8b", "--x", "2", "--y", "2", "--z", "2", "--json",
+                             "--micro-batch", "2", "--gpu", "a100-80gb"))
+    assert memory["memory_limit_gib"] == 80 and "step_seconds" not in memory
+    plan = json.loads(_cli("plan", "--model", "llama-3.1-8b", "--gpus", "16", "--global-batch", "64", "--json",
+                           "--plot", str(tmp_path / "plan.png")))
+    candidates = plan["candidates"]
+    assert candidates and all(KEYS <= c.keys() for c in candidates) and all(c["fits"] for c in candidates)
+    assert [c["step_seconds"] for c in candidates] == sorted(c["step_seconds"] for c in candidates)
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_cli_error_is_clear():
+    out = subprocess.run([sys.executable, "-m", "fourfold.cli", "estimate", "--model", "llama-2-7b", "--pp", "3"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "layers=32 must be divisible by pp*vpp=3" in out.stderr
