@@ -1,6 +1,7 @@
 """The main job on an embedded default, until the trainer lands: a tiny Llama on a 3D grid with
-data parallelism fits one fixed batch for a few AdamW steps (the loss must fall), then prints
-the communication ledger of one step beside the volume functions' prediction."""
+data parallelism fits one fixed batch for a few AdamW steps (the loss must fall), prints the
+communication ledger of one step beside the volume functions' prediction, then the planner's
+recommendation for a large model on a large cluster."""
 
 from __future__ import annotations
 
@@ -52,3 +53,19 @@ def run_demo(layout: Layout, steps: int = 20, batch: int = 8, seq: int = 64) -> 
     predicted = ledger_bytes(model_collectives(cfg, layout.sizes, len(local), seq), layout.sizes, 4)
     say(f"forward+backward bytes equal the volume functions' prediction: {model_ledger == predicted}")
     dist.destroy_process_group()
+    if grid.rank == 0:
+        print_plan()
+
+
+def print_plan(model: str = "llama-3.1-70b", gpus: int = 512, cluster: str = "dgx-h100") -> None:
+    """What the planner recommends for a large model on a large cluster (same as `fourfold plan`)."""
+    from fourfold.plan.cli import HEADER, row
+    from fourfold.plan.hardware import make_cluster
+    from fourfold.plan.memory import Setup
+    from fourfold.plan.search import search
+
+    found = search(load_config(model), gpus, make_cluster(cluster), Setup(seq=4096, global_batch=1024))
+    print(f"\nthe planner's best configurations for {model} on {gpus} GPUs of {cluster} (seq 4096, 1024 sequences/step):")
+    print(HEADER)
+    for r in found[:3]:
+        print(row(r))

@@ -65,7 +65,7 @@ def _one(args) -> dict:
     return evaluate(cfg, _setup(args, **extra), cluster, cal, not args.no_80_rule)
 
 
-def _row(r: dict) -> str:
+def row(r: dict) -> str:
     grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
     return (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
             f" {'yes' if r['fits'] else 'NO ':<4} {r['step_seconds']:9.3f} {r['tokens_per_second']:12.0f}"
@@ -78,7 +78,7 @@ HEADER = (f"{'grid':<28} {'mb':<3} {'recompute':<9} {'GiB/limit':>15} {'fits':<4
 
 def _print_one(r: dict, memory_only: bool) -> None:
     print(HEADER)
-    print(_row(r))
+    print(row(r))
     print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["memory_breakdown_gib"].items()))
     if not memory_only:
         print("time (s):     " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_breakdown_seconds"].items()))
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.framework} profile: {len(found)} candidates in {time.perf_counter() - start:.1f} s")
             print(HEADER)
             for r in found[: args.top or 10]:
-                print(_row(r))
+                print(row(r))
             if not found:
                 print("nothing fits: add GPUs, enable recompute, or lower the micro-batch")
         if args.plot:
