@@ -4,7 +4,6 @@ Run: torchrun --standalone --nproc-per-node 8 benchmarks/reduce_scatter.py [--mi
 """
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
@@ -12,18 +11,7 @@ import torch.distributed as dist
 from fourfold import comm
 from fourfold.grid import Grid, init_process_group
 from fourfold.layout import Layout
-
-
-def timed(fn, repeat: int) -> float:
-    fn()  # warm-up
-    dist.barrier()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        best = min(best, time.perf_counter() - start)
-    return best
+from timing import best_time  # benchmarks/timing.py, beside this file
 
 
 def main() -> None:
@@ -37,9 +25,9 @@ def main() -> None:
     n = int(args.mib * 2**20 / 4) // world * world
     full = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
     out = torch.empty(n // world)
-    torch_rs = timed(lambda: dist.reduce_scatter_tensor(out, full, group=group.process_group), args.repeat)
-    ours = timed(lambda: comm.reduce_scatter(full, group), args.repeat)
-    all_reduce = timed(lambda: dist.all_reduce(full.clone(), group=group.process_group), args.repeat)
+    torch_rs = best_time(lambda: dist.reduce_scatter_tensor(out, full, group=group.process_group), args.repeat)
+    ours = best_time(lambda: comm.reduce_scatter(full, group), args.repeat)
+    all_reduce = best_time(lambda: dist.all_reduce(full.clone(), group=group.process_group), args.repeat)
     torch.testing.assert_close(comm.reduce_scatter(full, group), (dist.reduce_scatter_tensor(out, full, group=group.process_group), out)[1])
     if dist.get_rank() == 0:
         print(f"{world} ranks, {args.mib} MiB float32 message, best of {args.repeat}")

@@ -10,7 +10,6 @@ DTensor a dispatch mode counting the c10d functional collectives at the same rin
 from __future__ import annotations
 
 import argparse
-import time
 from fractions import Fraction
 
 import torch
@@ -27,6 +26,7 @@ from fourfold.grid import Grid, init_process_group
 from fourfold.layout import Layout
 from fourfold.tensor.block import ParallelBlock, TensorOptions, rotary
 from fourfold.volumes import bytes_sent
+from timing import best_time  # benchmarks/timing.py, beside this file
 
 
 class CountCollectives(TorchDispatchMode):
@@ -95,18 +95,6 @@ def dtensor_block(cfg: BlockConfig, world: int) -> nn.Module:
     return parallelize_module(block, mesh, plan)
 
 
-def timed_step(step, repeat):
-    step()
-    best = float("inf")
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=1024)
@@ -139,7 +127,7 @@ def main() -> None:
             block.zero_grad(set_to_none=True)
             block(h, pos).sum().backward()
 
-        seconds = timed_step(step, args.repeat)
+        seconds = best_time(step, args.repeat)
         grid.ledger.reset()
         step()
         results.append((label, seconds, float(grid.ledger.total())))
@@ -151,7 +139,7 @@ def main() -> None:
         x = DTensor.from_local(h, block.q.weight.device_mesh, [Shard(1)], run_check=False)
         block(x).to_local().sum().backward()
 
-    seconds = timed_step(dstep, args.repeat)
+    seconds = best_time(dstep, args.repeat)
     with CountCollectives() as counter:
         dstep()
     results.append(("torch DTensor TP (tp=8, SequenceParallel)", seconds, float(counter.bytes)))

@@ -6,18 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fourfold.layout import DEFAULT_ORDER, DIMS, GridError, Layout
-
-
-def factorisations(n: int, k: int = len(DIMS)):
-    """Every ordered k-tuple of positive integers whose product is n."""
-    if k == 1:
-        yield (n,)
-        return
-    for d in range(1, n + 1):
-        if n % d == 0:
-            for rest in factorisations(n // d, k - 1):
-                yield (d, *rest)
+from fourfold.layout import DEFAULT_ORDER, DIMS, GridError, Layout, factorisations
 
 
 ALL_8 = [dict(zip(DIMS, f)) for f in factorisations(8)]

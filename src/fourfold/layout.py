@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 DIMS = ("dp", "pp", "cp", "x", "y", "z")
 DEFAULT_ORDER = ("x", "y", "z", "cp", "dp", "pp")
@@ -151,6 +151,17 @@ class Layout:
     def __str__(self) -> str:
         dims = ",".join(f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "dp=1"
         return f"{dims} (order {','.join(self.order)})"
+
+
+def factorisations(n: int, k: int = len(DIMS)) -> Iterator[tuple[int, ...]]:
+    """Every ordered k-tuple of positive integers whose product is n."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in factorisations(n // d, k - 1):
+                yield (d, *rest)
 
 
 def _as_dims(dims: str | Iterable[str]) -> tuple[str, ...]:

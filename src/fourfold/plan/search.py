@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterator
-
 from fourfold.blockspec import attention_chunks, mlp_chunks
-from fourfold.layout import DEFAULT_ORDER, GridError
+from fourfold.layout import DEFAULT_ORDER, GridError, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.plan.memory import RECOMPUTE, Setup, estimate_memory
@@ -56,22 +54,12 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = Ca
     }
 
 
-def _factorisations(n: int, k: int) -> Iterator[tuple[int, ...]]:
-    if k == 1:
-        yield (n,)
-        return
-    for d in range(1, n + 1):
-        if n % d == 0:
-            for rest in _factorisations(n // d, k - 1):
-                yield (d, *rest)
-
-
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Setup, *, micro_batches=(1, 2, 4, 8),
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False) -> list[dict]:
     """Every valid (dp, pp, cp, x, y, z), micro-batch, order and recompute option on `gpus`, best first."""
     results = []
     orders = ORDERS if base.framework == "fourfold" else [DEFAULT_ORDER]
-    for dp, pp, cp, x, y, z in _factorisations(gpus, 6):
+    for dp, pp, cp, x, y, z in factorisations(gpus):
         if base.framework == "megatron" and (x != 1 or z != 1):
             continue
         for mb in micro_batches:
