@@ -13,6 +13,7 @@ from fourfold.tensor import init
 from fourfold.tensor.block import ParallelBlock, TensorOptions
 from fourfold.tensor.linear import ParallelLinear, RowSource
 from fourfold.tensor.norm import ParallelNorm
+from fourfold.tensor.params import describe
 from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
 
 RECOMPUTE = ("none", "selective", "full")
@@ -28,7 +29,7 @@ class PositionEmbedding(nn.Module):
         rows = torch.arange(cfg.max_positions)[:, None]
         cols = torch.arange(local)[None, :] + x.rank * local
         self.weight = nn.Parameter(init.normal(seed, "positions", rows * cfg.hidden + cols, std, opts.dtype))
-        self.weight.grad_sum_dims = ("z", "y") if opts.seq_parallel else ("z",)
+        describe(self.weight, grad_sum=("z", "y") if opts.seq_parallel else ("z",), replicated=("y", "z"))
         self.seq_parallel = opts.seq_parallel
 
     def forward(self, seq: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ from fourfold.blockspec import LINEAR_KINDS
 from fourfold.grid import Grid
 from fourfold.layout import GridError
 from fourfold.tensor import init
+from fourfold.tensor.params import describe
 
 SEQ_DIM, FEATURE_DIM = 1, -1
 REDUCTIONS = ("all_reduce", "scatter_tokens", "scatter_features")
@@ -203,13 +204,14 @@ class ParallelLinear(nn.Module):
         self.grid, self.reduction, self.input_gather, self.keep_weight = grid, reduction, input_gather, keep_weight
         self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
         self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
-        self.weight.grad_sum_dims = ()  # complete after the reduce-scatter over z
+        describe(self.weight)  # its gradient is complete after the reduce-scatter over z
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.matrix.block_shape[0], dtype=dtype))  # GPT-2 starts biases at 0
             # The bias is added after the reduction: its gradient is a sum over the local tokens
             # (split over z, and over the in-dim when scattering tokens) and, when scattering
             # features, only this rank's slice is filled.
-            self.bias.grad_sum_dims = ("z",) if reduction == "all_reduce" else ("z", self.matrix.in_dim)
+            describe(self.bias, grad_sum=("z",) if reduction == "all_reduce" else ("z", self.matrix.in_dim),
+                     replicated=(self.matrix.in_dim, "z"))
         else:
             self.register_parameter("bias", None)
 

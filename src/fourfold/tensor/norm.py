@@ -12,6 +12,7 @@ from torch import nn
 from fourfold import comm
 from fourfold.grid import Grid
 from fourfold.layout import GridError
+from fourfold.tensor.params import describe
 from fourfold.tensor.regions import all_reduce_partial
 
 
@@ -26,10 +27,10 @@ class ParallelNorm(nn.Module):
         # Tokens are split over z (and over y with sequence parallelism); without it the y ranks
         # compute the same gradient, so it must not be summed over y.
         sum_dims = ("z", "y") if seq_parallel else ("z",)
-        self.weight.grad_sum_dims = sum_dims
+        describe(self.weight, grad_sum=sum_dims, replicated=("y", "z"))
         if kind == "layer":
             self.bias = nn.Parameter(torch.zeros(local, dtype=dtype))
-            self.bias.grad_sum_dims = sum_dims
+            describe(self.bias, grad_sum=sum_dims, replicated=("y", "z"))
         else:
             self.register_parameter("bias", None)
 

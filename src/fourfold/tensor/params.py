@@ -17,6 +17,14 @@ from fourfold.grid import Grid
 Read = Callable[[str, slice, "slice | None"], torch.Tensor]
 
 
+def describe(p: nn.Parameter, *, grad_sum: tuple[str, ...] = (), replicated: tuple[str, ...] = ()) -> None:
+    """Say how a parallel parameter is laid out, for gradient synchronisation and global norms:
+    `grad_sum`, the tensor dims its gradient must be summed over (its tokens, or its filled
+    slice, were split over them); `replicated`, the tensor dims holding identical copies of it."""
+    p.grad_sum_dims = grad_sum
+    p.replicated_dims = replicated
+
+
 def dict_reader(weights: dict[str, torch.Tensor]) -> Read:
     """A `Read` over serial tensors held in memory."""
 

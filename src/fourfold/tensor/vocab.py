@@ -16,6 +16,7 @@ from fourfold import comm
 from fourfold.comm import Group
 from fourfold.grid import Grid
 from fourfold.tensor.linear import SEQ_DIM, RowSource, ShardedMatrix
+from fourfold.tensor.params import describe
 from fourfold.tensor.regions import all_gather, all_reduce_replicated, reduce_scatter
 
 
@@ -26,7 +27,7 @@ class ParallelEmbedding(nn.Module):
         self.grid, self.seq_parallel, self.name = grid, seq_parallel, name
         self.matrix = ShardedMatrix(grid, [RowSource(name, 0, vocab)], hidden, "x-in", name)
         self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
-        self.weight.grad_sum_dims = ()
+        describe(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""

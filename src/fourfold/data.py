@@ -1,0 +1,181 @@
+"""Data parallelism over dp*cp: bucketed gradient reduction launched during backward, a sharded
+(ZeRO-1) or replicated AdamW with fp32 master weights, and exact global-norm clipping.
+
+Each parameter's gradient is reduced over dp and cp, plus the tensor dims named in its
+`grad_sum_dims` (a norm weight's tokens were split over z too), so one collective per bucket
+does both. Buckets fill in the order gradients become final in backward (the order layers
+really run), each launched asynchronously when full; the rest are launched by `finish()`.
+Under gradient accumulation, hooks only accumulate until the micro-batch that is run with
+`sync=True`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold import comm
+from fourfold.comm import Group, Pending
+from fourfold.grid import Grid
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """Gradients accumulate and master weights live in fp32 (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass
+class Bucket:
+    group: Group
+    params: list[nn.Parameter] = field(default_factory=list)
+    numel: int = 0
+    pending: Pending | None = None
+    reduced: torch.Tensor | None = None  # this rank's shard (ZeRO-1) or the whole bucket
+
+    def padded(self) -> int:
+        return -(-self.numel // self.group.size) * self.group.size
+
+    def shard_range(self, sharded: bool) -> tuple[int, int]:
+        if not sharded:
+            return 0, self.padded()
+        n = self.padded() // self.group.size
+        return self.group.rank * n, (self.group.rank + 1) * n
+
+
+class GradientSync:
+    """Owns fp32 gradient accumulators (`p.main_grad`) and reduces them in buckets."""
+
+    def __init__(self, model: nn.Module, grid: Grid, *, bucket_mb: float = 25.0, shard: bool = True):
+        self.grid, self.shard = grid, shard
+        self.bucket_bytes = bucket_mb * 2**20
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for p in self.params:
+            p.main_grad = torch.zeros_like(p, dtype=_at_least_fp32(p.dtype))
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.sync = True
+        self.buckets: list[Bucket] = []  # fixed by the first synchronised backward
+        self._ready: set[int] = set()
+        self._open: dict[tuple[str, ...], Bucket] = {}
+        self._frozen = False
+
+    def _key(self, p: nn.Parameter) -> tuple[str, ...]:
+        return ("dp", "cp", *p.grad_sum_dims)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        p.main_grad += p.grad  # fp32 accumulation across micro-batches
+        p.grad = None
+        if not self.sync:
+            return
+        if not self._frozen:
+            self._place(p)
+        self._ready.add(id(p))
+        for bucket in self.buckets:
+            if bucket.pending is None and all(id(q) in self._ready for q in bucket.params) and self._closed(bucket):
+                self._launch(bucket)
+
+    def _place(self, p: nn.Parameter) -> None:
+        key = self._key(p)
+        bucket = self._open.get(key)
+        if bucket is None:
+            bucket = self._open[key] = Bucket(self.grid.group(key))
+            self.buckets.append(bucket)
+        bucket.params.append(p)
+        bucket.numel += p.numel()
+        if bucket.numel * 4 >= self.bucket_bytes:
+            del self._open[key]  # full: launched as soon as its gradients are ready (now)
+
+    def _closed(self, bucket: Bucket) -> bool:
+        return self._frozen or bucket not in self._open.values()
+
+    def _launch(self, bucket: Bucket) -> None:
+        flat = torch.cat([p.main_grad.reshape(-1) for p in bucket.params])
+        flat = F.pad(flat, (0, bucket.padded() - bucket.numel))
+        if self.shard:
+            bucket.pending = comm.reduce_scatter(flat, bucket.group, async_op=True)
+        else:
+            bucket.pending = comm.all_reduce(flat, bucket.group, async_op=True)
+
+    def finish(self) -> list[Bucket]:
+        """Launch what is left, wait for every bucket, zero the accumulators; returns the buckets."""
+        if not self._frozen:  # parameters that got no gradient still need a bucket
+            placed = {id(q) for b in self.buckets for q in b.params}
+            for p in self.params:
+                if id(p) not in placed:
+                    self._place(p)
+        self._frozen = True
+        self._open.clear()
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.reduced = bucket.pending.wait()
+            bucket.pending = None
+        for p in self.params:
+            p.main_grad.zero_()
+        self._ready.clear()
+        return self.buckets
+
+
+class AdamW:
+    """AdamW (decoupled weight decay) on fp32 master weights, bucket by bucket: with ZeRO-1 each
+    rank updates its shard of each bucket and the updated parameters are all-gathered."""
+
+    def __init__(self, sync: GradientSync, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, clip_norm: float | None = None):
+        self.sync, self.lr, self.betas, self.eps, self.wd, self.clip = sync, lr, betas, eps, weight_decay, clip_norm
+        self.step_count = 0
+        self.state: list[dict[str, torch.Tensor]] = []
+        self.last_norm = math.nan
+
+    def _flat_params(self, bucket: Bucket) -> torch.Tensor:
+        flat = torch.cat([p.detach().reshape(-1).to(_at_least_fp32(p.dtype)) for p in bucket.params])
+        return F.pad(flat, (0, bucket.padded() - bucket.numel))
+
+    def _copies(self, bucket: Bucket) -> torch.Tensor:
+        """For each element of the bucket: how many ranks of the world hold it after reduction.
+        Its tensor-grid copies times dp*cp replicas; with ZeRO-1 one rank of the bucket's group
+        (dp, cp and the dims its gradient was summed over) holds it."""
+        grid = self.sync.grid
+        per_param = [torch.full((p.numel(),), float(grid.size(p.replicated_dims))) for p in bucket.params]
+        flat = F.pad(torch.cat(per_param), (0, bucket.padded() - bucket.numel), value=1.0)
+        return flat * grid.size(("dp", "cp")) / (bucket.group.size if self.sync.shard else 1)
+
+    def global_norm(self, buckets: list[Bucket]) -> float:
+        """Exact global gradient norm: each element counted once over every shard and replica."""
+        total = torch.zeros((), dtype=torch.float64)
+        for bucket, state in zip(buckets, self.state):
+            total += (bucket.reduced.double().pow(2) / state["copies"]).sum()
+        comm.all_reduce(total, self.sync.grid.group(("dp", "pp", "cp", "x", "y", "z")))
+        return total.sqrt().item()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        buckets = self.sync.finish()
+        if not self.state:
+            for bucket in buckets:
+                lo, hi = bucket.shard_range(self.sync.shard)
+                master = self._flat_params(bucket)[lo:hi].clone()
+                self.state.append({"master": master, "m": torch.zeros_like(master), "v": torch.zeros_like(master),
+                                   "copies": self._copies(bucket)[lo:hi]})
+        self.last_norm = self.global_norm(buckets)
+        scale = 1.0
+        if self.clip is not None and self.last_norm > self.clip:
+            scale = self.clip / (self.last_norm + 1e-6)
+        self.step_count += 1
+        b1, b2 = self.betas
+        for bucket, s in zip(buckets, self.state):
+            g = bucket.reduced * scale
+            s["m"].mul_(b1).add_(g, alpha=1 - b1)
+            s["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            m_hat = s["m"] / (1 - b1**self.step_count)
+            v_hat = s["v"] / (1 - b2**self.step_count)
+            s["master"].mul_(1 - self.lr * self.wd).addcdiv_(m_hat, v_hat.sqrt().add_(self.eps), value=-self.lr)
+            full = comm.all_gather(s["master"], bucket.group) if self.sync.shard else s["master"]
+            offset = 0
+            for p in bucket.params:
+                p.copy_(full[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
