@@ -8,6 +8,7 @@ from fourfold.grid import Grid
 from fourfold.layout import Layout
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
+from fourfold.overlap import OverlapOptions
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import full_weights
 
@@ -23,10 +24,11 @@ def _batches(cfg):
     return [torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS * ACCUMULATE)]
 
 
-def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb):
+def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOptions(), recompute="none"):
     layout = Layout(**sizes)
     grid = Grid(layout)
-    model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel), seed=5, std=0.3)
+    opts = TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel, overlap=overlap)
+    model = Transformer(grid, cfg, opts, seed=5, std=0.3, recompute=recompute)
     sync = GradientSync(model, grid, shard=shard, bucket_mb=bucket_mb)
     opt = AdamW(sync, lr=1e-2, weight_decay=0.1, clip_norm=clip)
     c = grid.coords
@@ -39,7 +41,8 @@ def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb):
             (model(local[:, :-1], local[:, 1:]).sum() / (ACCUMULATE * ids[:, 1:].numel())).backward()
         opt.step()
         norms.append(opt.last_norm)
-    return full_weights(model), norms
+    sent = grid.ledger.bytes()
+    return full_weights(model), norms, sent
 
 
 def _serial(cfg, clip):
@@ -70,13 +73,33 @@ GRIDS = [dict(dp=8), dict(dp=2, x=2, y=2), dict(dp=2, y=2, z=2), dict(dp=4, z=2)
 @pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
 def test_steps_equal_serial(ranks, serial, sizes, shard):
     for cfg, clip, seq_parallel, bucket_mb in [(CFG, 0.5, False, 0.001), (GPT, None, True, 25.0)]:
-        weights, norms = ranks.run(_train, 8, cfg, sizes, shard, clip, seq_parallel, bucket_mb)[0]
-        ref_weights, ref_norms = serial[(cfg.family, clip)]
-        assert norms == pytest.approx(ref_norms, rel=1e-10)
-        for name, ref in ref_weights.items():
-            if cfg.family == "gpt2" and name.endswith("attn.k.bias"):
-                # Its gradient is zero in exact arithmetic (softmax ignores a constant added to every
-                # score, and GPT-2 has no RoPE): Adam turns the rounding noise into full-size steps.
-                continue
-            err = ((weights[name] - ref).abs().max() / ref.abs().max()).item()
-            assert err < 1e-10, (cfg.family, name, err)
+        weights, norms, _ = ranks.run(_train, 8, cfg, sizes, shard, clip, seq_parallel, bucket_mb)[0]
+        _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
+
+
+def _assert_equal(cfg, got, expected):
+    (weights, norms), (ref_weights, ref_norms) = got, expected
+    assert norms == pytest.approx(ref_norms, rel=1e-10)
+    for name, ref in ref_weights.items():
+        if cfg.family == "gpt2" and name.endswith("attn.k.bias"):
+            # Its gradient is zero in exact arithmetic (softmax ignores a constant added to every
+            # score, and GPT-2 has no RoPE): Adam turns the rounding noise into full-size steps.
+            continue
+        err = ((weights[name] - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-10, (cfg.family, name, err)
+
+
+SWITCHES = [OverlapOptions(False, False, False), OverlapOptions(True, False, False), OverlapOptions(False, True, False),
+            OverlapOptions(False, False, True), OverlapOptions()]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_every_overlap_switch_changes_nothing(ranks, serial, recompute):
+    """Values equal the serial run's and the bytes sent are the same with each switch on or off."""
+    sent = []
+    for overlap in SWITCHES:
+        weights, norms, ledger = ranks.run(_train, 8, CFG, dict(dp=2, x=2, z=2), True, 0.5, False, 0.001, overlap,
+                                           recompute)[0]
+        _assert_equal(CFG, (weights, norms), serial[(CFG.family, 0.5)])
+        sent.append(ledger)
+    assert all(s == sent[0] for s in sent[1:])

@@ -32,6 +32,7 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
 class Bucket:
     group: Group
     params: list[nn.Parameter] = field(default_factory=list)
+    ids: set[int] = field(default_factory=set)
     numel: int = 0
     pending: Pending | None = None
     reduced: torch.Tensor | None = None  # this rank's shard (ZeRO-1) or the whole bucket
@@ -47,7 +48,12 @@ class Bucket:
 
 
 class GradientSync:
-    """Owns fp32 gradient accumulators (`p.main_grad`) and reduces them in buckets."""
+    """Owns the gradient accumulators (`p.main_grad`, fp32 at least) and reduces them in buckets.
+
+    The first synchronised backward is traced: buckets are filled in the order gradients become
+    final and each parameter's number of gradient arrivals is counted (a tied weight gets two);
+    everything is reduced at `finish()`. From then on a bucket is launched, async, as soon as
+    each of its parameters has had all its arrivals."""
 
     def __init__(self, model: nn.Module, grid: Grid, *, bucket_mb: float = 25.0, shard: bool = True):
         self.grid, self.shard = grid, shard
@@ -56,40 +62,42 @@ class GradientSync:
         for p in self.params:
             p.main_grad = torch.zeros_like(p, dtype=_at_least_fp32(p.dtype))
             p.register_post_accumulate_grad_hook(self._on_grad)
+            p.grad_ready = self._on_grad  # for gradients that land later (fourfold.overlap)
         self.sync = True
-        self.buckets: list[Bucket] = []  # fixed by the first synchronised backward
-        self._ready: set[int] = set()
+        self.buckets: list[Bucket] = []
+        self._expected: dict[int, int] = {}  # arrivals per parameter, from the traced backward
+        self._arrived: dict[int, int] = {}
         self._open: dict[tuple[str, ...], Bucket] = {}
-        self._frozen = False
-
-    def _key(self, p: nn.Parameter) -> tuple[str, ...]:
-        return ("dp", "cp", *p.grad_sum_dims)
+        self._traced = False
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        p.main_grad += p.grad  # fp32 accumulation across micro-batches
+        if p.grad is None:  # autograd calls the hook even when a layer deferred its gradient
+            return
+        p.main_grad += p.grad
         p.grad = None
         if not self.sync:
             return
-        if not self._frozen:
-            self._place(p)
-        self._ready.add(id(p))
+        self._arrived[id(p)] = self._arrived.get(id(p), 0) + 1
+        if not self._traced:
+            if self._arrived[id(p)] == 1:
+                self._place(p)
+            return
         for bucket in self.buckets:
-            if bucket.pending is None and all(id(q) in self._ready for q in bucket.params) and self._closed(bucket):
+            if bucket.pending is None and id(p) in bucket.ids and all(
+                    self._arrived.get(i, 0) == self._expected[i] for i in bucket.ids):
                 self._launch(bucket)
 
     def _place(self, p: nn.Parameter) -> None:
-        key = self._key(p)
+        key = ("dp", "cp", *p.grad_sum_dims)
         bucket = self._open.get(key)
         if bucket is None:
             bucket = self._open[key] = Bucket(self.grid.group(key))
             self.buckets.append(bucket)
         bucket.params.append(p)
+        bucket.ids.add(id(p))
         bucket.numel += p.numel()
         if bucket.numel * 4 >= self.bucket_bytes:
-            del self._open[key]  # full: launched as soon as its gradients are ready (now)
-
-    def _closed(self, bucket: Bucket) -> bool:
-        return self._frozen or bucket not in self._open.values()
+            del self._open[key]
 
     def _launch(self, bucket: Bucket) -> None:
         flat = torch.cat([p.main_grad.reshape(-1) for p in bucket.params])
@@ -101,13 +109,13 @@ class GradientSync:
 
     def finish(self) -> list[Bucket]:
         """Launch what is left, wait for every bucket, zero the accumulators; returns the buckets."""
-        if not self._frozen:  # parameters that got no gradient still need a bucket
-            placed = {id(q) for b in self.buckets for q in b.params}
-            for p in self.params:
-                if id(p) not in placed:
+        if not self._traced:
+            for p in self.params:  # parameters that got no gradient still need a bucket
+                if id(p) not in self._arrived:
                     self._place(p)
-        self._frozen = True
-        self._open.clear()
+            self._expected = {id(p): self._arrived.get(id(p), 0) for p in self.params}
+            self._traced = True
+            self._open.clear()
         for bucket in self.buckets:
             if bucket.pending is None:
                 self._launch(bucket)
@@ -116,7 +124,7 @@ class GradientSync:
             bucket.pending = None
         for p in self.params:
             p.main_grad.zero_()
-        self._ready.clear()
+        self._arrived.clear()
         return self.buckets
 
 

@@ -11,6 +11,7 @@ rank's traceback; ranks that do not answer within the timeout are killed and the
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -48,6 +49,9 @@ def _worker(index: int, store_port: int, tasks, results) -> None:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # Models hold their groups in reference cycles (hooks); free them now, or every old
+            # world's gloo threads keep competing for the cores.
+            gc.collect()
 
 
 class RankPool:

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from fourfold import comm
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
+from fourfold.overlap import Overlapper
 from fourfold.tensor import init
 from fourfold.tensor.block import ParallelBlock, TensorOptions
 from fourfold.tensor.linear import ParallelLinear, RowSource
@@ -65,20 +66,21 @@ class Transformer(nn.Module):
             raise ValueError(f"recompute {recompute!r} must be one of {', '.join(RECOMPUTE)}")
         self.grid, self.cfg, self.opts, self.recompute = grid, cfg, opts, recompute
         block = cfg.block
+        self.overlap = Overlapper(opts.overlap, grid.group("z"))  # one prefetch order for all layers
         out_std = std / (2 * cfg.layers) ** 0.5  # GPT-2's scaled init of the residual projections
         self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std, seq_parallel=opts.seq_parallel,
                                        dtype=opts.dtype)
         self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family == "gpt2" else None
         self.layers = nn.ModuleList(
             ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
-                          recompute_attention=recompute == "selective")
+                          recompute_attention=recompute == "selective", overlap=self.overlap)
             for i in range(cfg.layers)
         )
         self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
                                  dtype=opts.dtype, name="norm")
         self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed, std=std,
                                       input_gather="tokens" if opts.seq_parallel else "none", dtype=opts.dtype,
-                                      name="lm_head")
+                                      name="lm_head", overlap=self.overlap)
         if cfg.tied:
             self.lm_head.weight = self.embed.weight
             self.lm_head.matrix = self.embed.matrix
@@ -86,6 +88,7 @@ class Transformer(nn.Module):
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel logits [batch/z, seq, vocab/y] (replicated over x)."""
         seq = ids.shape[1]
+        self.overlap.new_pass()
         h = self.embed(ids)
         if self.positions is not None:
             h = h + self.positions(seq)

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fourfold.blockspec import BlockConfig, attention_chunks, mlp_chunks
 from fourfold.grid import Grid
+from fourfold.overlap import Overlapper, OverlapOptions
 from fourfold.tensor.linear import ParallelLinear, RowSource
 from fourfold.tensor.norm import ParallelNorm
 
@@ -27,6 +28,7 @@ class TensorOptions:
     seq_parallel: bool = False  # residual stream, norms on seq/y tokens (Megatron-SP generalised)
     keep_weights: bool = False  # keep each gathered weight from forward to backward
     non_redundant: bool = True  # False: the published all-reduce path, attention/MLP replicated over x
+    overlap: OverlapOptions = OverlapOptions()
     dtype: torch.dtype = torch.float32
 
 
@@ -47,7 +49,7 @@ def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 class ParallelAttention(nn.Module):
     def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float,
-                 prefix: str, recompute_core: bool = False):
+                 prefix: str, overlap: Overlapper, recompute_core: bool = False):
         super().__init__()
         self.cfg, self.recompute_core = cfg, recompute_core
         chunks = attention_chunks(cfg, grid.size("x"), grid.size("y"), opts.non_redundant)
@@ -62,7 +64,7 @@ class ParallelAttention(nn.Module):
                 RowSource(f"{prefix}.k", c * self.kv_heads * d, self.kv_heads * d),
                 RowSource(f"{prefix}.v", c * self.kv_heads * d, self.kv_heads * d),
             ]
-        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype)
+        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype, overlap=overlap)
         self.qkv = ParallelLinear(
             grid, cfg.hidden, rows, "x-in", std=std, name=f"{prefix}.qkv",
             reduction="scatter_features" if self.own_heads else "all_reduce",
@@ -95,7 +97,8 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float, prefix: str):
+    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float,
+                 prefix: str, overlap: Overlapper):
         super().__init__()
         self.cfg = cfg
         chunks = mlp_chunks(cfg, grid.size("x"), grid.size("y"), opts.non_redundant)
@@ -105,7 +108,7 @@ class ParallelMLP(nn.Module):
             rows = [RowSource(f"{prefix}.{n}", c * f, f) for c in range(chunks) for n in ("gate", "up")]
         else:
             rows = [RowSource(f"{prefix}.fc", 0, cfg.ffn)]
-        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype)
+        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype, overlap=overlap)
         self.up = ParallelLinear(
             grid, cfg.hidden, rows, "x-in", std=std, name=f"{prefix}.up",
             reduction="scatter_features" if own else "all_reduce",
@@ -131,15 +134,18 @@ class ParallelBlock(nn.Module):
     """h + attn(norm(h)), then + mlp(norm(h)): a pre-norm Llama/GPT block."""
 
     def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float = 0.02,
-                 out_std: float | None = None, prefix: str = "block", recompute_attention: bool = False):
+                 out_std: float | None = None, prefix: str = "block", recompute_attention: bool = False,
+                 overlap: Overlapper | None = None):
         super().__init__()
         out_std = std if out_std is None else out_std
+        overlap = overlap or Overlapper(opts.overlap, grid.group("z"))
         norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype)
         self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
         self.attn = ParallelAttention(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.attn",
-                                      recompute_core=recompute_attention)
+                                      overlap=overlap, recompute_core=recompute_attention)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
-        self.mlp = ParallelMLP(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.mlp")
+        self.mlp = ParallelMLP(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.mlp",
+                               overlap=overlap)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), positions)

@@ -27,6 +27,7 @@ from fourfold import comm
 from fourfold.blockspec import LINEAR_KINDS
 from fourfold.grid import Grid
 from fourfold.layout import GridError
+from fourfold.overlap import Overlapper, OverlapOptions
 from fourfold.tensor import init
 from fourfold.tensor.params import describe
 
@@ -151,7 +152,7 @@ class _Linear3D(torch.autograd.Function):
         in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
         if layer.input_gather != "none":
             x = comm.all_gather(x, out_group, dim=SEQ_DIM if layer.input_gather == "tokens" else x.dim() - 1)
-        weight = m.gather_block(shard)
+        weight = layer.gather_weight(shard)
         y = x @ weight.t()
         if layer.reduction == "all_reduce":
             y = comm.all_reduce(y, in_group)
@@ -169,16 +170,18 @@ class _Linear3D(torch.autograd.Function):
         x, saved = ctx.saved_tensors
         if layer.reduction != "all_reduce":
             dy = comm.all_gather(dy, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else dy.dim() - 1)
-        weight = saved if layer.keep_weight else m.gather_block(saved)
+        weight = saved if layer.keep_weight else layer.gather_weight(saved)
         dx = dy @ weight
+        overlap = layer.overlap.options.input_grad
         if layer.input_gather == "none":
-            pending = comm.all_reduce(dx, out_group, async_op=True)
+            pending = comm.all_reduce(dx, out_group, async_op=overlap)
         else:
-            pending = comm.reduce_scatter(dx, out_group, dim=SEQ_DIM if layer.input_gather == "tokens" else dx.dim() - 1, async_op=True)
-        # The dW GEMM runs while the input-gradient collective is in flight.
+            dim = SEQ_DIM if layer.input_gather == "tokens" else dx.dim() - 1
+            pending = comm.reduce_scatter(dx, out_group, dim=dim, async_op=overlap)
+        # With overlap on, the dW GEMM runs while the input-gradient collective is in flight.
         dweight = dy.reshape(-1, m.block_shape[0]).t() @ x.reshape(-1, m.block_shape[1])
-        dshard = comm.reduce_scatter(m.pad(dweight), grid.group("z"))
-        return pending.wait(), dshard, None
+        dshard = layer.overlap.weight_grad(layer.weight, m.pad(dweight))
+        return pending.wait() if overlap else pending, dshard, None
 
 
 class ParallelLinear(nn.Module):
@@ -194,7 +197,7 @@ class ParallelLinear(nn.Module):
     def __init__(
         self, grid: Grid, in_features: int, rows: Sequence[RowSource], kind: str, *, seed: int, std: float,
         bias: bool = False, reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
-        dtype: torch.dtype = torch.float32, name: str = "linear",
+        dtype: torch.dtype = torch.float32, name: str = "linear", overlap: Overlapper | None = None,
     ):
         super().__init__()
         if reduction not in REDUCTIONS:
@@ -203,6 +206,8 @@ class ParallelLinear(nn.Module):
             raise ValueError(f"input_gather {input_gather!r} must be one of {', '.join(GATHERS)}")
         self.grid, self.reduction, self.input_gather, self.keep_weight = grid, reduction, input_gather, keep_weight
         self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
+        # Shared with the model's other layers for prefetching; a layer on its own gets its own.
+        self.overlap = overlap or Overlapper(OverlapOptions(), grid.group("z"))
         self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
         describe(self.weight)  # its gradient is complete after the reduce-scatter over z
         if bias:
@@ -214,6 +219,9 @@ class ParallelLinear(nn.Module):
                      replicated=(self.matrix.in_dim, "z"))
         else:
             self.register_parameter("bias", None)
+
+    def gather_weight(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.overlap.gather(self.matrix, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _Linear3D.apply(x, self.weight, self)
