@@ -32,7 +32,7 @@ def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOpti
     sync = GradientSync(model, grid, shard=shard, bucket_mb=bucket_mb)
     opt = AdamW(sync, lr=1e-2, weight_decay=0.1, clip_norm=clip)
     c = grid.coords
-    norms, ledgers = [], []
+    norms = []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
             ids = _batches(cfg)[step * ACCUMULATE + micro]

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from fourfold.models.config import load_config
 from fourfold.plan.hardware import make_cluster
-from fourfold.plan.memory import GIB, Setup, estimate_memory, fourfold_memory, megatron_memory
-from fourfold.plan.search import check, evaluate, search
+from fourfold.plan.memory import GIB, Setup, fourfold_memory, megatron_memory
+from fourfold.plan.search import check, search
 
 LLAMA7 = load_config("llama-2-7b")
 

@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fourfold import comm
 from fourfold.blockspec import BlockConfig

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
-import os
 import queue
 import sys
 import time
@@ -43,23 +42,26 @@ def _worker(index: int, store_port: int, tasks, results) -> None:
                 "gloo", store=dist.PrefixStore(f"job{job}", store), rank=index, world_size=world,
                 timeout=timedelta(seconds=timeout_s),
             )
+            dist.barrier()  # every rank connected before any can finish and tear its side down
             results.put((job, index, True, fn(*args)))
         except BaseException:  # report everything, including assertion failures, to the test
             results.put((job, index, False, traceback.format_exc()))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            # Models hold their groups in reference cycles (hooks); free them now, or every old
-            # world's gloo threads keep competing for the cores.
-            gc.collect()
+            gc.collect()  # models hold their groups in reference cycles (hooks): free what can be
 
 
 class RankPool:
-    def __init__(self, max_ranks: int = 8, timeout_s: float = 300.0):
+    def __init__(self, max_ranks: int = 8, timeout_s: float = 300.0, jobs_per_worker: int = 12):
         self.max_ranks = max_ranks
         self.timeout_s = timeout_s
+        # gloo groups of finished worlds are not all freed (their sockets stay connected and
+        # their threads keep polling), so workers are replaced after this many jobs.
+        self.jobs_per_worker = jobs_per_worker
         self._procs: list = []
         self._job = 0
+        self._jobs_here = 0
 
     def _start(self) -> None:
         import torch.distributed as dist
@@ -96,9 +98,13 @@ class RankPool:
     def run(self, fn: Callable[..., Any], nranks: int, *args: Any) -> list[Any]:
         if not 1 <= nranks <= self.max_ranks:
             raise ValueError(f"nranks={nranks} must be between 1 and the pool's {self.max_ranks}")
+        if self._procs and self._jobs_here >= self.jobs_per_worker:
+            self.close()
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self._kill()
             self._start()
+            self._jobs_here = 0
+        self._jobs_here += 1
         self._job += 1
         for i in range(nranks):
             self._tasks[i].put((self._job, nranks, fn, args, list(sys.path), self.timeout_s))
