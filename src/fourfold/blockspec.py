@@ -15,6 +15,7 @@ NORMS = ("rms", "layer")
 # A linear layer's kind -> (grid dim splitting its input features K, dim splitting its outputs N).
 LINEAR_KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+RECOMPUTE = ("none", "selective", "full")  # activation checkpointing per block
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fourfold import comm
+from fourfold.blockspec import RECOMPUTE
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
 from fourfold.overlap import Overlapper
@@ -17,7 +18,6 @@ from fourfold.tensor.norm import ParallelNorm
 from fourfold.tensor.params import describe
 from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
 
-RECOMPUTE = ("none", "selective", "full")
 
 
 class PositionEmbedding(nn.Module):

@@ -7,10 +7,11 @@ import json
 import sys
 import time
 
+from fourfold.blockspec import RECOMPUTE
 from fourfold.layout import GridError
 from fourfold.models.config import load_config
 from fourfold.plan.hardware import CLUSTERS, GPUS, make_cluster
-from fourfold.plan.memory import FRAMEWORKS, RECOMPUTE, Setup
+from fourfold.plan.memory import FRAMEWORKS, Setup
 from fourfold.plan.perf import Calibration
 from fourfold.plan.search import evaluate, search
 
@@ -40,9 +41,8 @@ def add_config(p: argparse.ArgumentParser) -> None:
 
 
 def _setup(args, **extra) -> Setup:
-    s = Setup(seq=args.seq, global_batch=args.global_batch, framework=args.framework,
-              micro_batch=args.micro_batch or 1, recompute=args.recompute or "none", **extra)
-    return s
+    return Setup(seq=args.seq, global_batch=args.global_batch, framework=args.framework,
+                 micro_batch=args.micro_batch or 1, recompute=args.recompute or "none", **extra)
 
 
 def _context(args):

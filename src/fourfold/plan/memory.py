@@ -19,7 +19,6 @@ from fourfold.layout import DEFAULT_ORDER, Layout
 from fourfold.models.config import ModelConfig
 
 GIB = 2**30
-RECOMPUTE = ("none", "selective", "full")
 FRAMEWORKS = ("fourfold", "megatron")
 
 # Terms the 80% rule stands for, modelled (assumptions to calibrate; docs/planner.md).

@@ -12,7 +12,13 @@ from fourfold.blockspec import attention_chunks
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.plan.memory import Setup, layer_params
-from fourfold.volumes import Collective, block_passes, bytes_sent, embedding_passes, linear_passes
+from fourfold.volumes import (
+    Collective,
+    block_passes,
+    bytes_sent,
+    embedding_passes,
+    linear_passes,
+)
 
 EFFICIENCY_MAX = 0.8  # best fraction of peak a large bf16 GEMM reaches
 EFFICIENCY_HALF = 128  # GEMM dimension at which efficiency is half of the best

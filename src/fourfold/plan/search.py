@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from fourfold.blockspec import attention_chunks, mlp_chunks
+
+from fourfold.blockspec import RECOMPUTE, attention_chunks, mlp_chunks
 from fourfold.layout import DEFAULT_ORDER, GridError, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
-from fourfold.plan.memory import RECOMPUTE, Setup, estimate_memory
+from fourfold.plan.memory import Setup, estimate_memory
 from fourfold.plan.perf import Calibration, step_time
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
