@@ -11,6 +11,7 @@ Under gradient accumulation, hooks only accumulate until the micro-batch that is
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -63,6 +64,12 @@ class GradientSync:
             p.main_grad = torch.zeros_like(p, dtype=_at_least_fp32(p.dtype))
             p.register_post_accumulate_grad_hook(self._on_grad)
             p.grad_ready = self._on_grad  # for gradients that land later (fourfold.overlap)
+        if grid.size("pp") > 1:
+            # Groups are created collectively by every rank; pipeline stages hold different
+            # parameters, so each rank creates every group a bucket might use, now, in one order.
+            for r in range(4):
+                for dims in itertools.combinations(("x", "y", "z"), r):
+                    grid.group(("dp", "cp", *dims))
         self.sync = True
         self.buckets: list[Bucket] = []
         self._expected: dict[int, int] = {}  # arrivals per parameter, from the traced backward

@@ -41,7 +41,8 @@ class Overlapper:
 
     # ----- weight gathers --------------------------------------------------------------------
     def new_pass(self) -> None:
-        """Called when a forward pass starts: the calls of the pass that ended become the order."""
+        """Called when a pass starts (a whole model's forward, or a pipeline stage's schedule
+        step, whose micro-batches interleave): the calls of the pass that ended become the order."""
         self._discard_ahead()
         self._tracing = True
         if self._calls:

@@ -98,9 +98,19 @@ def norm_passes(sizes: dict, kind: str, tokens: int) -> Passes:
     return _passes(sizes, stats, stats)
 
 
+def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, non_redundant: bool = True) -> Passes:
+    """Ring attention over cp (`fourfold.context`) on `batch` sequences of `seq` local tokens:
+    keys and values go round the ring in forward and again in backward, and the dK, dV
+    accumulators make the whole round back to their owner."""
+    cp = sizes["cp"]
+    kv_heads = cfg.kv_heads // attention_chunks(cfg, sizes["x"], sizes["y"], non_redundant)
+    block = Collective("cp", "send", batch * kv_heads * seq * cfg.head_dim)
+    return _passes(sizes, [block] * 2 * (cp - 1), [block] * (2 * (cp - 1) + 2 * cp) if cp > 1 else [])
+
+
 def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
                  keep_weights: bool = False, non_redundant: bool = True) -> Passes:
-    """One `ParallelBlock` on `batch` local sequences of `seq` tokens."""
+    """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's)."""
     x, y = sizes["x"], sizes["y"]
     tokens = batch * seq
     stream = tokens // y if seq_parallel else tokens  # tokens of the residual stream on this rank
@@ -115,6 +125,7 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
         norm_passes(sizes, cfg.norm, stream)
         + linear_passes(sizes, "x-in", cfg.hidden, qkv_rows, tokens, input_gather=in_gather,
                         reduction="scatter_features" if own_heads else "all_reduce", **kw)
+        + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant)
         + linear_passes(sizes, "y-in", cfg.hidden, cfg.hidden, tokens, reduction=out_reduction,
                         input_gather="features" if own_heads else "none", **kw)
         + norm_passes(sizes, cfg.norm, stream)
@@ -143,24 +154,38 @@ def embedding_passes(sizes: dict, vocab: int, hidden: int, tokens: int, *, seq_p
 
 
 def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
-                      keep_weights: bool = False, non_redundant: bool = True, recompute: str = "none") -> list[Collective]:
+                      keep_weights: bool = False, non_redundant: bool = True, recompute: str = "none",
+                      layers: int | None = None, first: bool = True, last: bool = True) -> list[Collective]:
     """A `Transformer` forward and backward, loss included, on `batch` local sequences of `seq`
-    tokens. The synchronisation of replicated parameters' gradients is not included."""
+    tokens (this cp rank's); for a pipeline stage, its number of `layers` and whether it is the
+    `first` (embedding) or `last` (head and loss). Gradient synchronisation is not included."""
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens
     block = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
                          non_redundant=non_redundant)
     if recompute == "full":  # the block's forward runs again during backward, its collectives too
         block = Passes(block.forward, block.forward + block.backward)
-    loss = _passes(sizes, [Collective("y", "all_reduce", tokens)] * 3, [])  # max, sum of exp, target logit
-    return (
-        embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel)
-        + block * cfg.layers
-        + norm_passes(sizes, cfg.block.norm, stream)
-        + linear_passes(sizes, "x-in", cfg.hidden, cfg.vocab, tokens, input_gather="tokens" if seq_parallel else "none",
-                        keep_weight=keep_weights)
-        + loss
-    ).all()
+    elif recompute == "selective":  # the attention core, ring included, runs again in backward
+        ring = ring_attention_passes(cfg.block, sizes, batch, seq, non_redundant=non_redundant)
+        block = Passes(block.forward, ring.forward + block.backward)
+    total = block * (cfg.layers if layers is None else layers)
+    if first:
+        total = embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel) + total
+    if last:
+        loss = _passes(sizes, [Collective("y", "all_reduce", tokens)] * 3, [])  # max, sum of exp, target logit
+        total = (total + norm_passes(sizes, cfg.block.norm, stream)
+                 + linear_passes(sizes, "x-in", cfg.hidden, cfg.vocab, tokens, keep_weight=keep_weights,
+                                 input_gather="tokens" if seq_parallel else "none") + loss)
+    return total.all()
+
+
+def pipeline_sends(cfg: ModelConfig, sizes: dict, micro_batch: int, seq: int, microbatches: int, stages: list[int],
+                   n_stages: int, *, seq_parallel: bool = False) -> list[Collective]:
+    """The activations (forward) and their gradients (backward) one pp rank holding `stages` of
+    `n_stages` sends per step: its residual-stream shard [micro_batch, seq(/y), hidden/x]."""
+    shard = micro_batch * (seq // sizes["y"] if seq_parallel else seq) * (cfg.hidden // sizes["x"])
+    sends = sum((s < n_stages - 1) + (s > 0) for s in stages) * microbatches
+    return [Collective("pp", "send", shard)] * sends
 
 
 def ledger_bytes(collectives: list[Collective], sizes: dict, element_size: int) -> dict[tuple[str, str], Fraction]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fourfold import comm
+from fourfold import comm, context
 from fourfold.blockspec import RECOMPUTE
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
@@ -18,6 +20,15 @@ from fourfold.tensor.norm import ParallelNorm
 from fourfold.tensor.params import describe
 from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
 
+
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one pipeline stage holds: its layers (global indices), and whether it
+    holds the embedding (first) and the final norm, LM head and loss (last)."""
+
+    layers: range
+    first: bool = True
+    last: bool = True
 
 
 class PositionEmbedding(nn.Module):
@@ -33,8 +44,8 @@ class PositionEmbedding(nn.Module):
         describe(self.weight, grad_sum=("z", "y") if opts.seq_parallel else ("z",), replicated=("y", "z"))
         self.seq_parallel = opts.seq_parallel
 
-    def forward(self, seq: int) -> torch.Tensor:
-        table = self.weight[:seq]
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        table = self.weight[positions]
         if self.seq_parallel:
             y = self.grid.group("y")
             table = table.chunk(y.size)[y.rank]
@@ -52,7 +63,12 @@ class PositionEmbedding(nn.Module):
 
 
 class Transformer(nn.Module):
-    """ids [batch/z, seq] -> per-token loss [batch/z, seq]; the full logits never exist on a rank.
+    """ids [batch/z, seq/cp] -> per-token loss [batch/z, seq/cp]; full logits never exist on a rank.
+
+    With context parallelism the ids are this rank's two load-balanced chunks
+    (`context.shard_sequence`). A pipeline stage (`stage`) holds only its layers, the embedding
+    on the first stage and the head on the last; its forward takes and returns the residual
+    stream shard that travels between stages.
 
     Serial parameter names (what `params.full_weights` and `params.load` use): embed, positions (GPT-2),
     layers.{i}.attn.{q,k,v,o}, layers.{i}.mlp.{gate,up,down | fc,down}, layers.{i}.{attn,mlp}_norm.weight
@@ -60,46 +76,63 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions = TensorOptions(), *, seed: int = 0,
-                 std: float = 0.02, recompute: str = "none"):
+                 std: float = 0.02, recompute: str = "none", stage: Stage | None = None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute {recompute!r} must be one of {', '.join(RECOMPUTE)}")
-        self.grid, self.cfg, self.opts, self.recompute = grid, cfg, opts, recompute
+        stage = stage or Stage(range(cfg.layers))
+        if cfg.tied and not (stage.first and stage.last):
+            raise ValueError("tied input and output embeddings cannot be split across pipeline stages yet; "
+                             "use pp=1 or a model config with tied=false")
+        self.grid, self.cfg, self.opts, self.recompute, self.stage = grid, cfg, opts, recompute, stage
         block = cfg.block
         self.overlap = Overlapper(opts.overlap, grid.group("z"))  # one prefetch order for all layers
         out_std = std / (2 * cfg.layers) ** 0.5  # GPT-2's scaled init of the residual projections
-        self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std, seq_parallel=opts.seq_parallel,
-                                       dtype=opts.dtype)
-        self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family == "gpt2" else None
-        self.layers = nn.ModuleList(
-            ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
-                          recompute_attention=recompute == "selective", overlap=self.overlap)
-            for i in range(cfg.layers)
-        )
-        self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
-                                 dtype=opts.dtype, name="norm")
-        self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed, std=std,
-                                      input_gather="tokens" if opts.seq_parallel else "none", dtype=opts.dtype,
-                                      name="lm_head", overlap=self.overlap)
-        if cfg.tied:
-            self.lm_head.weight = self.embed.weight
-            self.lm_head.matrix = self.embed.matrix
+        self.embed = self.positions = self.norm = self.lm_head = None
+        if stage.first:
+            self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std,
+                                           seq_parallel=opts.seq_parallel, dtype=opts.dtype)
+            if cfg.family == "gpt2":
+                self.positions = PositionEmbedding(grid, cfg, opts, seed, std)
+        # keyed by global index so that parameter names are the serial model's on every stage
+        self.layers = nn.ModuleDict({
+            str(i): ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
+                                  recompute_attention=recompute == "selective", overlap=self.overlap)
+            for i in stage.layers
+        })
+        if stage.last:
+            self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
+                                     dtype=opts.dtype, name="norm")
+            self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed,
+                                          std=std, input_gather="tokens" if opts.seq_parallel else "none",
+                                          dtype=opts.dtype, name="lm_head", overlap=self.overlap)
+            if cfg.tied:
+                self.lm_head.weight = self.embed.weight
+                self.lm_head.matrix = self.embed.matrix
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-parallel logits [batch/z, seq, vocab/y] (replicated over x)."""
-        seq = ids.shape[1]
-        self.overlap.new_pass()
-        h = self.embed(ids)
-        if self.positions is not None:
-            h = h + self.positions(seq)
-        positions = torch.arange(seq, device=ids.device)
-        for layer in self.layers:
+        """Vocabulary-parallel logits [batch/z, seq/cp, vocab/y] (replicated over x)."""
+        return self(ids)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's output for ids (first stage) or the residual stream shard (later stages):
+        the residual stream, or on the last stage the logits, or with `targets` (global token ids,
+        negative ones ignored) the per-token cross-entropy."""
+        if self.stage.first and self.stage.last:  # a pipeline starts the pass at each schedule step
+            self.overlap.new_pass()
+        seq = x.shape[1] * (self.grid.size("y") if self.opts.seq_parallel and not self.stage.first else 1)
+        positions = context.positions(seq, self.grid.group("cp"), device=x.device)
+        h = x
+        if self.stage.first:
+            h = self.embed(x)
+            if self.positions is not None:
+                h = h + self.positions(positions)
+        for layer in self.layers.values():
             if self.recompute == "full":
                 h = checkpoint(layer, h, positions, use_reentrant=False)
             else:
                 h = layer(h, positions)
-        return self.lm_head(self.norm(h))
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy [batch/z, seq] of `targets` given `ids` (global token ids)."""
-        return vocab_parallel_cross_entropy(self.logits(ids), targets, self.grid)
+        if not self.stage.last:
+            return h.contiguous()  # sent to the next stage, whose receive buffer is contiguous
+        logits = self.lm_head(self.norm(h))
+        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets, self.grid)

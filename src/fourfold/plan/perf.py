@@ -15,6 +15,7 @@ from fourfold.plan.memory import Setup, layer_params
 from fourfold.volumes import (
     Collective,
     block_passes,
+    ring_attention_passes,
     bytes_sent,
     embedding_passes,
     linear_passes,
@@ -127,24 +128,24 @@ def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration,
         sublayer = [Collective("y", "all_gather", T * cfg.hidden), Collective("y", "reduce_scatter", T * cfg.hidden)]
         return comm_seconds(sublayer * 4, s, cluster, b, cal)
     passes = block_passes(cfg.block, sizes, int(s.micro_batch / s.z), int(s.seq / s.cp), seq_parallel=s.seq_parallel)
-    total = comm_seconds(passes.all(), s, cluster, b, cal)
+    total = comm_seconds([c for c in passes.all() if c.group != "cp"], s, cluster, b, cal)  # ring: below
     # The input-gradient all-reduce hides behind the dW GEMM of the same layer (the runtime's overlap).
     input_grad = [c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]
     return total - min(dw_seconds, comm_seconds(input_grad, s, cluster, b, cal))
 
 
 def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration) -> float:
-    """Ring attention over cp: cp-1 steps, each passing this rank's K and V shard on (forward) and
-    K, V and their gradients (backward), hidden behind the block attention of the same step."""
+    """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
+    K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs)."""
     T = s.seq / s.cp * s.micro_batch / s.z
+    sizes = dict(s.layout.sizes, x=1) if s.framework == "megatron" else s.layout.sizes
+    ring = ring_attention_passes(cfg.block, sizes, int(s.micro_batch / s.z), int(s.seq / s.cp))
     tp_heads = s.y if s.framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
-    kv = T * 2 * (cfg.kv_heads / tp_heads) * cfg.block.head_dim
-    send = comm_seconds([Collective("cp", "send", int(kv))], s, cluster, 2, cal)
     peak = cluster.gpu.bf16_tflops * 1e12
     heads = cfg.heads / tp_heads
     block_attention = 4 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
-    forward = (s.cp - 1) * max(0.0, send - block_attention)
-    backward = (s.cp - 1) * max(0.0, 2 * send - 2 * block_attention)
+    forward = max(0.0, comm_seconds(ring.forward, s, cluster, 2, cal) - (s.cp - 1) * block_attention)
+    backward = max(0.0, comm_seconds(ring.backward, s, cluster, 2, cal) - 2 * (s.cp - 1) * block_attention)
     return forward + backward
 
 

@@ -1,7 +1,7 @@
 """Attention, MLP and the pre-norm transformer block on the 3D grid (tensor3d.md).
 
-Residual stream: [batch/z, seq, hidden/x], replicated over y; with sequence parallelism
-[batch/z, seq/y, hidden/x]. Non-redundant path (heads and kv heads divisible by x*y): the QKV
+Residual stream: [batch/z, seq/cp, hidden/x], replicated over y; with sequence parallelism
+[batch/z, seq/(cp*y), hidden/x]. Non-redundant path (heads and kv heads divisible by x*y): the QKV
 output is reduce-scattered over x along whole heads, each rank attends with heads/(x*y) heads,
 and the result is all-gathered over x into the output projection; the MLP likewise with FFN
 features. Otherwise the published path: all-reduce over x, attention replicated over x.
@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fourfold.blockspec import BlockConfig, attention_chunks, mlp_chunks
+from fourfold.context import ring_attention
 from fourfold.grid import Grid
 from fourfold.overlap import Overlapper, OverlapOptions
 from fourfold.tensor.linear import ParallelLinear, RowSource
@@ -52,6 +53,7 @@ class ParallelAttention(nn.Module):
                  prefix: str, overlap: Overlapper, recompute_core: bool = False):
         super().__init__()
         self.cfg, self.recompute_core = cfg, recompute_core
+        self.cp = grid.group("cp")
         chunks = attention_chunks(cfg, grid.size("x"), grid.size("y"), opts.non_redundant)
         self.own_heads = chunks == grid.size("x") * grid.size("y")
         d = cfg.head_dim
@@ -86,7 +88,10 @@ class ParallelAttention(nn.Module):
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.cfg.rope:
             q, k = rotary(q, positions, self.cfg.rope_theta), rotary(k, positions, self.cfg.rope_theta)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
+            o = ring_attention(q, k, v, positions, self.cp)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return o.transpose(1, 2).reshape(b, s, self.heads * d)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

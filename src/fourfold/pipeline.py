@@ -1,0 +1,130 @@
+"""Pipeline parallelism over pp on torch.distributed.pipelining schedules.
+
+The layers are cut into pp * virtual stages; pp rank r holds stages r, r + pp, ... (the looped
+placement the interleaved schedule expects). Each stage is a `Transformer` holding only its
+layers (the embedding on the first stage, norm, LM head and loss on the last), so a stage sends
+its own residual-stream shard [micro/z, seq/cp(/y), hidden/x] to the same tensor-grid position
+of the next stage. Parameter gradients accumulate over the micro-batches into the hooks of
+`fourfold.data.GradientSync`, which launches each bucket's reduction after the last one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from fourfold.comm import Group
+from fourfold.grid import Grid
+from fourfold.models.config import ModelConfig
+from fourfold.models.transformer import Stage, Transformer
+from fourfold.tensor.block import TensorOptions
+from fourfold.tensor.vocab import vocab_parallel_cross_entropy
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def split_layers(layers: int, stages: int, stage_layers: list[int] | None = None) -> list[range]:
+    """The global layer indices of each stage: an even split, or the counts given."""
+    if stage_layers is None:
+        if layers % stages:
+            raise ValueError(f"{layers} layers do not divide into {stages} pipeline stages; choose pp*virtual "
+                             f"dividing {layers}, or give stage_layers (layers per stage, uneven allowed)")
+        stage_layers = [layers // stages] * stages
+    if len(stage_layers) != stages or sum(stage_layers) != layers or min(stage_layers) < 1:
+        raise ValueError(f"stage_layers {stage_layers} must give each of the {stages} stages at least one layer "
+                         f"and sum to the model's {layers} layers")
+    starts = [sum(stage_layers[:i]) for i in range(stages)]
+    return [range(start, start + n) for start, n in zip(starts, stage_layers)]
+
+
+def check_schedule(schedule: str, pp: int, virtual: int, microbatches: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(SCHEDULES)}")
+    if virtual < 1 or (virtual > 1) != (schedule == "interleaved-1f1b"):
+        raise ValueError(f"virtual stages per rank ({virtual}) must be >= 2 with interleaved-1f1b and 1 with "
+                         f"{schedule}")
+    if microbatches < 1:
+        raise ValueError(f"micro-batches per step ({microbatches}) must be >= 1")
+    if schedule != "gpipe" and microbatches < pp:
+        raise ValueError(f"{schedule} needs at least pp={pp} micro-batches per step, got {microbatches}; "
+                         f"raise the number of micro-batches or use gpipe")
+    if schedule == "interleaved-1f1b" and microbatches % pp:
+        raise ValueError(f"interleaved-1f1b needs the micro-batches ({microbatches}) to be a multiple of pp={pp}")
+
+
+class _LedgerStage(PipelineStage):
+    """A PipelineStage whose activation and gradient sends are recorded in fourfold's ledger."""
+
+    def __init__(self, *args, pp: Group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pp = pp
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        return self._recorded(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        return self._recorded(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _recorded(self, ops):
+        for op in ops:
+            self.pp._record("send", op.tensor)
+        return ops
+
+
+class Pipeline:
+    """This rank's stages of the model and the schedule that runs them.
+
+    `step(ids, targets, scale)` runs forward and backward of a local batch of `microbatches`
+    micro-batches of `micro_batch` sequences of `seq` tokens (this rank's: after the z and cp
+    splits); each micro-batch's loss is sum(per-token loss) * scale, so with scale = 1/(tokens in
+    the global batch) the gradients reduced over dp and cp are the mean's. It returns this rank's
+    scaled loss (zero on ranks without the last stage)."""
+
+    def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions = TensorOptions(), *, schedule: str = "1f1b",
+                 microbatches: int, micro_batch: int, seq: int, virtual: int = 1,
+                 stage_layers: list[int] | None = None, seed: int = 0, std: float = 0.02, recompute: str = "none"):
+        pp = grid.group("pp")
+        check_schedule(schedule, pp.size, virtual, microbatches)
+        n_stages = pp.size * virtual
+        ranges = split_layers(cfg.layers, n_stages, stage_layers)
+        self.grid, self.microbatches = grid, microbatches
+        self.batch_shape = torch.Size([microbatches * micro_batch, seq])
+        self.indices = [pp.rank + v * pp.size for v in range(virtual)]
+        self.models = [Transformer(grid, cfg, opts, seed=seed, std=std, recompute=recompute,
+                                   stage=Stage(ranges[i], first=i == 0, last=i == n_stages - 1))
+                       for i in self.indices]
+        self.module = nn.ModuleList(self.models)  # every parameter of this rank, for GradientSync
+        self.has_first, self.has_last = 0 in self.indices, n_stages - 1 in self.indices
+        # Shapes given up front: torch's run-time inference would run an extra forward and backward.
+        stream = torch.empty(micro_batch, seq // grid.size("y") if opts.seq_parallel else seq,
+                             cfg.hidden // grid.size("x"), dtype=opts.dtype, device="meta",
+                             requires_grad=True)  # a stage's input gradient goes back to the previous one
+        ids = torch.empty(micro_batch, seq, dtype=torch.long, device="meta")
+        logits = torch.empty(micro_batch, seq, cfg.vocab // grid.size("y"), dtype=opts.dtype, device="meta",
+                             requires_grad=True)
+        stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=ids if i == 0 else stream,
+                               output_args=logits if i == n_stages - 1 else stream, group=pp.process_group, pp=pp)
+                  for m, i in zip(self.models, self.indices)]
+        kind = SCHEDULES[schedule]
+        self.schedule = kind(stages if schedule == "interleaved-1f1b" else stages[0], microbatches,
+                             loss_fn=self._loss, scale_grads=False)
+        self._scale = 1.0
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.grid).sum() * self._scale
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        if targets.shape != self.batch_shape:
+            raise ValueError(f"this pipeline was built for local batches of shape {tuple(self.batch_shape)} "
+                             f"({self.microbatches} micro-batches); got {tuple(targets.shape)}")
+        self._scale = scale
+        for model in self.models:  # one step of the schedule is the unit whose weight gathers repeat
+            model.overlap.new_pass()
+        losses: list[torch.Tensor] = []
+        args = (ids,) if self.has_first else ()
+        if self.has_last:
+            self.schedule.step(*args, target=targets, losses=losses)
+            return torch.stack(losses).sum().detach()
+        self.schedule.step(*args)
+        return torch.zeros((), dtype=torch.float64, device=self.grid.device)
