@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
 import sys
+from pathlib import Path
 
 from fourfold.launch import inside_torchrun, relaunch_with_torchrun
 from fourfold.layout import DEFAULT_ORDER, GridError, Layout
@@ -15,13 +19,18 @@ def _add_grid_options(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--nproc", type=int, default=None, help="local ranks to launch with torchrun (default: the grid's size)")
 
 
-def _demo(args: argparse.Namespace, argv: list[str]) -> int:
-    layout = Layout.parse(args.grid, args.order)  # fails here, before any process starts
-    if not inside_torchrun():
-        return relaunch_with_torchrun(args.nproc or layout.world_size, argv)
-    from fourfold.demo import run_demo
+def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fourfold.demo import DEMO_CONFIG, print_plan, show_samples
+    from fourfold.trainconfig import load_train_config
 
-    run_demo(layout)
+    cfg = load_train_config(DEMO_CONFIG, overrides)
+    print(f"fourfold demo: training {cfg.model.preset} on the bundled King James Bible, config {DEMO_CONFIG}")
+    run = argparse.Namespace(config=DEMO_CONFIG, nproc_per_node=None, max_restarts=0)
+    code = _train(run, ["train", DEMO_CONFIG, *overrides], overrides)
+    if code:
+        return code
+    show_samples(str(cfg.checkpoint_dir))
+    print_plan()
     return 0
 
 
@@ -60,12 +69,77 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
+    from fourfold.trainconfig import load_train_config, resolve_auto_grid, validate
+
+    cfg = load_train_config(args.config, overrides)
+    if not inside_torchrun():  # check everything and prepare the data before any process starts
+        world = args.nproc_per_node or cfg.layout().world_size
+        if cfg.grid.auto:
+            chosen = resolve_auto_grid(cfg, world)
+            print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: dp={chosen['dp']} pp={chosen['pp']} "
+                  f"cp={chosen['cp']} x={chosen['x']} y={chosen['y']} z={chosen['z']} micro_batch={chosen['micro_batch']}")
+            argv = _resolved(argv, cfg)
+        validate(cfg, world)
+        from fourfold.trainer import tokens_files
+
+        tokens_files(cfg)
+        return relaunch_with_torchrun(world, argv, max_restarts=args.max_restarts)
+    import torch.distributed as dist
+
+    from fourfold.grid import init_process_group
+    from fourfold.trainer import train
+
+    init_process_group()
+    try:
+        summary = train(cfg)
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:
+        print(json.dumps(summary))
+    return 0
+
+
+def _resolved(argv: list[str], cfg) -> list[str]:
+    """`argv` with the grid, micro-batch and recompute the planner chose, for the ranks to read."""
+    values = {f"grid.{d}": getattr(cfg.grid, d) for d in ("dp", "pp", "cp", "x", "y", "z", "order")}
+    values.update({"grid.auto": "false", "batch.micro_batch": cfg.batch.micro_batch, "train.recompute": cfg.train.recompute})
+    out = list(argv)
+    for key, value in values.items():
+        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from fourfold.generate import generate
+
+    print(generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    return 0
+
+
+def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fourfold.slurm import sbatch_script
+    from fourfold.trainconfig import load_train_config, validate
+
+    cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
+    validate(cfg, args.nodes * args.gpus_per_node)
+    text = sbatch_script(str(Path(args.config).resolve()), overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
+                         max_restarts=args.max_restarts)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}; submit it with: sbatch {shlex.quote(args.output)}")
+    else:
+        print(text, end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="fourfold", description="4D hybrid parallel training and planning")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="the main job on an embedded default, on local CPU ranks")
-    _add_grid_options(demo, "dp=2,x=2,y=2")
+    commands.add_parser("demo", help="the main job on an embedded default: train a small Llama on 8 CPU ranks "
+                                     "(takes the same --section.key value overrides as train), sample, plan")
     ev = commands.add_parser("eval", help="mean next-token loss and perplexity of a model on a token file")
     ev.add_argument("--hf", required=True, help="a Hugging Face checkpoint directory (config.json + safetensors)")
     ev.add_argument("--tokens", required=True, help="a .npy file of token ids (1-D)")
@@ -74,15 +148,47 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--dtype", choices=DTYPES, default="float32")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
     _add_grid_options(ev, "dp=1")
+    tr = commands.add_parser("train", help="train from a TOML config (plus --section.key value overrides)")
+    tr.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
+    tr.add_argument("--nproc-per-node", type=int, default=None, help="local ranks (default: the grid's size)")
+    tr.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails (resumes)")
+    gen = commands.add_parser("generate", help="sample text from a training checkpoint")
+    gen.add_argument("checkpoint", help="a step-N checkpoint directory, or a run's checkpoint directory (latest)")
+    gen.add_argument("--prompt", default="In the beginning")
+    gen.add_argument("--max-new-tokens", type=int, default=48)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--seed", type=int, default=0)
+    sl = commands.add_parser("slurm", help="write an sbatch script that runs `fourfold train` on N nodes")
+    sl.add_argument("config")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, default=8)
+    sl.add_argument("--job-name", default="fourfold")
+    sl.add_argument("--time", default="24:00:00")
+    sl.add_argument("--partition", default="")
+    sl.add_argument("--account", default="")
+    sl.add_argument("--max-restarts", type=int, default=3)
+    sl.add_argument("--output", default="", help="write the script here (default: print it)")
     from fourfold.plan.cli import add_commands, run as run_planner
 
     add_commands(commands)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in ("train", "slurm", "demo"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("memory", "estimate", "plan"):
         return run_planner(args)
+    from fourfold.trainconfig import ConfigError
+
     try:
-        return {"demo": _demo, "eval": _eval}[args.command](args, argv)
-    except GridError as err:
+        if args.command == "train":
+            return _train(args, argv, extra)
+        if args.command == "slurm":
+            return _slurm(args, extra)
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "demo":
+            return _demo(args, extra)
+        return _eval(args, argv)
+    except (GridError, ConfigError) as err:
         print(f"fourfold: error: {err}", file=sys.stderr)
         return 2
 

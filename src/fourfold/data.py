@@ -167,15 +167,49 @@ class AdamW:
         comm.all_reduce(total, self.sync.grid.group(("dp", "pp", "cp", "x", "y", "z")))
         return total.sqrt().item()
 
+    STATE = ("master", "m", "v")
+
+    def per_param_state(self) -> dict[str, dict[int, torch.Tensor]]:
+        """{"master"|"m"|"v": {id(param): tensor shaped like the param}}, gathered over each
+        bucket's group; empty before the first step (the buckets are traced then)."""
+        out: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in self.STATE}
+        for bucket, s in zip(self.sync.buckets, self.state):
+            for kind in self.STATE:
+                full = comm.all_gather(s[kind], bucket.group) if self.sync.shard else s[kind]
+                offset = 0
+                for p in bucket.params:
+                    out[kind][id(p)] = full[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+        return out
+
+    def restore(self, state: dict[str, dict[int, torch.Tensor]], step_count: int) -> None:
+        """Take `per_param_state()`'s form back; applied when the first step has traced the buckets."""
+        self._restore, self.step_count = state, step_count
+
+    def _init_state(self, buckets: list[Bucket]) -> None:
+        restore = getattr(self, "_restore", None)
+        for bucket in buckets:
+            lo, hi = bucket.shard_range(self.sync.shard)
+            s = {"master": self._flat_params(bucket)[lo:hi].clone(), "copies": self._copies(bucket)[lo:hi]}
+            for kind in self.STATE:
+                if restore is not None:
+                    flat = torch.cat([restore[kind][id(p)].reshape(-1) for p in bucket.params]).to(s["master"].dtype)
+                    s[kind] = F.pad(flat, (0, bucket.padded() - bucket.numel))[lo:hi].clone()
+                elif kind != "master":
+                    s[kind] = torch.zeros_like(s["master"])
+            self.state.append(s)
+        self._restore = None
+
+    @torch.no_grad()
+    def skip(self) -> None:
+        """Drop this step's gradients without updating anything (a non-finite loss)."""
+        self.sync.finish()
+
     @torch.no_grad()
     def step(self) -> None:
         buckets = self.sync.finish()
         if not self.state:
-            for bucket in buckets:
-                lo, hi = bucket.shard_range(self.sync.shard)
-                master = self._flat_params(bucket)[lo:hi].clone()
-                self.state.append({"master": master, "m": torch.zeros_like(master), "v": torch.zeros_like(master),
-                                   "copies": self._copies(bucket)[lo:hi]})
+            self._init_state(buckets)
         self.last_norm = self.global_norm(buckets)
         scale = 1.0
         if self.clip is not None and self.last_norm > self.clip:

@@ -92,7 +92,7 @@ class Pipeline:
         self.batch_shape = torch.Size([microbatches * micro_batch, seq])
         self.indices = [pp.rank + v * pp.size for v in range(virtual)]
         self.models = [Transformer(grid, cfg, opts, seed=seed, std=std, recompute=recompute,
-                                   stage=Stage(ranges[i], first=i == 0, last=i == n_stages - 1))
+                                   stage=Stage(ranges[i], first=i == 0, last=i == n_stages - 1)).to(grid.device)
                        for i in self.indices]
         self.module = nn.ModuleList(self.models)  # every parameter of this rank, for GradientSync
         self.has_first, self.has_last = 0 in self.indices, n_stages - 1 in self.indices

@@ -51,14 +51,13 @@ class PositionEmbedding(nn.Module):
             table = table.chunk(y.size)[y.rank]
         return table
 
-    def load(self, read) -> None:
+    def load(self, read, put) -> None:
         local = self.weight.shape[1]
         features = slice(self.grid.coords["x"] * local, (self.grid.coords["x"] + 1) * local)
-        with torch.no_grad():
-            self.weight.copy_(read("positions", slice(0, self.weight.shape[0]), features))
+        put(self.weight, read("positions", slice(0, self.weight.shape[0]), features))
 
-    def full_weights(self, grads: bool = False) -> dict:
-        t = (self.weight.grad if grads else self.weight).detach()
+    def full_weights(self, pick) -> dict:
+        t = pick(self.weight).detach()
         return {"positions": comm.all_gather(t, self.grid.group("x"), dim=1)}
 
 

@@ -233,18 +233,17 @@ class ParallelLinear(nn.Module):
             bias = bias.chunk(in_group.size)[in_group.rank]
         return y + bias
 
-    def load(self, read) -> None:
-        """Set this rank's shards from serial tensors (see params.Read)."""
-        with torch.no_grad():
-            self.weight.copy_(self.matrix.read_shard(read))
-            if self.bias is not None:
-                self.bias.copy_(self.matrix.read_bias(read))
-
-    def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Serial weights (or their gradients), gathered from every rank; biases as NAME.bias."""
-        shard = self.weight.grad if grads else self.weight
-        out = self.matrix.gather_full(shard.detach())
+    def load(self, read, put) -> None:
+        """Give this rank's shards, read from serial tensors, to `put` (see params.load)."""
+        put(self.weight, self.matrix.read_shard(read))
         if self.bias is not None:
-            bias = (self.bias.grad if grads else self.bias).detach()
+            put(self.bias, self.matrix.read_bias(read))
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        """Serial tensors of `pick(param)` (see params.full_weights), gathered from every rank;
+        biases as NAME.bias."""
+        out = self.matrix.gather_full(pick(self.weight).detach())
+        if self.bias is not None:
+            bias = pick(self.bias).detach()
             out.update(self.matrix.split_rows(comm.all_gather(bias, self.grid.group(self.matrix.out_dim)), ".bias"))
         return out

@@ -44,18 +44,17 @@ class ParallelNorm(nn.Module):
         mean_square = all_reduce_partial((h * h).sum(-1, keepdim=True), x_group) / self.hidden
         return h * torch.rsqrt(mean_square + self.eps) * self.weight
 
-    def load(self, read) -> None:
+    def load(self, read, put) -> None:
         local = self.weight.numel()
         features = slice(self.grid.coords["x"] * local, (self.grid.coords["x"] + 1) * local)
-        with torch.no_grad():
-            for suffix, p in (("weight", self.weight), ("bias", self.bias)):
-                if p is not None:
-                    p.copy_(read(f"{self.name}.{suffix}", features, None))
+        for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+            if p is not None:
+                put(p, read(f"{self.name}.{suffix}", features, None))
 
-    def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
         out = {}
         for suffix, p in (("weight", self.weight), ("bias", self.bias)):
             if p is not None:
-                t = (p.grad if grads else p).detach()
+                t = pick(p).detach()
                 out[f"{self.name}.{suffix}"] = comm.all_gather(t, self.grid.group("x"))
         return out

@@ -44,21 +44,30 @@ def _parallel_layers(module: nn.Module) -> Iterator[nn.Module]:
             yield layer
 
 
-def load(module: nn.Module, read: Read) -> None:
-    """Set every parallel layer of `module` from serial tensors."""
+def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def load(module: nn.Module, read: Read, put: Callable[[nn.Parameter, torch.Tensor], None] = _copy_into) -> None:
+    """Set every parallel layer of `module` from serial tensors; with `put`, hand each parameter's
+    local value to `put(param, value)` instead (to restore optimizer state the same way)."""
     for layer in _parallel_layers(module):
-        layer.load(read)
+        layer.load(read, put)
 
 
 def load_full(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     load(module, dict_reader(weights))
 
 
-def full_weights(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Serial name -> full tensor (or gradient), gathered onto every rank."""
+def full_weights(module: nn.Module, grads: bool = False,
+                 pick: Callable[[nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Serial name -> full tensor, gathered onto every rank: the parameters, their gradients
+    (`grads`), or any tensor laid out like each parameter (`pick(param)`, e.g. optimizer state)."""
+    pick = pick or ((lambda p: p.grad) if grads else (lambda p: p))
     out = {}
     for layer in _parallel_layers(module):
-        out.update(layer.full_weights(grads))
+        out.update(layer.full_weights(pick))
     return out
 
 

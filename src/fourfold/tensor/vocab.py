@@ -41,13 +41,11 @@ class ParallelEmbedding(nn.Module):
             return reduce_scatter(partial, y_group, dim=SEQ_DIM)
         return all_reduce_replicated(partial, y_group)
 
-    def load(self, read) -> None:
-        with torch.no_grad():
-            self.weight.copy_(self.matrix.read_shard(read))
+    def load(self, read, put) -> None:
+        put(self.weight, self.matrix.read_shard(read))
 
-    def full_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        shard = self.weight.grad if grads else self.weight
-        return self.matrix.gather_full(shard.detach())
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        return self.matrix.gather_full(pick(self.weight).detach())
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -1,0 +1,263 @@
+"""`fourfold train`: one rank's training loop (torchrun starts every rank).
+
+Per step: replica d reads its part of the global batch, splits each micro-batch over z and the
+sequence over cp; the micro-batches run through the model (accumulating) or through the pipeline
+schedule; gradients are reduced in buckets during the last backward; AdamW (ZeRO-1) updates. A
+non-finite loss skips the update; checkpoints are written every N steps and at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fourfold import checkpoint, comm, context, corpus
+from fourfold.data import AdamW, GradientSync
+from fourfold.grid import Grid
+from fourfold.models.transformer import Transformer
+from fourfold.overlap import OverlapOptions
+from fourfold.pipeline import Pipeline
+from fourfold.plan.hardware import GPUS
+from fourfold.plan.perf import model_flops_per_token
+from fourfold.tensor.block import TensorOptions
+from fourfold.trainconfig import TrainConfig, validate
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (for example, too many non-finite losses in a row)."""
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    o, steps = cfg.optimizer, cfg.train.steps
+    if step < o.warmup:
+        return o.lr * (step + 1) / o.warmup
+    progress = (step - o.warmup) / max(1, steps - o.warmup)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
+    """(tokenizer.json, tokens.npy): the user's, or the corpus prepared (and cached) now."""
+    if cfg.data.tokens:
+        if not cfg.data.tokenizer:
+            raise ValueError("data.tokens needs data.tokenizer (the tokenizer.json that made it)")
+        return Path(cfg.data.tokenizer), Path(cfg.data.tokens)
+    return corpus.prepare(cfg.data.text or None, cfg.data.vocab, os.path.expanduser(cfg.data.cache_dir))
+
+
+class Model:
+    """This rank's part of the model, run the same way with or without pipeline stages."""
+
+    def __init__(self, grid: Grid, cfg: TrainConfig):
+        model_cfg, t = cfg.model_config(), cfg.train
+        overlap = OverlapOptions() if t.overlap else OverlapOptions(False, False, False)
+        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap)
+        common = dict(seed=cfg.model.seed, std=cfg.model.init_std, recompute=t.recompute)
+        self.grid, self.microbatches = grid, cfg.microbatches
+        self.pipeline = None
+        if grid.size("pp") > 1:
+            self.pipeline = Pipeline(grid, model_cfg, opts, schedule=cfg.pipeline.schedule,
+                                     microbatches=self.microbatches, micro_batch=cfg.batch.micro_batch // grid.size("z"),
+                                     seq=cfg.batch.seq // grid.size("cp"), virtual=cfg.pipeline.virtual,
+                                     stage_layers=cfg.pipeline.stage_layers or None, **common)
+            self.module = self.pipeline.module
+        else:
+            self.module = Transformer(grid, model_cfg, opts, **common).to(grid.device)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if grid.device.type == "cuda"
+                         and t.precision in ("auto", "bf16") else contextlib.nullcontext())
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches; returns its share of the mean loss."""
+        with self.autocast:
+            if self.pipeline is not None:
+                return self.pipeline.step(inputs, targets, scale)
+            total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+            for m, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
+                sync.sync = m == self.microbatches - 1  # reduce gradients in the last backward only
+                loss = self.module(x, y).float().sum() * scale
+                loss.backward()
+                total += loss.detach()
+            return total
+
+
+def local_batch(cfg: TrainConfig, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's inputs and targets: its z part of each micro-batch, its cp chunks of each sequence."""
+    c, z = grid.coords, grid.size("z")
+    parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // cfg.batch.micro_batch)]
+    ids = torch.cat(parts).to(grid.device)
+    cp = grid.group("cp")
+    return context.shard_sequence(ids[:, :-1], cp), context.shard_sequence(ids[:, 1:], cp)
+
+
+def peak_memory_gib(grid: Grid) -> float:
+    if grid.device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
+
+
+class Reporter:
+    """Rank 0's progress bar and JSONL log."""
+
+    def __init__(self, cfg: TrainConfig, start: int, flops_per_token: float, world: int, device: torch.device):
+        self.cfg, self.rank0 = cfg, dist.get_rank() == 0
+        self.flops_per_token, self.world = flops_per_token, world
+        self.peak = GPUS[cfg.hardware.gpu].bf16_tflops if device.type == "cuda" else None
+        self.bar = None
+        if self.rank0:
+            Path(cfg.log.run_dir).mkdir(parents=True, exist_ok=True)
+            self.log = open(Path(cfg.log.run_dir) / "log.jsonl", "a")
+            if cfg.log.progress:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def step(self, record: dict) -> None:
+        if not self.rank0:
+            return
+        tokens = self.cfg.batch.global_batch * self.cfg.batch.seq
+        record["tokens_per_s"] = tokens / record["seconds"]
+        record["tflops_per_gpu"] = self.flops_per_token * tokens / record["seconds"] / self.world / 1e12
+        record["mfu"] = record["tflops_per_gpu"] / self.peak if self.peak else None
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+        if self.bar is not None:
+            mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a (CPU)"
+            self.bar.set_postfix_str(f"loss {record['loss']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+                                     f"{record['tflops_per_gpu']:.3f} TFLOP/s/rank | MFU {mfu} | "
+                                     f"mem {record['peak_memory_gib']:.2f} GiB")
+            self.bar.update(1)
+        elif record["step"] % self.cfg.log.every == 0:
+            print(json.dumps(record), flush=True)
+
+    def message(self, text: str) -> None:
+        if self.rank0:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.rank0:
+            if self.bar is not None:
+                self.bar.close()
+            self.log.close()
+
+
+def loss_curve(run_dir: Path) -> Path:
+    """Plot log.jsonl's losses (the last entry of each step, after restarts) to loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = {}
+    for line in (run_dir / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("loss") is not None and math.isfinite(record["loss"]):
+            losses[record["step"]] = record["loss"]
+    steps = sorted(losses)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [losses[s] for s in steps])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = run_dir / "loss.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _maybe_kill(cfg: TrainConfig, step: int) -> None:
+    """Fault injection for the recovery test: this rank dies once, at the configured step."""
+    marker = Path(cfg.log.run_dir) / ".fault-injected"
+    if cfg.fault.kill_step == step and cfg.fault.kill_rank == dist.get_rank() and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) the configured training on every rank of the default process group
+    (torchrun's, joined by `fourfold train`); returns a summary."""
+    validate(cfg, dist.get_world_size())
+    grid = Grid(cfg.layout())
+    if grid.rank == 0:
+        tokens_files(cfg)  # tokenize once; the other ranks then find it cached
+    dist.barrier()
+    tokenizer_path, tokens_path = tokens_files(cfg)
+    loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed)
+    model_cfg = cfg.model_config()
+    if corpus.load_tokenizer(tokenizer_path).get_vocab_size() > model_cfg.vocab:
+        raise ValueError(f"the tokenizer has more tokens than the model's vocabulary ({model_cfg.vocab}); set "
+                         f"data.vocab <= {model_cfg.vocab}")
+    model = Model(grid, cfg)
+    sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
+    o = cfg.optimizer
+    opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
+    start = 0
+    source = Path(cfg.checkpoint.load) if cfg.checkpoint.load else (
+        checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None)
+    if source is None and cfg.model.hf:
+        from fourfold.models.hf import load_hf
+
+        for part in getattr(model.pipeline, "models", [model.module]):
+            load_hf(part, cfg.model.hf)
+    if source is not None:
+        meta = checkpoint.load_checkpoint(source, model.module, opt)
+        start = meta["step"]
+    reporter = Reporter(cfg, start, model_flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
+                        grid.device)
+    if start:
+        reporter.message(f"resumed from {source} at step {start}")
+    everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
+    scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
+    bad, last_loss, first_loss, t_start = 0, math.nan, None, time.perf_counter()
+    for step in range(start, cfg.train.steps):
+        _maybe_kill(cfg, step)
+        began = time.perf_counter()
+        opt.lr = learning_rate(cfg, step)
+        inputs, targets = local_batch(cfg, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
+        loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
+        loss = comm.all_reduce(loss.double().reshape(1), everything).item()
+        if math.isfinite(loss):
+            opt.step()
+            bad = 0
+        else:
+            opt.skip()
+            bad += 1
+            reporter.message(f"step {step}: loss is {loss}; update skipped ({bad} in a row)")
+            if bad >= cfg.train.max_bad_steps:
+                raise TrainingError(f"{bad} non-finite losses in a row (last at step {step}); lower optimizer.lr, "
+                                    f"check the data, or resume from an earlier checkpoint")
+        if grid.device.type == "cuda":
+            torch.cuda.synchronize()
+        first_loss = loss if first_loss is None else first_loss
+        last_loss = loss
+        reporter.step(dict(step=step, loss=loss, lr=opt.lr, grad_norm=opt.last_norm if math.isfinite(loss) else None,
+                           seconds=time.perf_counter() - began, skipped=not math.isfinite(loss),
+                           peak_memory_gib=peak_memory_gib(grid)))
+        done = step + 1
+        if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+            meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
+                        model=dataclasses.asdict(model_cfg))
+            path = checkpoint.save(cfg.checkpoint_dir, done, model.module, opt, meta, cfg.checkpoint.keep,
+                                   files={"tokenizer.json": tokenizer_path})
+            reporter.message(f"checkpoint {path}")
+    reporter.close()
+    summary = dict(first_loss=first_loss, last_loss=last_loss, steps=cfg.train.steps - start,
+                   seconds=time.perf_counter() - t_start, tokens=(cfg.train.steps - start) * cfg.batch.global_batch
+                   * cfg.batch.seq, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)))
+    if grid.rank == 0:
+        summary["loss_curve"] = str(loss_curve(Path(cfg.log.run_dir)))
+        (Path(cfg.log.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    dist.barrier()
+    return summary

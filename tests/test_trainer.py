@@ -1,0 +1,204 @@
+"""`fourfold train`: exact resume, loading onto another grid, a killed rank recovered by torchrun,
+non-finite losses, configuration errors, generation and the sbatch script."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fourfold import checkpoint, corpus
+from fourfold.slurm import sbatch_script
+from fourfold.trainconfig import ConfigError, load_train_config, validate
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A small slice of the bundled corpus and its tokenizer, prepared once."""
+    folder = tmp_path_factory.mktemp("data")
+    text = folder / "kjv-genesis.txt"
+    text.write_text(corpus.bundled_text()[:300_000])
+    corpus.prepare(str(text), 1024, str(folder / "cache"))
+    return ["--data.text", str(text), "--data.vocab", "1024", "--data.cache_dir", str(folder / "cache")]
+
+
+def _options(run_dir, data, *extra):
+    return [*data, "--log.run_dir", str(run_dir), "--log.progress", "false", "--log.every", "1000",
+            "--train.steps", str(STEPS), "--batch.global_batch", "8", "--batch.micro_batch", "2", "--batch.seq", "32",
+            "--optimizer.warmup", "2", "--checkpoint.every", "3", "--checkpoint.keep", "2", *extra]
+
+
+def _train(options):
+    from fourfold.trainer import train
+
+    return train(load_train_config(None, options))
+
+
+def _losses(run_dir):
+    """The last logged loss of each step (a restarted run logs the replayed steps again)."""
+    out = {}
+    for line in (Path(run_dir) / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record
+    return {s: r["loss"] for s, r in sorted(out.items())}, out
+
+
+@pytest.fixture(scope="module")
+def reference(ranks, data, tmp_path_factory):
+    """An uninterrupted run on dp2 x2 (sequence parallel over y is off: y=1)."""
+    run = tmp_path_factory.mktemp("reference")
+    ranks.run(_train, 4, _options(run, data, "--grid.dp", "2", "--grid.x", "2"))
+    return run
+
+
+def test_run_learns_and_writes_everything(reference):
+    losses, records = _losses(reference)
+    assert list(losses) == list(range(STEPS))
+    assert losses[STEPS - 1] < losses[0] - 0.5  # the loss drops visibly even in six steps
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 for r in records.values())
+    kept = checkpoint.complete(reference / "checkpoints")
+    assert [p.name for p in kept] == ["step-00000003", "step-00000006"]
+    assert (reference / "loss.png").stat().st_size > 1000
+    assert json.loads((reference / "summary.json").read_text())["last_loss"] == losses[STEPS - 1]
+
+
+def test_resume_is_bitwise_equal(ranks, data, reference, tmp_path):
+    """Continue from the step-3 checkpoint: steps 3..5 give exactly the uninterrupted losses."""
+    shutil.copytree(reference / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
+    ranks.run(_train, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2"))
+    expected, _ = _losses(reference)
+    got, _ = _losses(tmp_path)
+    assert list(got) == [3, 4, 5]
+    assert all(got[s] == expected[s] for s in got), (got, expected)
+
+
+@pytest.mark.parametrize("grid", [["--grid.pp", "2", "--grid.y", "2", "--train.seq_parallel", "true"],
+                                  ["--grid.cp", "2", "--grid.z", "2"]], ids=["pp2y2-sp", "cp2z2"])
+def test_load_onto_another_grid(ranks, data, reference, tmp_path, grid):
+    """A checkpoint of dp2 x2 continues on a different grid with the same losses (float32)."""
+    start = reference / "checkpoints" / "step-00000003"
+    ranks.run(_train, 4, _options(tmp_path, data, *grid, "--checkpoint.load", str(start)))
+    expected, _ = _losses(reference)
+    got, _ = _losses(tmp_path)
+    assert list(got) == [3, 4, 5]
+    assert got == pytest.approx({s: expected[s] for s in got}, rel=2e-5)
+
+
+def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
+    """torchrun restarts the job after rank 1 dies at step 4; it resumes from step 3 and the
+    losses of every step equal the uninterrupted run's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "fourfold.cli", "train", "--nproc-per-node", "4", "--max-restarts", "1",
+           *_options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2", "--fault.kill_rank", "1",
+                     "--fault.kill_step", "4")]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / ".fault-injected").exists()  # the rank really died once
+    expected, _ = _losses(reference)
+    got, _ = _losses(tmp_path)
+    assert got == expected
+    assert "resumed from" in done.stdout + done.stderr
+
+
+def test_non_finite_loss_skips_the_step(ranks, data, tmp_path):
+    ranks.run(_train, 2, _options(tmp_path, data, "--grid.dp", "2", "--fault.nan_steps", "2"))
+    _, records = _losses(tmp_path)
+    assert records[2]["skipped"] and records[2]["grad_norm"] is None
+    assert not any(records[s]["skipped"] for s in records if s != 2)
+
+
+def test_too_many_non_finite_losses_stop_the_run(ranks, data, tmp_path):
+    with pytest.raises(AssertionError, match="2 non-finite losses in a row"):
+        ranks.run(_train, 2, _options(tmp_path, data, "--grid.dp", "2", "--fault.nan_steps", "1,2",
+                                      "--train.max_bad_steps", "2"))
+
+
+def test_failed_save_keeps_the_last_good_checkpoint(ranks, data, reference, tmp_path):
+    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / ".step-00000009.partial").mkdir()  # a crash during a save left this
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000006"
+    with pytest.raises(AssertionError, match="disk full"):
+        ranks.run(_save_fails, 2, str(tmp_path / "checkpoints"))
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000006"
+    assert checkpoint.read_meta(tmp_path / "checkpoints" / "step-00000006")["step"] == 6
+
+
+def _save_fails(root):
+    import torch
+
+    from fourfold.grid import Grid
+    from fourfold.layout import Layout
+    from fourfold.models.config import load_config
+    from fourfold.models.transformer import Transformer
+
+    model = Transformer(Grid(Layout(dp=2)), load_config("tiny-llama"))
+
+    def full_disk(*args, **kwargs):
+        raise OSError("disk full")
+
+    real, checkpoint.dcp.save = checkpoint.dcp.save, full_disk
+    try:
+        checkpoint.save(root, 9, model, None, {}, keep=1)
+    finally:
+        checkpoint.dcp.save = real
+    return torch.zeros(1)
+
+
+def test_generate_from_checkpoint(reference):
+    from fourfold.generate import generate
+
+    greedy = generate(reference / "checkpoints", "In the beginning", max_new_tokens=8)
+    assert greedy.startswith("In the beginning") and len(greedy) > len("In the beginning")
+    assert generate(reference / "checkpoints", "In the beginning", max_new_tokens=8) == greedy
+    sampled = [generate(reference / "checkpoints", "And God said", 8, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_config_errors_name_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key optimizer.learning_rate; \\[optimizer\\] takes"):
+        load_train_config(None, ["--optimizer.learning_rate", "1"])
+    with pytest.raises(ConfigError, match="optimizer.lr takes a float"):
+        load_train_config(None, ["--optimizer.lr", "fast"])
+    with pytest.raises(ConfigError, match="unknown section"):
+        bad = tmp_path / "bad.toml"
+        bad.write_text("[optimiser]\nlr = 1.0\n")
+        load_train_config(str(bad))
+    cfg = load_train_config(None, ["--grid.dp", "2", "--grid.x", "2"])
+    with pytest.raises(ConfigError, match="needs 4 processes, but 8 were started"):
+        validate(cfg, 8)
+    cases = [
+        (["--grid.dp", "3"], 3, "global_batch \\(16\\) must be a multiple of grid.dp"),
+        (["--grid.z", "4", "--batch.micro_batch", "2", "--grid.dp", "1"], 4, "divisible by grid.z"),
+        (["--grid.cp", "3"], 3, "divisible by 2\\*cp"),
+        (["--grid.pp", "2", "--model.preset", "tiny-gpt"], 2, "tied embeddings"),
+        (["--grid.pp", "3"], 3, "layers do not divide into 3 pipeline stages"),
+        (["--grid.pp", "2", "--batch.global_batch", "2"], 2, "at least pp=2 micro-batches"),
+        (["--model.preset", "no-such-model"], 1, "model:"),
+        (["--train.recompute", "some"], 1, "train.recompute must be one of"),
+    ]
+    for overrides, world, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            validate(load_train_config(None, overrides), world)
+
+
+def test_cli_rejects_a_bad_config_before_starting_processes():
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "3", "--nproc-per-node", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "must be a multiple of grid.dp" in done.stderr
+
+
+def test_sbatch_script_quotes_every_user_value(tmp_path):
+    config = str(tmp_path / "my runs; rm -rf $HOME" / "cfg.toml")
+    text = sbatch_script(config, ["--log.run_dir", "out dir/$(whoami)"], nodes=4, gpus_per_node=8,
+                         job_name="a b", partition="gpu")
+    assert "'" + config + "'" in text and "'out dir/$(whoami)'" in text
+    assert "#SBATCH --nodes=4" in text and "--nproc-per-node=8" in text and '"--rdzv-endpoint=$HEAD:29500"' in text
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
