@@ -134,6 +134,24 @@ def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the command's own arguments, the `--section.key value` config overrides)."""
+    known, overrides, i = [], [], 0
+    while i < len(argv):
+        if argv[i].startswith("--") and "." in argv[i].split("=")[0]:
+            flag, eq, value = argv[i].partition("=")
+            if eq:
+                overrides += [flag, value]
+                i += 1
+            else:
+                overrides += argv[i : i + 2]
+                i += 2
+        else:
+            known.append(argv[i])
+            i += 1
+    return known, overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="fourfold", description="4D hybrid parallel training and planning")
@@ -171,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     from fourfold.plan.cli import add_commands, run as run_planner
 
     add_commands(commands)
-    args, extra = parser.parse_known_args(argv)
+    known, extra = _split_overrides(argv)
+    args = parser.parse_args(known)
     if extra and args.command not in ("train", "slurm", "demo"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("memory", "estimate", "plan"):

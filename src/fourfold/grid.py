@@ -29,7 +29,17 @@ def init_process_group(timeout_s: float = 600.0) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        return
+    # After a torchrun restart the agent's store still holds the previous round's addresses
+    # under the same keys (gloo then connects to dead ports): give this round its own prefix.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"fourfold-restart-{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s))
 
 
 class Grid:
