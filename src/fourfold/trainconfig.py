@@ -63,7 +63,7 @@ class OptimizerSection:
 @dataclass
 class TrainSection:
     steps: int = 100
-    precision: str = "auto"  # auto: bf16 autocast on GPU, float32 on CPU; or "bf16", "float32"
+    precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or "bf16", "float32"
     recompute: str = "none"
     seq_parallel: bool = False
     overlap: bool = True

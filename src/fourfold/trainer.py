@@ -8,7 +8,6 @@ non-finite loss skips the update; checkpoints are written every N steps and at t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -62,7 +61,11 @@ class Model:
     def __init__(self, grid: Grid, cfg: TrainConfig):
         model_cfg, t = cfg.model_config(), cfg.train
         overlap = OverlapOptions() if t.overlap else OverlapOptions(False, False, False)
-        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap)
+        # bf16 parameters and activations (fp32 gradient accumulators and master weights in
+        # GradientSync and AdamW, fp32 loss), as Megatron trains; float32 on CPU by default
+        bf16 = t.precision == "bf16" or (t.precision == "auto" and grid.device.type == "cuda")
+        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap,
+                             dtype=torch.bfloat16 if bf16 else torch.float32)
         common = dict(seed=cfg.model.seed, std=cfg.model.init_std, recompute=t.recompute)
         self.grid, self.microbatches = grid, cfg.microbatches
         self.pipeline = None
@@ -74,21 +77,18 @@ class Model:
             self.module = self.pipeline.module
         else:
             self.module = Transformer(grid, model_cfg, opts, **common).to(grid.device)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if grid.device.type == "cuda"
-                         and t.precision in ("auto", "bf16") else contextlib.nullcontext())
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; returns its share of the mean loss."""
-        with self.autocast:
-            if self.pipeline is not None:
-                return self.pipeline.step(inputs, targets, scale)
-            total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
-            for m, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
-                sync.sync = m == self.microbatches - 1  # reduce gradients in the last backward only
-                loss = self.module(x, y).float().sum() * scale
-                loss.backward()
-                total += loss.detach()
-            return total
+        if self.pipeline is not None:
+            return self.pipeline.step(inputs, targets, scale)
+        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        for m, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
+            sync.sync = m == self.microbatches - 1  # reduce gradients in the last backward only
+            loss = self.module(x, y).sum() * scale
+            loss.backward()
+            total += loss.detach()
+        return total
 
 
 def local_batch(cfg: TrainConfig, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,5 +76,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Per-token loss from logits [..., V/y] (vocab split over y) and global target ids [...];
     a negative target marks padding: its loss is 0."""
+    # bf16 logits are scored in fp32 (as Megatron does); float64 stays float64
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return _VocabParallelCrossEntropy.apply(logits, targets, grid.group("y"))
 
