@@ -150,20 +150,28 @@ class AdamW:
         flat = torch.cat([p.detach().reshape(-1).to(_at_least_fp32(p.dtype)) for p in bucket.params])
         return F.pad(flat, (0, bucket.padded() - bucket.numel))
 
-    def _copies(self, bucket: Bucket) -> torch.Tensor:
-        """For each element of the bucket: how many ranks of the world hold it after reduction.
-        Its tensor-grid copies times dp*cp replicas; with ZeRO-1 one rank of the bucket's group
-        (dp, cp and the dims its gradient was summed over) holds it."""
+    def _copies(self, bucket: Bucket, lo: int, hi: int) -> list[tuple[int, int, float]]:
+        """(start, end, copies) segments of this rank's range [lo, hi) of the bucket: how many
+        ranks of the world hold each element after reduction. Its tensor-grid copies times dp*cp
+        replicas; with ZeRO-1 one rank of the bucket's group (dp, cp and the dims its gradient
+        was summed over) holds it. Padding is counted once (it is zero)."""
         grid = self.sync.grid
-        per_param = [torch.full((p.numel(),), float(grid.size(p.replicated_dims))) for p in bucket.params]
-        flat = F.pad(torch.cat(per_param), (0, bucket.padded() - bucket.numel), value=1.0)
-        return flat * grid.size(("dp", "cp")) / (bucket.group.size if self.sync.shard else 1)
+        factor = grid.size(("dp", "cp")) / (bucket.group.size if self.sync.shard else 1)
+        segments, offset = [], 0
+        for p in bucket.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                segments.append((a - lo, b - lo, grid.size(p.replicated_dims) * factor))
+            offset += p.numel()
+        return segments
 
     def global_norm(self, buckets: list[Bucket]) -> float:
         """Exact global gradient norm: each element counted once over every shard and replica."""
         total = torch.zeros((), dtype=torch.float64)
         for bucket, state in zip(buckets, self.state):
-            total += (bucket.reduced.double().pow(2) / state["copies"]).sum()
+            reduced = bucket.reduced.double()
+            for a, b, copies in state["copies"]:
+                total += reduced[a:b].pow(2).sum() / copies
         comm.all_reduce(total, self.sync.grid.group(("dp", "pp", "cp", "x", "y", "z")))
         return total.sqrt().item()
 
@@ -190,7 +198,7 @@ class AdamW:
         restore = getattr(self, "_restore", None)
         for bucket in buckets:
             lo, hi = bucket.shard_range(self.sync.shard)
-            s = {"master": self._flat_params(bucket)[lo:hi].clone(), "copies": self._copies(bucket)[lo:hi]}
+            s = {"master": self._flat_params(bucket)[lo:hi].clone(), "copies": self._copies(bucket, lo, hi)}
             for kind in self.STATE:
                 if restore is not None:
                     flat = torch.cat([restore[kind][id(p)].reshape(-1) for p in bucket.params]).to(s["master"].dtype)
@@ -203,7 +211,8 @@ class AdamW:
     @torch.no_grad()
     def skip(self) -> None:
         """Drop this step's gradients without updating anything (a non-finite loss)."""
-        self.sync.finish()
+        for bucket in self.sync.finish():
+            bucket.reduced = None
 
     @torch.no_grad()
     def step(self) -> None:
@@ -228,3 +237,4 @@ class AdamW:
             for p in bucket.params:
                 p.copy_(full[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+            bucket.reduced = None  # between steps only the accumulators and the optimizer state persist

@@ -45,6 +45,8 @@ class Setup:
     order: tuple[str, ...] = DEFAULT_ORDER
     framework: str = "fourfold"
     seq_parallel: bool = True
+    dtype_bytes: int = 2  # parameters and activations: bf16 on GPUs (4 for fourfold's float32 CPU runs)
+    flash_attention: bool = True  # False: the math path (CPU) keeps the attention probabilities
 
     @property
     def tp(self) -> int:
@@ -132,46 +134,62 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
     embed = h * v / (x * y * z)
     head = 0 if cfg.tied else embed
     params += max(embed, head) if p > 1 else embed + head + h / x  # first or last stage; both when p = 1
-    # Activations saved for backward by one layer, bf16, on this rank (see docs/planner.md).
+    # Activations saved for backward by one layer on this rank, as measured by autograd's saved
+    # tensors (tests/test_planner_measured.py holds the whole step's peak to these terms).
+    e = s.dtype_bytes
     T = (s.seq / c) * (s.micro_batch / z)  # tokens on this rank
     Ts = T / y if s.seq_parallel else T  # tokens of the residual stream
     heads = cfg.heads / attention_chunks(blk, x, y)
     kv = cfg.kv_heads / attention_chunks(blk, x, y)
     ffn_local = F / mlp_chunks(blk, x, y)
     up_rows = (2 if blk.gated else 1) * ffn_local
+    math_path = not s.flash_attention and c == 1  # ring attention (cp > 1) keeps no probabilities
+    attention = ({"attention probabilities": (s.micro_batch / z) * heads * (s.seq / c) ** 2} if math_path else
+                 {"attention output and stats": T * heads * d + T * heads / d})
     saved = {
         "norm inputs": 2 * Ts * h / x,
+        "normalized (norm weight gradients)": 2 * Ts * h / x,
         "qkv input (gathered)": T * h / x,
         "q, k, v": T * (heads + 2 * kv) * d,
-        "attention output and stats": T * heads * d + T * heads / d,
+        **attention,
+        "rope tables": (4 * (s.seq / c) * d) if blk.rope else 0.0,
         "out-proj input (gathered)": T * h / y,
         "mlp input (gathered)": T * h / x,
         "gate/up output": T * up_rows,
         "activation output": T * ffn_local,
         "down input (gathered)": T * F / y,
     }
-    per_layer = 2 * sum(saved.values())
+    per_layer = e * sum(saved.values())
+    core = e * sum(v for k, v in saved.items() if k in ("q, k, v", "attention probabilities",
+                                                         "attention output and stats"))
     if s.recompute == "full":
-        per_layer_kept, working = 2 * Ts * h / x, per_layer
+        per_layer_kept, working = e * Ts * h / x, per_layer
     elif s.recompute == "selective":
-        per_layer_kept = per_layer - 2 * (saved["q, k, v"] + saved["attention output and stats"])
-        working = 0.0
+        per_layer_kept = per_layer - core
+        working = core
     else:
         per_layer_kept, working = per_layer, 0.0
     in_flight = min(p, s.micro_batches) if p > 1 else 1  # 1F1B: the first stage holds p micro-batches
     # The largest gathered weight block (bf16) and its prefetched successor; fp32 gradient block.
     largest_block = max(h * (cfg.heads + 2 * cfg.kv_heads) * d, h * (2 if blk.gated else 1) * F, h * v) / (x * y)
-    buffers = (2 * 2 + 4) * largest_block if z > 1 else 0.0
+    buffers = (2 * e + 4) * largest_block if z > 1 else 0.0
     groups = sum(1 for n in (s.dp, s.pp, s.cp, x, y, z) if n > 1) + (1 if s.dp * s.cp > max(s.dp, s.cp) else 0)
-    dynamic = layers_here * per_layer_kept * in_flight + working + buffers
+    # at the loss: the logits, their fp32 copy (bf16 runs) and the fp32 softmax being formed;
+    # the final norm's input, normalized value and output (the head's input)
+    logits = T * v / y * (e + 4 + (4 if e < 4 else 0)) + 3 * e * Ts * h / x
+    # A layer recomputed in backward runs after the head's backward has freed the logits:
+    # the peak is the larger of the two, not their sum.
+    recompute = max(0.0, working - logits)
+    dynamic = layers_here * per_layer_kept * in_flight + recompute + buffers
     terms = {
-        "weights": 2 * params,
+        "weights": e * params,
         "gradients": 4 * params,
         "optimizer": 12 * params / (s.dp * c),  # fp32 master + Adam m, v; ZeRO-1 over dp*cp
-        "activations": layers_here * per_layer_kept * in_flight + working,
-        "logits": 8 * T * v / y,  # fp32 logits and the saved softmax, on the last stage
+        "activations": layers_here * per_layer_kept * in_flight,
+        "recompute": recompute,
+        "logits": logits,
         "gathered_weights": buffers,
-        "ring_attention": (2 * 2 * 2 * T * (cfg.kv_heads / attention_chunks(blk, x, y)) * d) if c > 1 else 0.0,
+        "ring_attention": (2 * 2 * e * T * (cfg.kv_heads / attention_chunks(blk, x, y)) * d) if c > 1 else 0.0,
         "nccl": NCCL_BYTES_PER_COMMUNICATOR * groups,
         "cuda_context": CUDA_CONTEXT_BYTES,
         "fragmentation": FRAGMENTATION * dynamic,

@@ -58,19 +58,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.clamp(0, rows - 1)
         # The max only stabilises the exponentials; it needs no gradient.
         top = comm.all_reduce(logits.detach().amax(-1), group, op=dist.ReduceOp.MAX)
+        # In place where possible: [tokens, vocab/y] tensors are the largest of the step.
         shifted = logits - top.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = comm.all_reduce(exp.sum(-1), group)
         target = comm.all_reduce(shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside, group)
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1) * scored.unsqueeze(-1), local, inside)
+        softmax = shifted.exp_()
+        sum_exp = comm.all_reduce(softmax.sum(-1), group)
+        softmax.div_(sum_exp.unsqueeze(-1)).mul_(scored.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, inside)
         return (sum_exp.log() - target) * scored
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local, inside = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # used once: becomes the gradient in place
         grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
-        return grad * grad_loss.unsqueeze(-1), None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
