@@ -114,9 +114,11 @@ def _layer_compute_seconds(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Ca
         k_local, n_local = (K / x, N / y) if kind == "x" else (K / y, N / x)
         forward += 2 * T * k_local * n_local / (peak * gemm_efficiency(T, k_local, n_local, cal))
     heads = cfg.heads / attention_chunks(b, x, y) if s.framework == "fourfold" else cfg.heads / y
-    attention = 2 * 2 * T * (s.seq / s.cp) * d * heads / 2  # QK^T and PV, causal
-    forward += attention / (peak * gemm_efficiency(T, d, s.seq / s.cp, cal))
-    return forward, forward - attention / (peak * gemm_efficiency(T, d, s.seq / s.cp, cal))
+    # QK^T and PV of the local queries against the whole sequence (ring attention brings the
+    # other chunks' keys), causal: half of it
+    attention = 2 * 2 * T * s.seq * d * heads / 2
+    attention_seconds = attention / (peak * gemm_efficiency(T, d, s.seq / s.cp, cal))
+    return forward + attention_seconds, forward
 
 
 def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration, dw_seconds: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 
 from fourfold.blockspec import RECOMPUTE, attention_chunks, mlp_chunks
@@ -55,6 +57,11 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = Ca
     }
 
 
+def rounded_seconds(seconds: float) -> float:
+    """A step time to four significant digits: closer candidates count as equally fast."""
+    return round(seconds, 3 - math.floor(math.log10(seconds))) if seconds > 0 else seconds
+
+
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Setup, *, micro_batches=(1, 2, 4, 8),
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False) -> list[dict]:
     """Every valid (dp, pp, cp, x, y, z), micro-batch, order and recompute option on `gpus`, best first."""
@@ -80,7 +87,10 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Setup, *, micro_
                 results.append(best)
                 if fits:
                     break  # a lighter recompute fits: heavier ones are only slower
-    results.sort(key=lambda r: (not r["fits"], r["step_seconds"]))
+    # Among equally fast candidates (step times equal to 0.1%), the simpler one first: less
+    # context parallelism, then the smaller model-parallel group, then less memory.
+    results.sort(key=lambda r: (not r["fits"], rounded_seconds(r["step_seconds"]), r["cp"],
+                                r["pp"] * r["tp"], r["memory_gib"]))
     return results
 
 
