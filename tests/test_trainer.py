@@ -202,3 +202,32 @@ def test_sbatch_script_quotes_every_user_value(tmp_path):
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
+    """`fourfold eval --checkpoint` on x2 gives the loss the same checkpoint gives on one rank."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from fourfold.evaluate import evaluate
+    from fourfold.generate import _single_process_group
+    from fourfold.grid import Grid
+    from fourfold.layout import Layout
+    from fourfold.models.config import ModelConfig
+    from fourfold.models.transformer import Transformer
+
+    _, tokens_path = corpus.prepare(data[1], 1024, data[5])
+    tokens = np.load(tokens_path)[:2000]
+    np.save(tmp_path / "val.npy", tokens)
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli", "eval", "--checkpoint", str(reference / "checkpoints"),
+                           "--tokens", str(tmp_path / "val.npy"), "--seq", "32", "--batch", "4", "--grid", "x=2",
+                           "--json"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    parallel = json.loads(done.stdout.strip().splitlines()[-1])
+    path = checkpoint.latest(reference / "checkpoints")
+    _single_process_group()
+    model = Transformer(Grid(Layout()), ModelConfig(**checkpoint.read_meta(path)["model"]))
+    checkpoint.load_checkpoint(path, model)
+    serial = evaluate(model, Grid(Layout()), tokens, 32, 4)
+    dist.destroy_process_group()
+    assert parallel["tokens"] == serial["tokens"] and parallel["loss"] == pytest.approx(serial["loss"], rel=1e-5)

@@ -56,8 +56,17 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
 
     init_process_group()
     grid = Grid(layout)
-    model = Transformer(grid, load_config(args.hf), TensorOptions(dtype=getattr(torch, args.dtype))).to(grid.device)
-    load_hf(model, args.hf)
+    if args.hf:
+        model = Transformer(grid, load_config(args.hf), TensorOptions(dtype=getattr(torch, args.dtype))).to(grid.device)
+        load_hf(model, args.hf)
+    else:  # a training checkpoint, written on any grid
+        from fourfold import checkpoint
+        from fourfold.models.config import ModelConfig
+
+        path = checkpoint.latest(args.checkpoint) or args.checkpoint
+        cfg = ModelConfig(**checkpoint.read_meta(path)["model"])
+        model = Transformer(grid, cfg, TensorOptions(dtype=getattr(torch, args.dtype))).to(grid.device)
+        checkpoint.load_checkpoint(path, model)
     tokens = np.load(args.tokens, mmap_mode="r")
     result = evaluate(model, grid, tokens, args.seq, args.batch)
     if grid.rank == 0:
@@ -159,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("demo", help="the main job on an embedded default: train a small Llama on 8 CPU ranks "
                                      "(takes the same --section.key value overrides as train), sample, plan")
     ev = commands.add_parser("eval", help="mean next-token loss and perplexity of a model on a token file")
-    ev.add_argument("--hf", required=True, help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    source.add_argument("--checkpoint", help="a training checkpoint (step-N), or a run's checkpoint directory (latest)")
     ev.add_argument("--tokens", required=True, help="a .npy file of token ids (1-D)")
     ev.add_argument("--seq", type=int, required=True, help="sequence length of each window")
     ev.add_argument("--batch", type=int, default=1, help="windows per data shard per step")

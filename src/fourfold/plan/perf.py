@@ -121,19 +121,25 @@ def _layer_compute_seconds(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Ca
     return forward + attention_seconds, forward
 
 
-def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration, dw_seconds: float) -> float:
+def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration, forward_seconds: float,
+                 dw_seconds: float) -> float:
     """Exposed tensor-parallel communication of one layer for one micro-batch (forward and backward)."""
-    b = 2  # bf16
+    b = s.dtype_bytes  # bf16 on GPUs
     sizes = s.layout.sizes
     T = int(s.seq / s.cp * s.micro_batch / s.z)
     if s.framework == "megatron":  # 1D TP with sequence parallelism: AG + RS per sublayer, both passes
         sublayer = [Collective("y", "all_gather", T * cfg.hidden), Collective("y", "reduce_scatter", T * cfg.hidden)]
         return comm_seconds(sublayer * 4, s, cluster, b, cal)
     passes = block_passes(cfg.block, sizes, int(s.micro_batch / s.z), int(s.seq / s.cp), seq_parallel=s.seq_parallel)
-    total = comm_seconds([c for c in passes.all() if c.group != "cp"], s, cluster, b, cal)  # ring: below
+    activations = [c for c in passes.all() if c.group not in ("cp", "z")]  # ring attention: below
+    total = comm_seconds(activations, s, cluster, b, cal)
     # The input-gradient all-reduce hides behind the dW GEMM of the same layer (the runtime's overlap).
     input_grad = [c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]
-    return total - min(dw_seconds, comm_seconds(input_grad, s, cluster, b, cal))
+    exposed = total - min(dw_seconds, comm_seconds(input_grad, s, cluster, b, cal))
+    # z: the weight all-gathers are prefetched one GEMM ahead and the dW reduce-scatters deferred
+    # to the next one, so they hide behind the layer's compute (3x forward) up to its length.
+    weights = comm_seconds([c for c in passes.all() if c.group == "z"], s, cluster, b, cal)
+    return exposed + max(0.0, weights - 3 * forward_seconds)
 
 
 def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration) -> float:
@@ -146,8 +152,8 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: C
     peak = cluster.gpu.bf16_tflops * 1e12
     heads = cfg.heads / tp_heads
     block_attention = 4 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
-    forward = max(0.0, comm_seconds(ring.forward, s, cluster, 2, cal) - (s.cp - 1) * block_attention)
-    backward = max(0.0, comm_seconds(ring.backward, s, cluster, 2, cal) - 2 * (s.cp - 1) * block_attention)
+    forward = max(0.0, comm_seconds(ring.forward, s, cluster, s.dtype_bytes, cal) - (s.cp - 1) * block_attention)
+    backward = max(0.0, comm_seconds(ring.backward, s, cluster, s.dtype_bytes, cal) - 2 * (s.cp - 1) * block_attention)
     return forward + backward
 
 
@@ -157,7 +163,7 @@ def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = C
     if s.recompute == "full":
         per_layer += forward
     layers_per_stage = cfg.layers / s.pp
-    comm_layer = _tensor_comm(cfg, s, cluster, cal, dw)
+    comm_layer = _tensor_comm(cfg, s, cluster, cal, forward, dw)
     if s.recompute == "full":
         comm_layer *= 1.5  # the forward's collectives again
     micro_compute = layers_per_stage * per_layer
@@ -172,11 +178,11 @@ def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = C
         sizes = s.layout.sizes
         extra = embedding_passes(sizes, cfg.vocab, cfg.hidden, int(T)).all() + linear_passes(
             sizes, "x-in", cfg.hidden, cfg.vocab, int(T)).all()
-        micro_comm += comm_seconds(extra, s, cluster, 2, cal)
+        micro_comm += comm_seconds(extra, s, cluster, s.dtype_bytes, cal)
     # Pipeline: P2P of each micro-batch's activation shard in both directions, then the bubble.
     if s.pp > 1:
         shard = T * cfg.hidden / (s.x * s.y if s.framework == "fourfold" else s.y)
-        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2, s, cluster, 2, cal)
+        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2, s, cluster, s.dtype_bytes, cal)
     if s.cp > 1:
         micro_comm += layers_per_stage * _ring_attention_exposed(cfg, s, cluster, cal)
     m = s.micro_batches
@@ -191,7 +197,7 @@ def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = C
     if g > 1:
         dims = ("dp", "cp")
         bw = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
-        dp_comm = float(bytes_sent("reduce_scatter", g, 4 * params_rank) + bytes_sent("all_gather", g, 2 * params_rank)) / bw
+        dp_comm = float(bytes_sent("reduce_scatter", g, 4 * params_rank) + bytes_sent("all_gather", g, s.dtype_bytes * params_rank)) / bw
         if s.framework == "megatron":  # Megatron overlaps the gradient reduction with backward
             dp_comm = max(0.0, dp_comm - compute * 2 / 3)
     optimizer = 16 * params_rank / g / (cluster.gpu.hbm_tbs * 1e12)

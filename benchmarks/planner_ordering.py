@@ -1,0 +1,135 @@
+"""Does the planner rank grids the way measured step times do? On 8 CPU ranks (one machine).
+
+First measures what the planner needs to know about this machine (per-rank GEMM rate, gloo
+bandwidth and latency per collective step), then times training steps of one small Llama on
+several grids and prints measured and predicted step times side by side with their ranks.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 benchmarks/planner_ordering.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from fourfold.data import AdamW, GradientSync
+from fourfold.grid import Grid, init_process_group
+from fourfold.layout import Layout
+from fourfold.models.config import ModelConfig
+from fourfold.models.transformer import Transformer
+from fourfold.pipeline import Pipeline
+from fourfold.plan.hardware import GPU, Cluster
+from fourfold.plan.memory import Setup
+from fourfold.plan.perf import Calibration, step_time
+from fourfold.tensor.block import TensorOptions
+
+CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=512,
+                  tied=False, eps=1e-5)
+GLOBAL_BATCH, MICRO, SEQ = 16, 2, 128
+GRIDS = ["dp=8", "dp=4,x=2", "dp=2,x=2,y=2", "dp=2,y=2,z=2", "x=2,y=2,z=2", "dp=4,pp=2", "dp=2,cp=2,y=2",
+         "pp=2,cp=2,x=2"]
+
+
+def machine() -> tuple[float, float, float]:
+    """(GEMM FLOP/s per rank with all ranks busy, gloo bytes/s per rank, seconds per ring step)."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    flops = 20 * 2 * 512**3 / (time.perf_counter() - start)
+    big, small = torch.zeros(4 * 2**20 // 4), torch.zeros(1)
+    dist.all_reduce(big)
+    start = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(big)
+    seconds = (time.perf_counter() - start) / 3
+    world = dist.get_world_size()
+    bandwidth = 2 * (world - 1) / world * big.numel() * 4 / seconds
+    start = time.perf_counter()
+    for _ in range(20):
+        dist.all_reduce(small)
+    latency = (time.perf_counter() - start) / 20 / (2 * (world - 1))
+    measured = torch.tensor([flops, bandwidth, latency], dtype=torch.float64)
+    dist.all_reduce(measured)
+    return tuple((measured / world).tolist())
+
+
+def measure(text: str, repeat: int = 3) -> float:
+    layout = Layout.parse(text)
+    grid = Grid(layout)
+    opts = TensorOptions(seq_parallel=grid.size("y") > 1 and SEQ // layout.cp % layout.y == 0)
+    micro = GLOBAL_BATCH // (layout.dp * MICRO)
+    if layout.pp > 1:
+        pipe = Pipeline(grid, CFG, opts, schedule="1f1b", microbatches=micro, micro_batch=MICRO // layout.z,
+                        seq=SEQ // layout.cp)
+        module = pipe.module
+    else:
+        pipe, module = None, Transformer(grid, CFG, opts)
+    opt = AdamW(GradientSync(module, grid), lr=1e-3)
+    from fourfold import context
+
+    ids = torch.randint(0, CFG.vocab, (GLOBAL_BATCH // layout.dp, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    c = grid.coords
+    parts = [m.chunk(layout.z)[c["z"]] for m in ids.split(MICRO)]
+    local = torch.cat(parts)
+    cp = grid.group("cp")
+    inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+    times = []
+    for step in range(repeat + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if pipe is not None:
+            pipe.step(inputs, targets, 1.0 / ids.numel())
+        else:
+            for m, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
+                opt.sync.sync = m == micro - 1
+                (module(x, y).sum() / ids.numel()).backward()
+        opt.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]  # the median after the traced first step
+
+
+def predict(text: str, cluster: Cluster) -> float:
+    layout = Layout.parse(text)
+    s = Setup(dp=layout.dp, pp=layout.pp, cp=layout.cp, x=layout.x, y=layout.y, z=layout.z, micro_batch=MICRO,
+              seq=SEQ, global_batch=GLOBAL_BATCH, seq_parallel=layout.y > 1, dtype_bytes=4)
+    return step_time(CFG, s, cluster, Calibration(efficiency_max=1.0, efficiency_half=16)).total
+
+
+def ranks(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0] * len(values)
+    for position, index in enumerate(order):
+        out[index] = position + 1
+    return out
+
+
+def main() -> None:
+    init_process_group()
+    torch.manual_seed(0)
+    flops, bandwidth, latency = machine()
+    cluster = Cluster(GPU("cpu-rank", flops / 1e12, 3, 0.01), 8, bandwidth / 1e9, bandwidth / 1e9, latency * 1e6)
+    measured = [measure(g) for g in GRIDS]
+    if dist.get_rank() == 0:
+        predicted = [predict(g, cluster) for g in GRIDS]
+        print(f"this machine, 8 ranks: {flops / 1e9:.1f} GFLOP/s per rank, gloo {bandwidth / 1e9:.2f} GB/s per rank, "
+              f"{latency * 1e6:.0f} us per ring step")
+        print(f"{'grid':16} {'measured s':>11} {'rank':>5} {'predicted s':>12} {'rank':>5}")
+        for g, m, rm, p, rp in zip(GRIDS, measured, ranks(measured), predicted, ranks(predicted)):
+            print(f"{g:16} {m:11.3f} {rm:5d} {p:12.3f} {rp:5d}")
+        rm, rp = ranks(measured), ranks(predicted)
+        n = len(GRIDS)
+        rho = 1 - 6 * sum((a - b) ** 2 for a, b in zip(rm, rp)) / (n * (n * n - 1))
+        print(f"Spearman rank correlation {rho:.2f}")
+        json.dump(dict(grids=GRIDS, measured=measured, predicted=predicted, spearman=rho), sys.stderr)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
