@@ -6,6 +6,7 @@ tested against; each collective runs at the bandwidth its group gets under the p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fourfold.blockspec import attention_chunks
@@ -43,7 +44,11 @@ def gemm_efficiency(m: float, n: float, k: float, cal: Calibration) -> float:
 def group_bandwidth(s: Setup, cluster: Cluster, dims: tuple[str, ...]) -> float:
     """Bytes/s per GPU for a collective over `dims`: intra-node if the group fits in a node, else
     the node's NICs shared by the groups of this dim that cross the node boundary together."""
-    layout = s.layout
+    return _bandwidth(s.layout, cluster, dims)
+
+
+@functools.lru_cache(maxsize=65536)  # the search asks the same question for many candidates
+def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...]) -> float:
     inner = min(dims, key=layout.order.index)
     stride = layout.stride(inner)
     span = stride * layout.size(dims) if len(dims) == 1 else max(layout.stride(d) * layout.size(d) for d in dims)
@@ -69,8 +74,14 @@ def comm_seconds(collectives: list[Collective], s: Setup, cluster: Cluster, elem
         g = s.layout.size(dims)
         steps = 2 * (g - 1) if op == "all_reduce" else (g - 1)
         bandwidth = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
-        seconds += float(bytes_sent(op, g, numel * element_size)) / bandwidth + count * steps * cluster.latency_us * 1e-6
+        seconds += _per_byte(op, g) * numel * element_size / bandwidth + count * steps * cluster.latency_us * 1e-6
     return seconds
+
+
+@functools.lru_cache(maxsize=None)
+def _per_byte(op: str, group_size: int) -> float:
+    """Bytes sent per byte of message (the volumes are linear in the message)."""
+    return float(bytes_sent(op, group_size, 1))
 
 
 @dataclass
