@@ -73,7 +73,8 @@ class TokenLoader:
     """Packed sequences of seq+1 tokens (inputs and shifted targets) from a token file, in an order
     fixed by (seed, epoch). Step t's global batch is positions [t*B, (t+1)*B) of that order; the
     data-parallel replica d reads only its contiguous part. The held-out tail of the file (the
-    last `eval_fraction` of sequences) never appears in training batches."""
+    last `eval_fraction` of sequences, from token `train_sequences * seq` on) never appears in
+    training batches: `fourfold eval --checkpoint` can score it."""
 
     def __init__(self, tokens_path: str | Path, seq: int, global_batch: int, *, seed: int = 0,
                  eval_fraction: float = 0.01):
@@ -105,10 +106,3 @@ class TokenLoader:
         per = self.global_batch // replicas
         start = step * self.global_batch + replica * per
         return np.stack([self._sequence(self._position(p)) for p in range(start, start + per)])
-
-    def eval_batches(self, batch: int):
-        """The held-out sequences, `batch` at a time."""
-        first = self.train_sequences
-        for start in range(first, first + self.eval_sequences, batch):
-            indices = range(start, min(start + batch, first + self.eval_sequences))
-            yield np.stack([self._sequence(i) for i in indices])

@@ -68,7 +68,6 @@ class TrainSection:
     seq_parallel: bool = False
     overlap: bool = True
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
-    eval_every: int = 0  # steps between held-out evaluations (0: only at the end)
 
 
 @dataclass
