@@ -231,3 +231,14 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
     serial = evaluate(model, Grid(Layout()), tokens, 32, 4)
     dist.destroy_process_group()
     assert parallel["tokens"] == serial["tokens"] and parallel["loss"] == pytest.approx(serial["loss"], rel=1e-5)
+
+
+def test_auto_grid_takes_a_planner_candidate_this_run_can_use():
+    from fourfold.trainconfig import resolve_auto_grid
+
+    cfg = load_train_config(None, ["--grid.auto", "true", "--batch.seq", "128"])
+    chosen = resolve_auto_grid(cfg, 8)
+    assert not cfg.grid.auto and cfg.layout().world_size == 8
+    assert (cfg.grid.dp, cfg.grid.pp, cfg.grid.cp, cfg.grid.x, cfg.grid.y, cfg.grid.z) == tuple(
+        chosen[d] for d in ("dp", "pp", "cp", "x", "y", "z"))
+    validate(cfg, 8)  # the chosen grid passes every check
