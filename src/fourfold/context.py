@@ -48,13 +48,27 @@ def _block_forward(q, k, v, mask, scale):
     """Attention of grouped queries to one key/value block: (output, log-sum-exp) per query row.
     Rows that see no key in this block get output 0 and lse -inf."""
     scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     p = torch.exp(scores - top)
     total = p.sum(-1, keepdim=True)
     out = (p @ v) / total.clamp_min(torch.finfo(total.dtype).tiny)
     return out, top + torch.log(total)
+
+
+def _second_half(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """View [b, kv_heads, group, s/2, x] of the grouped rows of this rank's second chunk."""
+    b, h, rows, x = t.shape
+    s = rows // group_size
+    return t.view(b, h, group_size, 2, s // 2, x)[:, :, :, 1]
+
+
+def _merge(out, lse, o_b, lse_b):
+    """Two partial attentions of the same rows, combined by the log-sum-exp rule."""
+    merged = torch.logaddexp(lse, lse_b)
+    return out * torch.exp(lse - merged) + o_b * torch.exp(lse_b - merged), merged
 
 
 def _exchange(tensors: list[torch.Tensor], cp: Group):
@@ -66,27 +80,39 @@ def _exchange(tensors: list[torch.Tensor], cp: Group):
     return comm.batch_p2p(transfers, cp, async_op=True)
 
 
+# Which part of a block is visible, for cp rank i holding chunks i and 2cp-1-i and a block from
+# rank j holding chunks j and 2cp-1-j: j == i, causal within; j < i, chunk j precedes both of
+# ours and chunk 2cp-1-j follows both: all our queries see the block's first half only; j > i,
+# both of its chunks follow our first and precede our second: only our second half sees it, all
+# of it. Masked parts are never computed, so every rank does the same work per step.
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pos, cp: Group):
         kv_heads = k.shape[1]
-        group_size = q.shape[1] // kv_heads
+        g = q.shape[1] // kv_heads
         scale = 1.0 / math.sqrt(q.shape[-1])
         qg = _grouped(q, kv_heads)
-        q_pos = pos.repeat(group_size)
+        half = k.shape[2] // 2
         out = lse = None
         block_k, block_v = k, v
         for step in range(cp.size):
             owner = (cp.rank - step) % cp.size
             pending = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
-            mask = q_pos[:, None] >= _owner_positions(pos, owner, cp)[None, :]
-            o_b, lse_b = _block_forward(qg, block_k, block_v, mask, scale)
-            if out is None:  # own block first: the diagonal makes every row's lse finite
-                out, lse = o_b, lse_b
+            if owner == cp.rank:  # step 0: the diagonal makes every row's lse finite
+                causal = pos.repeat(g)[:, None] >= pos[None, :]
+                out, lse = _block_forward(qg, block_k, block_v, causal, scale)
+            elif owner < cp.rank:
+                o_b, lse_b = _block_forward(qg, block_k[:, :, :half], block_v[:, :, :half], None, scale)
+                out, lse = _merge(out, lse, o_b, lse_b)
             else:
-                merged = torch.logaddexp(lse, lse_b)
-                out = out * torch.exp(lse - merged) + o_b * torch.exp(lse_b - merged)
-                lse = merged
+                rows = _second_half(qg, g).reshape(qg.shape[0], kv_heads, -1, qg.shape[-1])
+                o_b, lse_b = _block_forward(rows, block_k, block_v, None, scale)
+                o_half, lse_half = _second_half(out, g), _second_half(lse, g)
+                merged_o, merged_lse = _merge(o_half, lse_half, o_b.view_as(o_half), lse_b.view_as(lse_half))
+                o_half.copy_(merged_o)
+                lse_half.copy_(merged_lse)
             if pending is not None:
                 block_k, block_v = pending.wait()
         ctx.save_for_backward(q, k, v, pos, out, lse)
@@ -98,25 +124,46 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, pos, out, lse = ctx.saved_tensors
         cp = ctx.cp
         kv_heads = k.shape[1]
-        group_size = q.shape[1] // kv_heads
+        g = q.shape[1] // kv_heads
         scale = 1.0 / math.sqrt(q.shape[-1])
         qg, dout = _grouped(q, kv_heads), _grouped(grad_out.contiguous(), kv_heads)
-        q_pos = pos.repeat(group_size)
         delta = (dout * out).sum(-1, keepdim=True)
         acc_dtype = torch.promote_types(k.dtype, torch.float32)
         dq = torch.zeros_like(qg, dtype=acc_dtype)
+        half = k.shape[2] // 2
+
+        def second(t):
+            return _second_half(t, g).reshape(t.shape[0], kv_heads, -1, t.shape[-1])
+
         block_k, block_v = k, v
         incoming = None  # the dK, dV accumulators of the block held now, from the previous rank
         for step in range(cp.size):
             owner = (cp.rank - step) % cp.size
             pending_kv = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
-            mask = q_pos[:, None] >= _owner_positions(pos, owner, cp)[None, :]
-            scores = (qg @ block_k.transpose(-1, -2)) * scale
-            p = torch.exp(scores.masked_fill(~mask, float("-inf")) - lse)
-            dv_b = p.transpose(-1, -2) @ dout
-            ds = p * (dout @ block_v.transpose(-1, -2) - delta) * scale
-            dq += ds @ block_k
-            dk_b = ds.transpose(-1, -2) @ qg
+            mask, keys = None, slice(None)
+            rows = (qg, dout, lse, delta)
+            if owner == cp.rank:
+                mask = pos.repeat(g)[:, None] >= pos[None, :]
+            elif owner < cp.rank:
+                keys = slice(0, half)
+            else:
+                rows = tuple(second(t) for t in rows)
+            q_b, dout_b, lse_b, delta_b = rows
+            k_b, v_b = block_k[:, :, keys], block_v[:, :, keys]
+            scores = (q_b @ k_b.transpose(-1, -2)) * scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            p = torch.exp(scores - lse_b)
+            dv_b = p.transpose(-1, -2) @ dout_b
+            ds = p * (dout_b @ v_b.transpose(-1, -2) - delta_b) * scale
+            dk_b = ds.transpose(-1, -2) @ q_b
+            if owner > cp.rank:
+                _second_half(dq, g).add_((ds @ k_b).view_as(_second_half(dq, g)))
+            else:
+                dq += ds @ k_b
+            if owner < cp.rank:  # the block's second half got no gradient
+                dk_b = torch.cat([dk_b, torch.zeros_like(dk_b)], dim=2)
+                dv_b = torch.cat([dv_b, torch.zeros_like(dv_b)], dim=2)
             if incoming is not None:
                 dk, dv = incoming.wait()
                 dk_b, dv_b = dk.to(acc_dtype) + dk_b, dv.to(acc_dtype) + dv_b
@@ -127,13 +174,6 @@ class _RingAttention(torch.autograd.Function):
                 block_k, block_v = pending_kv.wait()
         dk, dv = incoming.wait()
         return dq.to(q.dtype).reshape(q.shape), dk.to(k.dtype), dv.to(v.dtype), None, None
-
-
-def _owner_positions(pos: torch.Tensor, owner: int, cp: Group) -> torch.Tensor:
-    """The global positions held by cp rank `owner`, given this rank's."""
-    n = pos.shape[0] // 2
-    return torch.cat([torch.arange(owner * n, (owner + 1) * n, device=pos.device),
-                      torch.arange((2 * cp.size - 1 - owner) * n, (2 * cp.size - owner) * n, device=pos.device)])
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cp: Group) -> torch.Tensor:

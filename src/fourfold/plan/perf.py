@@ -162,7 +162,8 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: C
     tp_heads = s.y if s.framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
     peak = cluster.gpu.bf16_tflops * 1e12
     heads = cfg.heads / tp_heads
-    block_attention = 4 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
+    # each ring step attends half a block (the other half is masked and skipped)
+    block_attention = 2 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
     forward = max(0.0, comm_seconds(ring.forward, s, cluster, s.dtype_bytes, cal) - (s.cp - 1) * block_attention)
     backward = max(0.0, comm_seconds(ring.backward, s, cluster, s.dtype_bytes, cal) - 2 * (s.cp - 1) * block_attention)
     return forward + backward
