@@ -92,7 +92,8 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
         validate(cfg, world)
         from fourfold.trainer import tokens_files
 
-        tokens_files(cfg)
+        tokenizer, tokens = tokens_files(cfg)  # the ranks are given the files: none re-reads the corpus
+        argv = argv + ["--data.tokenizer", str(tokenizer), "--data.tokens", str(tokens)]
         return relaunch_with_torchrun(world, argv, max_restarts=args.max_restarts)
     import torch.distributed as dist
 

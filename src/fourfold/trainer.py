@@ -190,10 +190,9 @@ def train(cfg: TrainConfig) -> dict:
     (torchrun's, joined by `fourfold train`); returns a summary."""
     validate(cfg, dist.get_world_size())
     grid = Grid(cfg.layout())
-    if grid.rank == 0:
-        tokens_files(cfg)  # tokenize once; the other ranks then find it cached
+    files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize once; the others find it cached
     dist.barrier()
-    tokenizer_path, tokens_path = tokens_files(cfg)
+    tokenizer_path, tokens_path = files or tokens_files(cfg)
     loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed)
     model_cfg = cfg.model_config()
     if corpus.load_tokenizer(tokenizer_path).get_vocab_size() > model_cfg.vocab:

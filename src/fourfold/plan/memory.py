@@ -160,8 +160,7 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
         "down input (gathered)": T * F / y,
     }
     per_layer = e * sum(saved.values())
-    core = e * sum(v for k, v in saved.items() if k in ("q, k, v", "attention probabilities",
-                                                         "attention output and stats"))
+    core = e * (saved["q, k, v"] + sum(attention.values()))  # what selective recompute redoes
     if s.recompute == "full":
         per_layer_kept, working = e * Ts * h / x, per_layer
     elif s.recompute == "selective":

@@ -157,8 +157,7 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: C
     """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
     K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs)."""
     T = s.seq / s.cp * s.micro_batch / s.z
-    sizes = dict(s.layout.sizes, x=1) if s.framework == "megatron" else s.layout.sizes
-    ring = ring_attention_passes(cfg.block, sizes, int(s.micro_batch / s.z), int(s.seq / s.cp))
+    ring = ring_attention_passes(cfg.block, s.layout.sizes, int(s.micro_batch / s.z), int(s.seq / s.cp))
     tp_heads = s.y if s.framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
     peak = cluster.gpu.bf16_tflops * 1e12
     heads = cfg.heads / tp_heads
