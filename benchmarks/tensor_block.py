@@ -26,7 +26,7 @@ from fourfold.grid import Grid, init_process_group
 from fourfold.layout import Layout
 from fourfold.tensor.block import ParallelBlock, TensorOptions, rotary
 from fourfold.volumes import bytes_sent
-from timing import best_time  # benchmarks/timing.py, beside this file
+from timing import best_time, print_table  # benchmarks/timing.py, beside this file
 
 
 class CountCollectives(TorchDispatchMode):
@@ -147,10 +147,8 @@ def main() -> None:
     if rank == 0:
         print(f"block hidden={args.hidden} heads={args.heads} ffn={args.ffn} batch={args.batch} seq={args.seq}, "
               f"float32, {world} ranks, best of {args.repeat}")
-        base = results[-1][1]
-        print(f"{'variant':<46} {'step ms':>9} {'vs DTensor':>10} {'MiB sent/rank':>14}")
-        for label, seconds, nbytes in results:
-            print(f"{label:<46} {seconds * 1e3:9.1f} {seconds / base:10.2f} {nbytes / 2**20:14.2f}")
+        print_table([(label, seconds, nbytes / 2**20) for label, seconds, nbytes in results], baseline=-1,
+                    against="DTensor")
     dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: the best wall time of a step over all ranks."""
+"""Shared by the benchmarks: the best wall time of a step over all ranks, and the result table."""
 
 import time
 
@@ -16,3 +16,12 @@ def best_time(step, repeat: int) -> float:
         dist.barrier()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def print_table(rows: list[tuple[str, float, float]], baseline: int, against: str) -> None:
+    """Rows of (variant, seconds per step, MiB sent per rank), times as ratios to rows[baseline]."""
+    width = max(len(label) for label, _, _ in rows) + 2
+    base = rows[baseline][1]
+    print(f"{'variant':<{width}} {'step ms':>9} {'vs ' + against:>10} {'MiB sent/rank':>14}")
+    for label, seconds, mib in rows:
+        print(f"{label:<{width}} {seconds * 1e3:9.1f} {seconds / base:10.2f} {mib:14.2f}")

@@ -21,7 +21,7 @@ from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
 from fourfold.overlap import OverlapOptions
 from fourfold.tensor.block import TensorOptions
-from timing import best_time  # benchmarks/timing.py, beside this file
+from timing import best_time, print_table  # benchmarks/timing.py, beside this file
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, vocab=4096, max_positions=512,
                   tied=False, eps=1e-5)
@@ -48,7 +48,7 @@ def torch_step(wrap: str, ids: torch.Tensor):
         model = DistributedDataParallel(model)
     else:
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model.layers:
+        for layer in model.layers.values():
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -90,10 +90,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"Llama hidden={CFG.hidden} layers={CFG.layers} vocab={CFG.vocab}, {CFG.parameter_count() / 1e6:.1f}M params, "
               f"global batch {args.batch}x{args.seq}, float32, {world} ranks, best of {args.repeat}")
-        base = rows[-2][1]
-        print(f"{'variant':<36} {'step ms':>9} {'vs DDP':>7} {'MiB sent/rank':>14}")
-        for label, seconds, mib in rows:
-            print(f"{label:<36} {seconds * 1e3:9.1f} {seconds / base:7.2f} {mib:14.2f}")
+        print_table(rows, baseline=-2, against="DDP")
     dist.destroy_process_group()
 
 
