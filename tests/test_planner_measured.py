@@ -1,6 +1,9 @@
-"""The memory estimator against fourfold's measured peak: every tensor allocated during two
-training steps (model, gradient accumulators, ZeRO-1 state, activations, temporaries) tracked by
-torch's MemTracker on 4 CPU ranks, float32."""
+"""The memory estimator against fourfold's measured peak over two training steps (model, gradient
+accumulators, ZeRO-1 state, activations, temporaries): a small model on 4 CPU ranks, float32,
+tracked by torch's MemTracker; a 70B layer under FakeTensorMode, bf16 (fourfold.measure).
+The GPU-only terms (CUDA context, NCCL, fragmentation) have no counterpart on CPU."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,7 +12,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from fourfold.data import AdamW, GradientSync
 from fourfold.grid import Grid
 from fourfold.layout import Layout
-from fourfold.models.config import ModelConfig
+from fourfold.measure import GPU_ONLY_TERMS as DEVICE_TERMS, measure_peak
+from fourfold.models.config import ModelConfig, load_config
 from fourfold.models.transformer import Transformer
 from fourfold.plan.memory import Setup, fourfold_memory
 from fourfold.tensor.block import TensorOptions
@@ -17,7 +21,6 @@ from fourfold.tensor.block import TensorOptions
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=1024,
                   tied=False, eps=1e-5)
 MICRO, SEQ = 4, 256
-DEVICE_TERMS = ("nccl", "cuda_context", "fragmentation")  # GPU-only: no counterpart on CPU
 
 
 def _measured_peak(sizes, seq_parallel, recompute):
@@ -34,19 +37,33 @@ def _measured_peak(sizes, seq_parallel, recompute):
         return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
 
 
-# flash: whether CPU's scaled_dot_product_attention takes its flash kernel for these local shapes
-# (it keeps the output and log-sum-exp) or the math path (it keeps the probabilities): measured
-# with saved-tensor hooks, an input of the estimate like the GPU's kernel.
-CASES = [(dict(x=2, y=2), False, "none", False), (dict(dp=2, z=2), False, "none", True),
-         (dict(x=2, y=2), True, "full", True)]
+# CPU's scaled_dot_product_attention takes its flash kernel for these shapes (it keeps the output
+# and log-sum-exp, as a GPU's flash kernel does).
+CASES = [(dict(x=2, y=2), False, "none"), (dict(dp=2, z=2), False, "none"), (dict(x=2, y=2), True, "full")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["x2y2", "dp2z2", "x2y2-sp-full"])
 def test_estimate_within_5_percent_of_measured_peak(ranks, case):
-    sizes, seq_parallel, recompute, flash = case
+    sizes, seq_parallel, recompute = case
     measured = max(ranks.run(_measured_peak, 4, sizes, seq_parallel, recompute))
     setup = Setup(**sizes, micro_batch=MICRO, seq=SEQ, global_batch=MICRO * sizes.get("dp", 1), recompute=recompute,
-                  seq_parallel=seq_parallel, dtype_bytes=4, flash_attention=flash)
+                  seq_parallel=seq_parallel, dtype_bytes=4)
     terms = fourfold_memory(CFG, setup, 80).terms
     estimate = sum(v for k, v in terms.items() if k not in DEVICE_TERMS)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**20, measured / 2**20)
+
+
+# A large layer under FakeTensorMode (fourfold.measure): Llama 3.1 70B's layer, embedding and head
+# (two layers), bf16, rank 0 of 8 fake ranks; the flash path as on GPUs.
+LLAMA_70B_2_LAYERS = dataclasses.replace(load_config("llama-3.1-70b"), layers=2)
+LARGE = [dict(x=2, y=2, z=2, micro_batch=2), dict(dp=2, y=2, z=2, micro_batch=2, recompute="selective"),
+         dict(cp=2, y=4, seq=8192), dict(y=8, seq_parallel=False), dict(x=2, y=2, z=2, micro_batch=2, recompute="full")]
+
+
+@pytest.mark.parametrize("sizes", LARGE, ids=["x2y2z2", "dp2y2z2-selective", "cp2y4-ring", "y8-no-sp", "x2y2z2-full"])
+def test_estimate_within_5_percent_of_fake_tensor_peak_of_a_large_layer(sizes):
+    setup = Setup(**{"seq": 4096, **sizes})
+    measured = measure_peak(LLAMA_70B_2_LAYERS, setup).peak_bytes
+    terms = fourfold_memory(LLAMA_70B_2_LAYERS, setup, 80).terms
+    estimate = sum(v for k, v in terms.items() if k not in DEVICE_TERMS)
+    assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)

@@ -99,37 +99,38 @@ def _run(works, finish, async_op: bool):
 
 
 def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
-    """Concatenate every rank's `tensor` along `dim`, in group-rank order."""
+    """Concatenate every rank's `tensor` along `dim`, in group-rank order (a contiguous result)."""
     if group.size == 1:
         return Pending.done(tensor) if async_op else tensor
-    front = tensor.movedim(dim, 0).contiguous()
-    out = front.new_empty((group.size * front.shape[0], *front.shape[1:]))
+    dim %= tensor.dim()
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((group.size, *tensor.shape))
     group._record("all_gather", out)
     # gloo wants flat buffers for the single-tensor form.
-    work = dist.all_gather_single(out.view(-1), front.view(-1), group=group.process_group, async_op=async_op)
-    return _run([work], lambda: out.movedim(0, dim), async_op)
+    work = dist.all_gather_single(out.view(-1), tensor.view(-1), group=group.process_group, async_op=async_op)
+    return _run([work], lambda: out.movedim(0, dim).flatten(dim, dim + 1), async_op)
 
 
-def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
-    """Sum `tensor` over the group and keep this rank's 1/g slice along `dim`."""
+def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False,
+                   out: torch.Tensor | None = None):
+    """Sum `tensor` over the group and keep this rank's 1/g slice along `dim` (a contiguous result:
+    the attention kernels and GEMMs that read it need unit stride on the last dim). `out` may be
+    this rank's own slice of `tensor` (dim 0): reduced in place, as NCCL allows."""
     if group.size == 1:
         return Pending.done(tensor) if async_op else tensor
     g = group.size
+    dim %= tensor.dim()
     if tensor.shape[dim] % g:
         raise ValueError(f"reduce_scatter over {group.name}: dim {dim} of size {tensor.shape[dim]} is not divisible by {g}")
-    front = tensor.movedim(dim, 0).contiguous()
-    group._record("reduce_scatter", front)
+    chunks = tensor.unflatten(dim, (g, -1)).movedim(dim, 0).contiguous()  # chunks[j] goes to rank j
+    group._record("reduce_scatter", chunks)
     if group.is_gloo:
-        received = torch.empty_like(front)
-        work = dist.all_to_all_single(received, front, group=group.process_group, async_op=async_op)
-
-        def finish() -> torch.Tensor:
-            return received.view(g, -1, *front.shape[1:]).sum(0).movedim(0, dim)
-
-        return _run([work], finish, async_op)
-    out = front.new_empty((front.shape[0] // g, *front.shape[1:]))
-    work = dist.reduce_scatter_single(out, front, group=group.process_group, async_op=async_op)
-    return _run([work], lambda: out.movedim(0, dim), async_op)
+        received = torch.empty_like(chunks)
+        work = dist.all_to_all_single(received, chunks, group=group.process_group, async_op=async_op)
+        return _run([work], lambda: torch.sum(received, 0, out=out), async_op)
+    out = chunks.new_empty(chunks.shape[1:]) if out is None else out
+    work = dist.reduce_scatter_single(out, chunks, group=group.process_group, async_op=async_op)
+    return _run([work], lambda: out, async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):

@@ -7,6 +7,11 @@ does both. Buckets fill in the order gradients become final in backward (the ord
 really run), each launched asynchronously when full; the rest are launched by `finish()`.
 Under gradient accumulation, hooks only accumulate until the micro-batch that is run with
 `sync=True`.
+
+Memory (as Megatron's distributed optimizer): once the buckets are known, each owns one flat fp32
+buffer and its parameters' accumulators are views into it, so a bucket is reduced in place (the
+reduce-scatter writes this rank's shard over its own slice); the optimizer reads the reduced shard
+there and `release` zeroes the buffer for the next step. No copy of the gradients is ever made.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fourfold import comm
@@ -37,6 +41,7 @@ class Bucket:
     numel: int = 0
     pending: Pending | None = None
     reduced: torch.Tensor | None = None  # this rank's shard (ZeRO-1) or the whole bucket
+    buffer: torch.Tensor | None = None  # the accumulators, padded to the group (main_grads are views)
 
     def padded(self) -> int:
         return -(-self.numel // self.group.size) * self.group.size
@@ -107,15 +112,26 @@ class GradientSync:
             del self._open[key]
 
     def _launch(self, bucket: Bucket) -> None:
-        flat = torch.cat([p.main_grad.reshape(-1) for p in bucket.params])
-        flat = F.pad(flat, (0, bucket.padded() - bucket.numel))
         if self.shard:
-            bucket.pending = comm.reduce_scatter(flat, bucket.group, async_op=True)
+            lo, hi = bucket.shard_range(True)
+            bucket.pending = comm.reduce_scatter(bucket.buffer, bucket.group, async_op=True, out=bucket.buffer[lo:hi])
         else:
-            bucket.pending = comm.all_reduce(flat, bucket.group, async_op=True)
+            bucket.pending = comm.all_reduce(bucket.buffer, bucket.group, async_op=True)
+
+    def _allocate_buffer(self, bucket: Bucket) -> None:
+        """Move the bucket's accumulators into one flat buffer (after the traced backward)."""
+        first = bucket.params[0].main_grad
+        bucket.buffer = torch.zeros(bucket.padded(), dtype=first.dtype, device=first.device)
+        offset = 0
+        for p in bucket.params:
+            view = bucket.buffer[offset : offset + p.numel()].view_as(p)
+            view.copy_(p.main_grad)
+            p.main_grad = view  # the old accumulator is freed here, one bucket at a time
+            offset += p.numel()
 
     def finish(self) -> list[Bucket]:
-        """Launch what is left, wait for every bucket, zero the accumulators; returns the buckets."""
+        """Launch what is left and wait for every bucket; `bucket.reduced` is then its reduced
+        gradient (this rank's shard with ZeRO-1), valid until `release(bucket)`."""
         if not self._traced:
             for p in self.params:  # parameters that got no gradient still need a bucket
                 if id(p) not in self._arrived:
@@ -123,16 +139,22 @@ class GradientSync:
             self._expected = {id(p): self._arrived.get(id(p), 0) for p in self.params}
             self._traced = True
             self._open.clear()
+            for bucket in self.buckets:
+                self._allocate_buffer(bucket)
         for bucket in self.buckets:
             if bucket.pending is None:
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.reduced = bucket.pending.wait()
             bucket.pending = None
-        for p in self.params:
-            p.main_grad.zero_()
         self._arrived.clear()
         return self.buckets
+
+    @staticmethod
+    def release(bucket: Bucket) -> None:
+        """The reduced gradient is used: zero the accumulators for the next step."""
+        bucket.reduced = None
+        bucket.buffer.zero_()
 
 
 class AdamW:
@@ -144,11 +166,25 @@ class AdamW:
         self.sync, self.lr, self.betas, self.eps, self.wd, self.clip = sync, lr, betas, eps, weight_decay, clip_norm
         self.step_count = 0
         self.state: list[dict[str, torch.Tensor]] = []
-        self.last_norm = math.nan
+        self._norm: torch.Tensor | None = None
 
-    def _flat_params(self, bucket: Bucket) -> torch.Tensor:
-        flat = torch.cat([p.detach().reshape(-1).to(_at_least_fp32(p.dtype)) for p in bucket.params])
-        return F.pad(flat, (0, bucket.padded() - bucket.numel))
+    @property
+    def last_norm(self) -> float:
+        """The global gradient norm of the last step (read on demand: a host sync on GPUs)."""
+        return math.nan if self._norm is None else self._norm.item()
+
+    def _shard(self, bucket: Bucket, tensor_of, lo: int, hi: int) -> torch.Tensor:
+        """Range [lo, hi) of the bucket's flat (padded) layout, filled from `tensor_of(param)`,
+        fp32 at least; built segment by segment, never the whole bucket."""
+        first = bucket.params[0]
+        out = torch.zeros(hi - lo, dtype=_at_least_fp32(first.dtype), device=first.device)
+        offset = 0
+        for p in bucket.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                out[a - lo : b - lo] = tensor_of(p).detach().reshape(-1)[a - offset : b - offset]
+            offset += p.numel()
+        return out
 
     def _copies(self, bucket: Bucket, lo: int, hi: int) -> list[tuple[int, int, float]]:
         """(start, end, copies) segments of this rank's range [lo, hi) of the bucket: how many
@@ -165,15 +201,14 @@ class AdamW:
             offset += p.numel()
         return segments
 
-    def global_norm(self, buckets: list[Bucket]) -> float:
+    def global_norm(self, buckets: list[Bucket]) -> torch.Tensor:
         """Exact global gradient norm: each element counted once over every shard and replica."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.sync.grid.device)
         for bucket, state in zip(buckets, self.state):
-            reduced = bucket.reduced.double()
-            for a, b, copies in state["copies"]:
-                total += reduced[a:b].pow(2).sum() / copies
+            for a, b, copies in state["copies"]:  # accumulated in float64, no float64 copy made
+                total += torch.linalg.vector_norm(bucket.reduced[a:b], dtype=torch.float64).square() / copies
         comm.all_reduce(total, self.sync.grid.group(("dp", "pp", "cp", "x", "y", "z")))
-        return total.sqrt().item()
+        return total.sqrt()
 
     STATE = ("master", "m", "v")
 
@@ -198,11 +233,10 @@ class AdamW:
         restore = getattr(self, "_restore", None)
         for bucket in buckets:
             lo, hi = bucket.shard_range(self.sync.shard)
-            s = {"master": self._flat_params(bucket)[lo:hi].clone(), "copies": self._copies(bucket, lo, hi)}
+            s = {"master": self._shard(bucket, lambda p: p, lo, hi), "copies": self._copies(bucket, lo, hi)}
             for kind in self.STATE:
                 if restore is not None:
-                    flat = torch.cat([restore[kind][id(p)].reshape(-1) for p in bucket.params]).to(s["master"].dtype)
-                    s[kind] = F.pad(flat, (0, bucket.padded() - bucket.numel))[lo:hi].clone()
+                    s[kind] = self._shard(bucket, lambda p: restore[kind][id(p)], lo, hi)
                 elif kind != "master":
                     s[kind] = torch.zeros_like(s["master"])
             self.state.append(s)
@@ -212,29 +246,33 @@ class AdamW:
     def skip(self) -> None:
         """Drop this step's gradients without updating anything (a non-finite loss)."""
         for bucket in self.sync.finish():
-            bucket.reduced = None
+            self.sync.release(bucket)
 
     @torch.no_grad()
     def step(self) -> None:
         buckets = self.sync.finish()
         if not self.state:
             self._init_state(buckets)
-        self.last_norm = self.global_norm(buckets)
-        scale = 1.0
-        if self.clip is not None and self.last_norm > self.clip:
-            scale = self.clip / (self.last_norm + 1e-6)
+        self._norm = self.global_norm(buckets)
+        # Clipping as a tensor (torch's clip_grad_norm_ rule): no host sync inside the step.
+        scale = 1.0 if self.clip is None else (self.clip / (self._norm + 1e-6)).clamp(max=1.0)
         self.step_count += 1
         b1, b2 = self.betas
+        step_size = self.lr / (1 - b1**self.step_count)
+        root_correction = math.sqrt(1 - b2**self.step_count)
         for bucket, s in zip(buckets, self.state):
-            g = bucket.reduced * scale
+            # torch's AdamW arithmetic, with no temporaries: the reduced gradient's own storage
+            # (zeroed by release() anyway) holds the scaled gradient, then the denominator.
+            g = bucket.reduced.mul_(scale) if self.clip is not None else bucket.reduced
             s["m"].mul_(b1).add_(g, alpha=1 - b1)
             s["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            m_hat = s["m"] / (1 - b1**self.step_count)
-            v_hat = s["v"] / (1 - b2**self.step_count)
-            s["master"].mul_(1 - self.lr * self.wd).addcdiv_(m_hat, v_hat.sqrt().add_(self.eps), value=-self.lr)
-            full = comm.all_gather(s["master"], bucket.group) if self.sync.shard else s["master"]
+            denom = torch.sqrt(s["v"], out=g).div_(root_correction).add_(self.eps)
+            s["master"].mul_(1 - self.lr * self.wd).addcdiv_(s["m"], denom, value=-step_size)
+            self.sync.release(bucket)
+            # Gather in the parameters' dtype: half the bytes of fp32 for bf16 parameters.
+            dtype = bucket.params[0].dtype
+            full = comm.all_gather(s["master"].to(dtype), bucket.group) if self.sync.shard else s["master"]
             offset = 0
             for p in bucket.params:
                 p.copy_(full[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
-            bucket.reduced = None  # between steps only the accumulators and the optimizer state persist

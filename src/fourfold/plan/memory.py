@@ -25,6 +25,7 @@ FRAMEWORKS = ("fourfold", "megatron")
 CUDA_CONTEXT_BYTES = 0.5 * GIB
 NCCL_BYTES_PER_COMMUNICATOR = 32 * 2**20
 FRAGMENTATION = 0.05  # of the dynamic (activation and buffer) bytes
+BUCKET_BYTES = 25 * 2**20  # GradientSync's default bucket (fp32)
 
 
 @dataclass(frozen=True)
@@ -169,25 +170,38 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
     else:
         per_layer_kept, working = per_layer, 0.0
     in_flight = min(p, s.micro_batches) if p > 1 else 1  # 1F1B: the first stage holds p micro-batches
-    # The largest gathered weight block (bf16) and its prefetched successor; fp32 gradient block.
+    activations = layers_here * per_layer_kept * in_flight
+    # The largest weight block of one matrix on this rank (before the z split): with z > 1 it is
+    # gathered (bf16) while its layer runs, and its gradient block exists before the z reduce-scatter.
     largest_block = max(h * (cfg.heads + 2 * cfg.kv_heads) * d, h * (2 if blk.gated else 1) * F, h * v) / (x * y)
-    buffers = (2 * e + 4) * largest_block if z > 1 else 0.0
-    groups = sum(1 for n in (s.dp, s.pp, s.cp, x, y, z) if n > 1) + (1 if s.dp * s.cp > max(s.dp, s.cp) else 0)
-    # at the loss: the logits, their fp32 copy (bf16 runs) and the fp32 softmax being formed;
-    # the final norm's input, normalized value and output (the head's input)
+    head_block = h * v / (x * y)
+    gathered = e * largest_block if z > 1 else 0.0
+    # Forward, at the loss: every layer's saved tensors, the logits (bf16 GEMM output, its fp32
+    # copy, the fp32 shifted copy of the softmax being formed), the final norm's tensors, the
+    # head's gathered weight.
     logits = T * v / y * (e + 4 + (4 if e < 4 else 0)) + 3 * e * Ts * h / x
-    # A layer recomputed in backward runs after the head's backward has freed the logits:
-    # the peak is the larger of the two, not their sum.
-    recompute = max(0.0, working - logits)
-    dynamic = layers_here * per_layer_kept * in_flight + recompute + buffers
+    forward = activations + logits + gathered
+    # Backward, the largest of: the head's (fp32 softmax gradient and its bf16 cast, the gathered
+    # weight and the weight-gradient block), a recomputed layer, ring attention's own-block scores
+    # (the blocks are plain GEMM + softmax: scores, mask, exp and gradient, [heads x T x T] each).
+    head_backward = T * v / y * (e + 4) + e * head_block * (2 if z > 1 else 1)
+    ring_scores = (4 * e * heads + cfg.heads / cfg.kv_heads) * (s.seq / c) ** 2 * (s.micro_batch / z) if c > 1 else 0.0
+    backward = activations + max(head_backward, working, ring_scores)
+    # Optimizer step: the largest bucket's updated parameters gathered in their dtype (ZeRO-1).
+    largest_bucket = max(largest_block / z, BUCKET_BYTES / 4)
+    optimizer_step = e * largest_bucket * (1 + 1 / (s.dp * c)) if s.dp * c > 1 else 0.0
+    dynamic = max(forward, backward, optimizer_step)
+    groups = sum(1 for n in (s.dp, s.pp, s.cp, x, y, z) if n > 1) + (1 if s.dp * s.cp > max(s.dp, s.cp) else 0)
     terms = {
         "weights": e * params,
-        "gradients": 4 * params,
+        "gradients": 4 * params,  # fp32 accumulators, one flat buffer per bucket, reduced in place
         "optimizer": 12 * params / (s.dp * c),  # fp32 master + Adam m, v; ZeRO-1 over dp*cp
-        "activations": layers_here * per_layer_kept * in_flight,
-        "recompute": recompute,
+        # The peak of the step is the largest phase's: the terms below add up to it.
+        "activations": activations,
         "logits": logits,
-        "gathered_weights": buffers,
+        "gathered_weights": gathered,
+        "backward_extra": max(0.0, backward - forward),
+        "optimizer_step_extra": max(0.0, optimizer_step - max(forward, backward)),
         "ring_attention": (2 * 2 * e * T * (cfg.kv_heads / attention_chunks(blk, x, y)) * d) if c > 1 else 0.0,
         "nccl": NCCL_BYTES_PER_COMMUNICATOR * groups,
         "cuda_context": CUDA_CONTEXT_BYTES,

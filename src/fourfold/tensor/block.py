@@ -88,6 +88,8 @@ class ParallelAttention(nn.Module):
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.cfg.rope:
             q, k = rotary(q, positions, self.cfg.rope_theta), rotary(k, positions, self.cfg.rope_theta)
+            # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
+            v = v.contiguous()
         if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
             o = ring_attention(q, k, v, positions, self.cp)
         else:

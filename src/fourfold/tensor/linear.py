@@ -32,6 +32,7 @@ from fourfold.tensor import init
 from fourfold.tensor.params import describe
 
 SEQ_DIM, FEATURE_DIM = 1, -1
+INIT_PIECE = 2**22  # elements initialised at a time
 REDUCTIONS = ("all_reduce", "scatter_tokens", "scatter_features")
 GATHERS = ("none", "tokens", "features")
 
@@ -66,31 +67,29 @@ class ShardedMatrix:
         # The flat block is split over z in equal shards; the last ones are padded with zeros.
         self.shard_numel = -(-self.block_numel // grid.size("z"))
 
-    def local_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global (row, col) in the fused matrix of the elements of this rank's shard that are not
-        padding (they come first in the shard)."""
-        c = self.grid.coords
-        start = c["z"] * self.shard_numel
-        flat = torch.arange(start, min(start + self.shard_numel, self.block_numel))
-        rows = flat // self.block_shape[1] + c[self.out_dim] * self.block_shape[0]
-        cols = flat % self.block_shape[1] + c[self.in_dim] * self.block_shape[1]
-        return rows, cols
-
-    def serial_rows(self, rows: torch.Tensor) -> list[tuple[RowSource, torch.Tensor, torch.Tensor]]:
-        """For global fused `rows`: (source, mask of the rows from it, their rows in the serial matrix)."""
-        out, start = [], 0
-        for src in self.rows:
-            mask = (rows >= start) & (rows < start + src.count)
-            if mask.any():
-                out.append((src, mask, rows[mask] - start + src.start))
-            start += src.count
-        return out
-
     def init_shard(self, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
-        rows, cols = self.local_indices()
+        """This rank's shard of the serial model's initial values (padding stays zero).
+
+        The shard is a contiguous flat range of the row-major block, so the elements coming from
+        each serial parameter are a contiguous sub-range: plain integer arithmetic, no
+        data-dependent masks (a model can be built under FakeTensorMode to measure its memory).
+        """
+        c, (block_rows, block_cols) = self.grid.coords, self.block_shape
+        row0, col0 = c[self.out_dim] * block_rows, c[self.in_dim] * block_cols
+        start = c["z"] * self.shard_numel
+        stop = min(start + self.shard_numel, self.block_numel)
         shard = torch.zeros(self.shard_numel, dtype=dtype)
-        for src, mask, serial in self.serial_rows(rows):
-            shard[: len(rows)][mask] = init.normal(seed, src.name, serial * self.k + cols[mask], std, dtype)
+        fused = 0  # first fused row of the current source
+        for src in self.rows:
+            lo = max(start, (fused - row0) * block_cols)
+            hi = min(stop, (fused + src.count - row0) * block_cols)
+            # In pieces: the generator's int64/float64 temporaries are several times the values.
+            for a in range(lo, hi, INIT_PIECE):
+                flat = torch.arange(a, min(a + INIT_PIECE, hi))
+                serial_row = flat // block_cols + row0 - fused + src.start
+                col = flat % block_cols + col0
+                shard[a - start : a - start + len(flat)] = init.normal(seed, src.name, serial_row * self.k + col, std, dtype)
+            fused += src.count
         return shard
 
     def read_shard(self, read) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""fourfold's own peak memory per rank for one configuration, measured without the memory or the ranks.
+
+Rank 0's part of the model is built and trained for two steps (the second has the optimizer state
+of every later step) under FakeTensorMode: tensors carry shape, dtype and strides but no data, so
+a 70B layer costs nothing. The other ranks are a `fake` process group whose collectives return at
+once with outputs of the right shapes. Every storage an operator creates is counted until it is
+freed: the same runtime code as a real run, so this is the check the estimator answers to
+(`fourfold memory --measure`, tests/test_planner_measured.py), and what is alive at the peak is
+listed with the line of fourfold that made it.
+
+What it cannot see: the CUDA context, NCCL's workspaces and allocator fragmentation (GPU-only;
+left to the estimate's own terms). The attention kernel is CPU's: its flash kernel keeps what a
+GPU's flash kernel keeps (output and log-sum-exp), the math path keeps the probabilities.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+# Registers the `fake` backend (how torch's own docs and torchtitan's estimator get one).
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fourfold.data import AdamW, GradientSync
+from fourfold.grid import Grid
+from fourfold.models.config import ModelConfig
+from fourfold.models.transformer import Transformer
+from fourfold.plan.memory import Setup
+from fourfold.tensor.block import TensorOptions
+
+DTYPES = {2: torch.bfloat16, 4: torch.float32}
+GPU_ONLY_TERMS = ("nccl", "cuda_context", "fragmentation")
+
+
+@dataclass
+class Measurement:
+    peak_bytes: int
+    phase_peaks: dict[str, int]  # "step 1 backward": the most bytes alive during it
+    at_peak: list[tuple[int, str]]  # (bytes, what) of the tensors alive at the peak, largest first
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of every storage alive, counted from the operator that created it until it is freed."""
+
+    def __init__(self, existing: list[torch.Tensor]):
+        super().__init__()
+        self.live: dict[int, tuple[int, str]] = {}
+        self.current = self.peak = 0
+        self.at_peak: dict[int, tuple[int, str]] = {}
+        self.phase_peaks: dict[str, int] = {}
+        self.phase = "start"
+        for t in existing:
+            self._add(t, "parameter or accumulator")
+
+    def _add(self, t: torch.Tensor, what: str) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = (size, f"{self.phase}: {what} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+        self.current += size
+        weakref.finalize(storage, self._free, key)
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current)
+        if self.current > self.peak:
+            self.peak, self.at_peak = self.current, dict(self.live)
+
+    def _free(self, key: int) -> None:
+        size, _ = self.live.pop(key, (0, ""))
+        self.current -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t, f"{func.__name__} at {_fourfold_line()}")
+        return out
+
+    def largest_at_peak(self, n: int) -> list[tuple[int, str]]:
+        merged: dict[str, int] = {}
+        for size, what in self.at_peak.values():
+            merged[what] = merged.get(what, 0) + size
+        return sorted(((size, what) for what, size in merged.items()), reverse=True)[:n]
+
+
+def _fourfold_line() -> str:
+    frames = [f for f in traceback.extract_stack() if "/fourfold/" in f.filename and "measure.py" not in f.filename]
+    return f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "torch"
+
+
+def check_measurable(setup: Setup) -> None:
+    if setup.framework != "fourfold":
+        raise ValueError(f"--measure runs fourfold's runtime; it cannot measure the {setup.framework} profile "
+                         "(use --framework fourfold)")
+    if setup.pp > 1:
+        raise ValueError("--measure runs one model without pipeline sends: use pp 1 (to measure a stage, "
+                         "give the layers it holds with --layers)")
+    if setup.dtype_bytes not in DTYPES:
+        raise ValueError(f"dtype_bytes {setup.dtype_bytes}: measurable precisions are 2 (bf16) and 4 (float32)")
+    if setup.micro_batch % setup.z:
+        raise ValueError(f"micro-batch {setup.micro_batch} must be a multiple of z={setup.z} (z splits each micro-batch)")
+
+
+def measure_peak(cfg: ModelConfig, setup: Setup, *, top: int = 12) -> Measurement:
+    """Peak bytes alive on rank 0 over two training steps of `setup` (one micro-batch each)."""
+    check_measurable(setup)
+    if dist.is_initialized():
+        raise RuntimeError("measure_peak builds its own fake process group: call it in a process without one")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.gpus)
+    try:
+        grid = Grid(setup.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
+        kernel = SDPBackend.FLASH_ATTENTION if setup.flash_attention else SDPBackend.MATH
+        opts = TensorOptions(seq_parallel=setup.seq_parallel, dtype=DTYPES[setup.dtype_bytes])
+        tokens = (setup.micro_batch // setup.z, setup.seq // setup.cp)
+        with FakeTensorMode(), sdpa_kernel(kernel):
+            # Built before counting starts: the runtime initialises parameters in host memory.
+            model = Transformer(grid, cfg, opts, recompute=setup.recompute)
+            opt = AdamW(GradientSync(model, grid), lr=1e-4)
+            with LiveBytes([*model.parameters(), *[p.main_grad for p in opt.sync.params]]) as counter:
+                for step in range(2):
+                    ids = torch.randint(0, cfg.vocab, tokens)
+                    counter.phase = f"step {step} forward"
+                    loss = model(ids, ids).sum()
+                    counter.phase = f"step {step} backward"
+                    loss.backward()
+                    counter.phase = f"step {step} optimizer"
+                    opt.step()
+                    del loss
+        return Measurement(counter.peak, counter.phase_peaks, counter.largest_at_peak(top))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
