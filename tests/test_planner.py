@@ -152,3 +152,17 @@ def test_cli_error_is_clear():
     out = subprocess.run([sys.executable, "-m", "fourfold.cli", "estimate", "--model", "llama-2-7b", "--pp", "3"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "layers=32 must be divisible by pp*vpp=3" in out.stderr
+
+
+def test_cli_memory_measured_under_fake_tensors():
+    """`fourfold memory --measure`: the runtime's peak (FakeTensorMode) beside the estimate, as a
+    table and as JSON; a pipeline is refused with the fix."""
+    args = ("memory", "--model", "llama-3.1-8b", "--layers", "2", "--y", "2", "--z", "2", "--micro-batch", "2",
+            "--measure")
+    measured = json.loads(_cli(*args, "--json"))
+    assert measured["estimate_without_gpu_only_gib"] == pytest.approx(measured["measured_gib"], rel=0.05)
+    assert measured["measured_at_peak"] and max(measured["measured_phase_peaks_gib"].values()) == measured["measured_gib"]
+    table = _cli(*args)
+    assert "measured (FakeTensorMode, rank 0, two steps)" in table and "largest tensors alive at the peak" in table
+    out = subprocess.run([sys.executable, "-m", "fourfold.cli", *args, "--pp", "2"], capture_output=True, text=True)
+    assert out.returncode == 2 and "use pp 1" in out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -30,7 +31,7 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"model family {self.family!r} is not supported; use one of {', '.join(FAMILIES)}")
 
-    @property
+    @functools.cached_property  # the planner asks for it hundreds of thousands of times
     def block(self) -> BlockConfig:
         if self.family == "llama":
             return BlockConfig(self.hidden, self.heads, self.kv_heads, self.ffn, norm="rms", activation="swiglu",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
 from fourfold.blockspec import RECOMPUTE
 from fourfold.layout import GridError
-from fourfold.models.config import load_config
+from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.hardware import CLUSTERS, GPUS, make_cluster
-from fourfold.plan.memory import FRAMEWORKS, Setup
+from fourfold.plan.memory import FRAMEWORKS, GIB, Setup
 from fourfold.plan.perf import Calibration
 from fourfold.plan.search import evaluate, search
 
@@ -48,10 +49,13 @@ def _setup(args, **extra) -> Setup:
 def _context(args):
     cluster = make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
     cal = Calibration(**json.load(open(args.calibrate))) if args.calibrate else Calibration()
-    return load_config(args.model), cluster, cal
+    cfg = load_config(args.model)
+    if getattr(args, "layers", None):
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    return cfg, cluster, cal
 
 
-def _one(args) -> dict:
+def _one(args) -> tuple[ModelConfig, Setup, dict]:
     cfg, cluster, cal = _context(args)
     y = args.tp if args.tp else args.y
     x = 1 if args.tp else args.x
@@ -62,22 +66,48 @@ def _one(args) -> dict:
         from fourfold.layout import Layout
 
         extra["order"] = Layout(order=order).order
-    return evaluate(cfg, _setup(args, **extra), cluster, cal, not args.no_80_rule)
+    setup = _setup(args, **extra)
+    return cfg, setup, evaluate(cfg, setup, cluster, cal, not args.no_80_rule)
+
+
+def _measure(cfg: ModelConfig, setup: Setup, r: dict) -> None:
+    """Add fourfold's measured peak (FakeTensorMode, fourfold.measure) to the result `r`."""
+    from fourfold.measure import GPU_ONLY_TERMS, check_measurable, measure_peak
+
+    check_measurable(setup)
+    m = measure_peak(cfg, setup)
+    r["measured_gib"] = m.peak_bytes / GIB
+    r["measured_phase_peaks_gib"] = {phase: b / GIB for phase, b in m.phase_peaks.items()}
+    r["measured_at_peak"] = [{"gib": b / GIB, "tensor": what} for b, what in m.at_peak]
+    r["estimate_without_gpu_only_gib"] = sum(v for k, v in r["memory_breakdown_gib"].items() if k not in GPU_ONLY_TERMS)
+
+
+def _print_measured(r: dict) -> None:
+    est, measured = r["estimate_without_gpu_only_gib"], r["measured_gib"]
+    print(f"measured (FakeTensorMode, rank 0, two steps): {measured:.2f} GiB; the estimate without the GPU-only "
+          f"terms: {est:.2f} GiB ({100 * (est / measured - 1):+.1f}%)")
+    print("peak by phase (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["measured_phase_peaks_gib"].items()))
+    print("largest tensors alive at the peak:")
+    for t in r["measured_at_peak"]:
+        print(f"  {t['gib']:8.3f} GiB  {t['tensor']}")
 
 
 def row(r: dict) -> str:
     grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
-    return (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
-            f" {'yes' if r['fits'] else 'NO ':<4} {r['step_seconds']:9.3f} {r['tokens_per_second']:12.0f}"
+    memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
+              f" {'yes' if r['fits'] else 'NO ':<4}")
+    if "step_seconds" not in r:  # `fourfold memory`
+        return f"{memory}  {r['order']}"
+    return (f"{memory} {r['step_seconds']:9.3f} {r['tokens_per_second']:12.0f}"
             f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
 
 
-HEADER = (f"{'grid':<28} {'mb':<3} {'recompute':<9} {'GiB/limit':>15} {'fits':<4} {'step s':>9} {'tokens/s':>12}"
-          f" {'TFLOP/s':>7} {'MFU':>6}  order")
+MEMORY_HEADER = f"{'grid':<28} {'mb':<3} {'recompute':<9} {'GiB/limit':>15} {'fits':<4}"
+HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':>6}  order"
 
 
 def _print_one(r: dict, memory_only: bool) -> None:
-    print(HEADER)
+    print(f"{MEMORY_HEADER}  order" if memory_only else HEADER)
     print(row(r))
     print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["memory_breakdown_gib"].items()))
     if not memory_only:
@@ -87,11 +117,18 @@ def _print_one(r: dict, memory_only: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.command in ("memory", "estimate"):
-            r = _one(args)
+            cfg, setup, r = _one(args)
             if args.command == "memory":
                 r = {k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_second", "model_tflops_per_gpu",
                                                             "mfu", "time_breakdown_seconds")}
-            print(json.dumps(r, indent=1)) if args.json else _print_one(r, args.command == "memory")
+                if args.measure:
+                    _measure(cfg, setup, r)
+            if args.json:
+                print(json.dumps(r, indent=1))
+            else:
+                _print_one(r, args.command == "memory")
+                if "measured_gib" in r:
+                    _print_measured(r)
             return 0
         cfg, cluster, cal = _context(args)
         start = time.perf_counter()
@@ -123,6 +160,10 @@ def add_commands(commands) -> None:
     memory = commands.add_parser("memory", help="memory per GPU of one configuration")
     add_common(memory)
     add_config(memory)
+    memory.add_argument("--measure", action="store_true",
+                        help="also run two training steps of rank 0 under FakeTensorMode and report the measured peak "
+                             "(needs no GPU; the whole model unless --layers)")
+    memory.add_argument("--layers", type=int, help="override the model's layer count (estimate and measurement)")
     estimate = commands.add_parser("estimate", help="memory and speed of one configuration")
     add_common(estimate)
     add_config(estimate)

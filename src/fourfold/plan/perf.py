@@ -62,20 +62,40 @@ def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...]) -> float:
 
 def comm_seconds(collectives: list[Collective], s: Setup, cluster: Cluster, element_size: int, cal: Calibration) -> float:
     """Seconds of these collectives run one after another: volume over the group's bandwidth, plus
-    a latency per ring step. Collectives of a kind are summed first (the volume is linear)."""
+    a latency per ring step."""
+    return _totals_seconds(_totals(collectives), s, cluster, element_size, cal)
+
+
+def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, int, int], ...]:
+    """(group, op, elements, count): collectives of a kind summed (the volume is linear)."""
     totals: dict[tuple[str, str], list[int]] = {}
     for c in collectives:
         entry = totals.setdefault((c.group, c.op), [0, 0])
         entry[0] += c.numel
         entry[1] += 1
+    return tuple((group, op, numel, count) for (group, op), (numel, count) in totals.items())
+
+
+def _totals_seconds(totals, s: Setup, cluster: Cluster, element_size: int, cal: Calibration) -> float:
     seconds = 0.0
-    for (group, op), (numel, count) in totals.items():
+    for group, op, numel, count in totals:
         dims = tuple(group.split("_"))
         g = s.layout.size(dims)
         steps = 2 * (g - 1) if op == "all_reduce" else (g - 1)
         bandwidth = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
         seconds += _per_byte(op, g) * numel * element_size / bandwidth + count * steps * cluster.latency_us * 1e-6
     return seconds
+
+
+@functools.lru_cache(maxsize=65536)  # independent of the placement order and of recompute
+def _layer_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int, seq_parallel: bool):
+    """One layer's collectives, summed: (activations outside cp and z, the input-gradient
+    all-reduces, the z weight traffic)."""
+    passes = block_passes(block, dict(sizes), batch, seq, seq_parallel=seq_parallel)
+    every = passes.all()
+    return (_totals([c for c in every if c.group not in ("cp", "z")]),  # ring attention: separately
+            _totals([c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]),
+            _totals([c for c in every if c.group == "z"]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +152,20 @@ def _layer_compute_seconds(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Ca
     return forward + attention_seconds, forward
 
 
+@functools.lru_cache(maxsize=65536)
+def _head_totals(sizes: tuple[tuple[str, int], ...], vocab: int, hidden: int, tokens: int):
+    """The embedding's and the LM head's collectives for one micro-batch, summed."""
+    grid = dict(sizes)
+    return _totals(embedding_passes(grid, vocab, hidden, tokens).all()
+                   + linear_passes(grid, "x-in", hidden, vocab, tokens).all())
+
+
+@functools.lru_cache(maxsize=65536)
+def _ring_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int):
+    ring = ring_attention_passes(block, dict(sizes), batch, seq)
+    return _totals(ring.forward), _totals(ring.backward)
+
+
 def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration, forward_seconds: float,
                  dw_seconds: float) -> float:
     """Exposed tensor-parallel communication of one layer for one micro-batch (forward and backward)."""
@@ -141,15 +175,14 @@ def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration,
     if s.framework == "megatron":  # 1D TP with sequence parallelism: AG + RS per sublayer, both passes
         sublayer = [Collective("y", "all_gather", T * cfg.hidden), Collective("y", "reduce_scatter", T * cfg.hidden)]
         return comm_seconds(sublayer * 4, s, cluster, b, cal)
-    passes = block_passes(cfg.block, sizes, int(s.micro_batch / s.z), int(s.seq / s.cp), seq_parallel=s.seq_parallel)
-    activations = [c for c in passes.all() if c.group not in ("cp", "z")]  # ring attention: below
-    total = comm_seconds(activations, s, cluster, b, cal)
+    activations, input_grad, weights = _layer_totals(cfg.block, tuple(sizes.items()), int(s.micro_batch / s.z),
+                                                     int(s.seq / s.cp), s.seq_parallel)
+    total = _totals_seconds(activations, s, cluster, b, cal)
     # The input-gradient all-reduce hides behind the dW GEMM of the same layer (the runtime's overlap).
-    input_grad = [c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]
-    exposed = total - min(dw_seconds, comm_seconds(input_grad, s, cluster, b, cal))
+    exposed = total - min(dw_seconds, _totals_seconds(input_grad, s, cluster, b, cal))
     # z: the weight all-gathers are prefetched one GEMM ahead and the dW reduce-scatters deferred
     # to the next one, so they hide behind the layer's compute (3x forward) up to its length.
-    weights = comm_seconds([c for c in passes.all() if c.group == "z"], s, cluster, b, cal)
+    weights = _totals_seconds(weights, s, cluster, b, cal)
     return exposed + max(0.0, weights - 3 * forward_seconds)
 
 
@@ -157,14 +190,15 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: C
     """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
     K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs)."""
     T = s.seq / s.cp * s.micro_batch / s.z
-    ring = ring_attention_passes(cfg.block, s.layout.sizes, int(s.micro_batch / s.z), int(s.seq / s.cp))
+    ring_forward, ring_backward = _ring_totals(cfg.block, tuple(s.layout.sizes.items()), int(s.micro_batch / s.z),
+                                               int(s.seq / s.cp))
     tp_heads = s.y if s.framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
     peak = cluster.gpu.bf16_tflops * 1e12
     heads = cfg.heads / tp_heads
     # each ring step attends half a block (the other half is masked and skipped)
     block_attention = 2 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
-    forward = max(0.0, comm_seconds(ring.forward, s, cluster, s.dtype_bytes, cal) - (s.cp - 1) * block_attention)
-    backward = max(0.0, comm_seconds(ring.backward, s, cluster, s.dtype_bytes, cal) - 2 * (s.cp - 1) * block_attention)
+    forward = max(0.0, _totals_seconds(ring_forward, s, cluster, s.dtype_bytes, cal) - (s.cp - 1) * block_attention)
+    backward = max(0.0, _totals_seconds(ring_backward, s, cluster, s.dtype_bytes, cal) - 2 * (s.cp - 1) * block_attention)
     return forward + backward
 
 
@@ -186,10 +220,8 @@ def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = C
     head = 6 * T * cfg.hidden * cfg.vocab / (s.x * y if s.framework == "fourfold" else y)
     micro_compute += head / (peak * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / y, cal))
     if s.framework == "fourfold":
-        sizes = s.layout.sizes
-        extra = embedding_passes(sizes, cfg.vocab, cfg.hidden, int(T)).all() + linear_passes(
-            sizes, "x-in", cfg.hidden, cfg.vocab, int(T)).all()
-        micro_comm += comm_seconds(extra, s, cluster, s.dtype_bytes, cal)
+        micro_comm += _totals_seconds(_head_totals(tuple(s.layout.sizes.items()), cfg.vocab, cfg.hidden, int(T)),
+                                      s, cluster, s.dtype_bytes, cal)
     # Pipeline: P2P of each micro-batch's activation shard in both directions, then the bubble.
     if s.pp > 1:
         shard = T * cfg.hidden / (s.x * s.y if s.framework == "fourfold" else s.y)

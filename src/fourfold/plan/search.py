@@ -11,11 +11,12 @@ from fourfold.layout import DEFAULT_ORDER, GridError, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.plan.memory import Setup, estimate_memory
-from fourfold.plan.perf import Calibration, step_time
+from fourfold.plan.perf import Calibration, group_bandwidth, step_time
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
 ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp", "dp", "pp"),
           ("x", "y", "cp", "z", "dp", "pp")]
+COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp")]  # every group the perf model times
 
 
 def check(cfg: ModelConfig, s: Setup) -> None:
@@ -81,8 +82,13 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Setup, *, micro_
                 fits = estimate_memory(cfg, setup, cluster.gpu.memory_gib, rule80).fits  # the order never changes memory
                 if not (fits or include_unfit):
                     continue
-                # The order changes time only through which groups cross nodes: keep the fastest.
-                best = min((evaluate(cfg, replace(setup, order=o), cluster, cal, rule80) for o in orders),
+                # The order changes time only through the bandwidth each group gets: evaluate one
+                # order per distinct set of bandwidths, keep the fastest.
+                placements = {}
+                for o in orders:
+                    placed = replace(setup, order=o)
+                    placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
+                best = min((evaluate(cfg, placed, cluster, cal, rule80) for placed in placements.values()),
                            key=lambda r: r["step_seconds"])
                 results.append(best)
                 if fits:
