@@ -194,7 +194,7 @@ def _ring_against_sdpa(cp, heads, kv_heads):
     expected.backward(grad)
     group = grid.group("cp")
     local = [context.shard_sequence(t.detach(), group, dim=2).requires_grad_() for t in (q, k, v)]
-    out = context.ring_attention(*local, context.positions(s // cp, group), group)
+    out = context.ring_attention(*local, group)
     out.backward(context.shard_sequence(grad, group, dim=2))
     errors = [(out - context.shard_sequence(expected.detach(), group, 2)).abs().max().item()]
     errors += [(mine.grad - context.shard_sequence(full.grad, group, 2)).abs().max().item()

@@ -181,12 +181,11 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
     # head's gathered weight.
     logits = T * v / y * (e + 4 + (4 if e < 4 else 0)) + 3 * e * Ts * h / x
     forward = activations + logits + gathered
-    # Backward, the largest of: the head's (fp32 softmax gradient and its bf16 cast, the gathered
-    # weight and the weight-gradient block), a recomputed layer, ring attention's own-block scores
-    # (the blocks are plain GEMM + softmax: scores, mask, exp and gradient, [heads x T x T] each).
+    # Backward, the larger of: the head's (fp32 softmax gradient and its bf16 cast, the gathered
+    # weight and the weight-gradient block) and a recomputed layer. Ring attention runs the flash
+    # kernel per block: no [T x T] scores.
     head_backward = T * v / y * (e + 4) + e * head_block * (2 if z > 1 else 1)
-    ring_scores = (4 * e * heads + cfg.heads / cfg.kv_heads) * (s.seq / c) ** 2 * (s.micro_batch / z) if c > 1 else 0.0
-    backward = activations + max(head_backward, working, ring_scores)
+    backward = activations + max(head_backward, working)
     # Optimizer step: the largest bucket's updated parameters gathered in their dtype (ZeRO-1).
     largest_bucket = max(largest_block / z, BUCKET_BYTES / 4)
     optimizer_step = e * largest_bucket * (1 + 1 / (s.dp * c)) if s.dp * c > 1 else 0.0

@@ -91,7 +91,7 @@ class ParallelAttention(nn.Module):
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
         if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
-            o = ring_attention(q, k, v, positions, self.cp)
+            o = ring_attention(q, k, v, self.cp)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return o.transpose(1, 2).reshape(b, s, self.heads * d)
