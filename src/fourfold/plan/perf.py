@@ -240,9 +240,12 @@ def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = C
     if g > 1:
         dims = ("dp", "cp")
         bw = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
-        dp_comm = float(bytes_sent("reduce_scatter", g, 4 * params_rank) + bytes_sent("all_gather", g, s.dtype_bytes * params_rank)) / bw
-        if s.framework == "megatron":  # Megatron overlaps the gradient reduction with backward
-            dp_comm = max(0.0, dp_comm - compute * 2 / 3)
+        reduce = float(bytes_sent("reduce_scatter", g, 4 * params_rank)) / bw
+        gather = float(bytes_sent("all_gather", g, s.dtype_bytes * params_rank)) / bw
+        # Both runtimes launch each gradient bucket as soon as it is final in the last
+        # micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the
+        # reduce-scatter hides behind that backward; the parameter all-gather follows the update.
+        dp_comm = max(0.0, reduce - micro_compute * 2 / 3) + gather
     optimizer = 16 * params_rank / g / (cluster.gpu.hbm_tbs * 1e12)
     flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.gpus
     return StepTime(compute, exposed, bubble, dp_comm, optimizer, flops)
