@@ -136,6 +136,9 @@ KEYS = {"dp", "pp", "cp", "x", "y", "z", "tp", "micro_batch", "recompute", "memo
 def test_cli_json_objects(tmp_path):
     one = json.loads(_cli("estimate", "--model", "llama-3.1-8b", "--tp", "4", "--dp", "2", "--json"))
     assert KEYS <= one.keys() and (one["x"], one["y"], one["z"]) == (1, 4, 1)
+    slower = json.loads(_cli("estimate", "--model", "llama-3.1-8b", "--tp", "4", "--dp", "2", "--json",
+                             "--latency-us", "1000"))
+    assert slower["step_seconds"] > one["step_seconds"] and slower["memory_gib"] == one["memory_gib"]
     memory = json.loads(_cli("memory", "--model", "llama-3.1-8b", "--x", "2", "--y", "2", "--z", "2", "--json",
                              "--micro-batch", "2", "--gpu", "a100-80gb"))
     assert memory["memory_limit_gib"] == 80 and "step_seconds" not in memory

@@ -24,6 +24,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--intra-node-gbs", type=float, help="intra-node bandwidth per GPU, GB/s")
     p.add_argument("--inter-node-gbs", type=float, help="inter-node bandwidth per GPU, GB/s")
+    p.add_argument("--latency-us", type=float, help="cost per collective step, microseconds (default 10; "
+                                                    "benchmarks/planner_ordering.py fits it on a measured run)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int)
@@ -47,7 +49,8 @@ def _setup(args, **extra) -> Setup:
 
 
 def _context(args):
-    cluster = make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
+    cluster = make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs,
+                           args.latency_us)
     cal = Calibration(**json.load(open(args.calibrate))) if args.calibrate else Calibration()
     cfg = load_config(args.model)
     if getattr(args, "layers", None):

@@ -44,7 +44,8 @@ CLUSTERS = {
 
 
 def make_cluster(cluster: str | None = None, gpu: str | None = None, gpus_per_node: int | None = None,
-                 intra_node_gbs: float | None = None, inter_node_gbs: float | None = None) -> Cluster:
+                 intra_node_gbs: float | None = None, inter_node_gbs: float | None = None,
+                 latency_us: float | None = None) -> Cluster:
     """A cluster preset (default dgx-h100), with any field overridden."""
     name = cluster or "dgx-h100"
     if name not in CLUSTERS:
@@ -55,4 +56,5 @@ def make_cluster(cluster: str | None = None, gpu: str | None = None, gpus_per_no
             raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
         c = replace(c, gpu=GPUS[gpu])
     return replace(c, gpus_per_node=gpus_per_node or c.gpus_per_node, intra_node_gbs=intra_node_gbs or c.intra_node_gbs,
-                   inter_node_gbs=inter_node_gbs or c.inter_node_gbs)
+                   inter_node_gbs=inter_node_gbs or c.inter_node_gbs,
+                   latency_us=c.latency_us if latency_us is None else latency_us)
