@@ -16,19 +16,19 @@ import sys
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from fourfold.data import AdamW, GradientSync
 from fourfold.grid import Grid, init_process_group
-from fourfold.layout import Layout
+from fourfold.layout import DIMS, Layout
 from fourfold.models.config import ModelConfig
-from fourfold.models.transformer import Transformer
-from fourfold.pipeline import Pipeline
 from fourfold.plan.hardware import GPU, Cluster
 from fourfold.plan.memory import Setup
 from fourfold.plan.perf import Calibration, step_time
-from fourfold.tensor.block import TensorOptions
+from fourfold.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
+from fourfold.trainer import Model, local_batch
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=512,
                   tied=False, eps=1e-5)
@@ -63,35 +63,22 @@ def machine() -> tuple[float, float, float]:
 
 
 def measure(text: str, repeat: int = 3) -> float:
+    """Median seconds of a training step on this grid, run by the trainer's own Model and batch split."""
     layout = Layout.parse(text)
     grid = Grid(layout)
-    opts = TensorOptions(seq_parallel=grid.size("y") > 1 and SEQ // layout.cp % layout.y == 0)
-    micro = GLOBAL_BATCH // (layout.dp * MICRO)
-    if layout.pp > 1:
-        pipe = Pipeline(grid, CFG, opts, schedule="1f1b", microbatches=micro, micro_batch=MICRO // layout.z,
-                        seq=SEQ // layout.cp)
-        module = pipe.module
-    else:
-        pipe, module = None, Transformer(grid, CFG, opts)
-    opt = AdamW(GradientSync(module, grid), lr=1e-3)
-    from fourfold import context
-
-    ids = torch.randint(0, CFG.vocab, (GLOBAL_BATCH // layout.dp, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    c = grid.coords
-    parts = [m.chunk(layout.z)[c["z"]] for m in ids.split(MICRO)]
-    local = torch.cat(parts)
-    cp = grid.group("cp")
-    inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+    cfg = TrainConfig(grid=GridSection(**{d: getattr(layout, d) for d in DIMS}),
+                      batch=BatchSection(global_batch=GLOBAL_BATCH, micro_batch=MICRO, seq=SEQ),
+                      train=TrainSection(seq_parallel=layout.y > 1))
+    model = Model(grid, cfg, CFG)
+    opt = AdamW(GradientSync(model.module, grid), lr=1e-3)
+    rows = GLOBAL_BATCH // layout.dp
+    ids = np.random.default_rng(0).integers(0, CFG.vocab, (rows, SEQ + 1))
+    inputs, targets = local_batch(cfg, grid, ids)
     times = []
     for step in range(repeat + 1):
         dist.barrier()
         start = time.perf_counter()
-        if pipe is not None:
-            pipe.step(inputs, targets, 1.0 / ids.numel())
-        else:
-            for m, (x, y) in enumerate(zip(inputs.chunk(micro), targets.chunk(micro))):
-                opt.sync.sync = m == micro - 1
-                (module(x, y).sum() / ids.numel()).backward()
+        model.step(inputs, targets, opt.sync, 1.0 / (GLOBAL_BATCH * SEQ))
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - start)

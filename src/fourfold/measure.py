@@ -16,7 +16,7 @@ GPU's flash kernel keeps (output and log-sum-exp), the math path keeps the proba
 from __future__ import annotations
 
 import contextlib
-import traceback
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -92,8 +92,14 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _fourfold_line() -> str:
-    frames = [f for f in traceback.extract_stack() if "/fourfold/" in f.filename and "measure.py" not in f.filename]
-    return f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "torch"
+    """file:line of the innermost fourfold frame below this module (frames walked, not formatted)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/fourfold/" in name and not name.endswith("measure.py"):
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "torch"
 
 
 def check_measurable(setup: Setup) -> None:

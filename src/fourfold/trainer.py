@@ -24,6 +24,7 @@ import torch.distributed as dist
 from fourfold import checkpoint, comm, context, corpus
 from fourfold.data import AdamW, GradientSync
 from fourfold.grid import Grid
+from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
 from fourfold.overlap import OverlapOptions
 from fourfold.pipeline import Pipeline
@@ -58,8 +59,8 @@ def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
 class Model:
     """This rank's part of the model, run the same way with or without pipeline stages."""
 
-    def __init__(self, grid: Grid, cfg: TrainConfig):
-        model_cfg, t = cfg.model_config(), cfg.train
+    def __init__(self, grid: Grid, cfg: TrainConfig, model_cfg: ModelConfig):
+        t = cfg.train
         overlap = OverlapOptions() if t.overlap else OverlapOptions(False, False, False)
         # bf16 parameters and activations (fp32 gradient accumulators and master weights in
         # GradientSync and AdamW, fp32 loss), as Megatron trains; float32 on CPU by default
@@ -198,7 +199,7 @@ def train(cfg: TrainConfig) -> dict:
     if corpus.load_tokenizer(tokenizer_path).get_vocab_size() > model_cfg.vocab:
         raise ValueError(f"the tokenizer has more tokens than the model's vocabulary ({model_cfg.vocab}); set "
                          f"data.vocab <= {model_cfg.vocab}")
-    model = Model(grid, cfg)
+    model = Model(grid, cfg, model_cfg)
     sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
     o = cfg.optimizer
     opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
