@@ -157,15 +157,18 @@ def test_cli_error_is_clear():
     assert out.returncode == 2 and "layers=32 must be divisible by pp*vpp=3" in out.stderr
 
 
-def test_cli_memory_measured_under_fake_tensors():
+def test_cli_memory_measured_under_fake_tensors(capsys):
     """`fourfold memory --measure`: the runtime's peak (FakeTensorMode) beside the estimate, as a
-    table and as JSON; a pipeline is refused with the fix."""
-    args = ("memory", "--model", "llama-3.1-8b", "--layers", "2", "--y", "2", "--z", "2", "--micro-batch", "2",
-            "--measure")
-    measured = json.loads(_cli(*args, "--json"))
+    table and as JSON; a pipeline is refused with the fix. In-process (it builds its own fake world)."""
+    from fourfold.cli import main
+
+    args = ["memory", "--model", "tiny-llama", "--y", "2", "--z", "2", "--micro-batch", "2", "--seq", "512", "--measure"]
+    assert main([*args, "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
     assert measured["estimate_without_gpu_only_gib"] == pytest.approx(measured["measured_gib"], rel=0.05)
     assert measured["measured_at_peak"] and max(measured["measured_phase_peaks_gib"].values()) == measured["measured_gib"]
-    table = _cli(*args)
+    assert main(args) == 0
+    table = capsys.readouterr().out
     assert "measured (FakeTensorMode, rank 0, two steps)" in table and "largest tensors alive at the peak" in table
-    out = subprocess.run([sys.executable, "-m", "fourfold.cli", *args, "--pp", "2"], capture_output=True, text=True)
-    assert out.returncode == 2 and "use pp 1" in out.stderr
+    assert main([*args, "--pp", "2"]) == 2
+    assert "use pp 1" in capsys.readouterr().err
