@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from fourfold.launch import inside_torchrun, relaunch_with_torchrun
@@ -23,6 +24,8 @@ def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
     from fourfold.demo import DEMO_CONFIG, print_plan, show_samples
     from fourfold.trainconfig import load_train_config
 
+    # Every demo run trains from scratch in its own directory (a user's --log.run_dir still wins).
+    overrides = ["--log.run_dir", time.strftime("runs/demo-%Y%m%d-%H%M%S"), *overrides]
     cfg = load_train_config(DEMO_CONFIG, overrides)
     print(f"fourfold demo: training {cfg.model.preset} on the bundled King James Bible, config {DEMO_CONFIG}")
     run = argparse.Namespace(config=DEMO_CONFIG, nproc_per_node=None, max_restarts=0)

@@ -218,6 +218,9 @@ def train(cfg: TrainConfig) -> dict:
                         grid.device)
     if start:
         reporter.message(f"resumed from {source} at step {start}")
+    if start >= cfg.train.steps:
+        reporter.message(f"the checkpoint is at step {start} of train.steps={cfg.train.steps}: nothing to train; "
+                         f"raise --train.steps, or start over with another --log.run_dir")
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
     scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
     bad, last_loss, first_loss, t_start = 0, math.nan, None, time.perf_counter()
