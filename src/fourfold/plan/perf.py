@@ -79,12 +79,18 @@ def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, int, int], .
 def _totals_seconds(totals, s: Setup, cluster: Cluster, element_size: int, cal: Calibration) -> float:
     seconds = 0.0
     for group, op, numel, count in totals:
-        dims = tuple(group.split("_"))
-        g = s.layout.size(dims)
+        g, bandwidth = _group_figures(s.layout, cluster, group)
         steps = 2 * (g - 1) if op == "all_reduce" else (g - 1)
-        bandwidth = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
-        seconds += _per_byte(op, g) * numel * element_size / bandwidth + count * steps * cluster.latency_us * 1e-6
+        seconds += (_per_byte(op, g) * numel * element_size / (bandwidth * cal.bandwidth_factor)
+                    + count * steps * cluster.latency_us * 1e-6)
     return seconds
+
+
+@functools.lru_cache(maxsize=262144)
+def _group_figures(layout, cluster: Cluster, group: str) -> tuple[int, float]:
+    """(size, bytes/s per GPU) of a group named like a ledger entry ("x", "dp_cp")."""
+    dims = tuple(group.split("_"))
+    return layout.size(dims), _bandwidth(layout, cluster, dims)
 
 
 @functools.lru_cache(maxsize=65536)  # independent of the placement order and of recompute
