@@ -38,6 +38,7 @@ def _check_ops(g: int, async_op: bool):
     for dim in (0, 1):
         out = _finish(comm.all_gather(me, group, dim=dim, async_op=async_op), async_op)
         assert torch.equal(out, torch.cat([_data(r) for r in members], dim=dim))
+        assert out.is_contiguous()  # fused attention kernels need unit stride on the last dim
         expect("all_gather", out.numel())
 
     # reduce-scatter along dim 0 and dim 1: the sum over ranks, this rank's slice
@@ -46,7 +47,17 @@ def _check_ops(g: int, async_op: bool):
         total = sum(_data(r, shape=full.shape) for r in members)
         out = _finish(comm.reduce_scatter(full, group, dim=dim, async_op=async_op), async_op)
         torch.testing.assert_close(out, total.chunk(g, dim=dim)[group.rank], rtol=1e-15, atol=0)
+        assert out.is_contiguous()
         expect("reduce_scatter", full.numel())
+
+    # reduce-scatter in place: this rank's slice of the input is the output
+    full = _data(grid.rank, shape=(4 * g, 6))
+    total = sum(_data(r, shape=full.shape) for r in members)
+    mine = full[4 * group.rank : 4 * (group.rank + 1)]
+    out = _finish(comm.reduce_scatter(full, group, async_op=async_op, out=mine), async_op)
+    assert g == 1 or out.data_ptr() == mine.data_ptr()
+    torch.testing.assert_close(mine if g > 1 else out, total.chunk(g)[group.rank], rtol=1e-15, atol=0)
+    expect("reduce_scatter", full.numel())
 
     # all-reduce in place, sum and max
     t = me.clone()
