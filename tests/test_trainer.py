@@ -44,15 +44,23 @@ def _losses(run_dir):
     out = {}
     for line in (Path(run_dir) / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
-        out[record["step"]] = record
+        if "step" in record:  # (held-out records carry eval_after_step)
+            out[record["step"]] = record
     return {s: r["loss"] for s, r in sorted(out.items())}, out
+
+
+def _held_out(run_dir):
+    """{steps done: held-out loss} of a run with train.eval_every."""
+    records = [json.loads(line) for line in (Path(run_dir) / "log.jsonl").read_text().splitlines()]
+    return {r["eval_after_step"]: r["eval_loss"] for r in records if "eval_loss" in r}
 
 
 @pytest.fixture(scope="module")
 def reference(ranks, data, tmp_path_factory):
-    """An uninterrupted run on dp2 x2 (sequence parallel over y is off: y=1)."""
+    """An uninterrupted run on dp2 x2 (sequence parallel over y is off: y=1), scoring the held-out
+    tail every 3 steps (which changes no training number: the resumed runs below do not score)."""
     run = tmp_path_factory.mktemp("reference")
-    ranks.run(_train, 4, _options(run, data, "--grid.dp", "2", "--grid.x", "2"))
+    ranks.run(_train, 4, _options(run, data, "--grid.dp", "2", "--grid.x", "2", "--train.eval_every", "3"))
     return run
 
 
@@ -64,7 +72,10 @@ def test_run_learns_and_writes_everything(reference):
     kept = checkpoint.complete(reference / "checkpoints")
     assert [p.name for p in kept] == ["step-00000003", "step-00000006"]
     assert (reference / "loss.png").stat().st_size > 1000
-    assert json.loads((reference / "summary.json").read_text())["last_loss"] == losses[STEPS - 1]
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["last_loss"] == losses[STEPS - 1]
+    held_out = _held_out(reference)
+    assert list(held_out) == [3, 6] and held_out[6] < held_out[3] and summary["eval_loss"] == held_out[6]
 
 
 def test_resume_is_bitwise_equal(ranks, data, reference, tmp_path):
@@ -80,13 +91,17 @@ def test_resume_is_bitwise_equal(ranks, data, reference, tmp_path):
 @pytest.mark.parametrize("grid", [["--grid.pp", "2", "--grid.y", "2", "--train.seq_parallel", "true"],
                                   ["--grid.cp", "2", "--grid.z", "2"]], ids=["pp2y2-sp", "cp2z2"])
 def test_load_onto_another_grid(ranks, data, reference, tmp_path, grid):
-    """A checkpoint of dp2 x2 continues on a different grid with the same losses (float32)."""
+    """A checkpoint of dp2 x2 continues on a different grid with the same losses (float32); on
+    cp2 z2 the held-out loss (sequences cut into cp chunks) equals the reference's too."""
     start = reference / "checkpoints" / "step-00000003"
-    ranks.run(_train, 4, _options(tmp_path, data, *grid, "--checkpoint.load", str(start)))
+    scoring = ["--train.eval_every", "3"] if "--grid.cp" in grid else []
+    ranks.run(_train, 4, _options(tmp_path, data, *grid, *scoring, "--checkpoint.load", str(start)))
     expected, _ = _losses(reference)
     got, _ = _losses(tmp_path)
     assert list(got) == [3, 4, 5]
     assert got == pytest.approx({s: expected[s] for s in got}, rel=2e-5)
+    if scoring:
+        assert _held_out(tmp_path) == pytest.approx({6: _held_out(reference)[6]}, rel=1e-4)
 
 
 def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
@@ -175,6 +190,7 @@ def test_config_errors_name_the_fix(tmp_path):
         (["--grid.dp", "3"], 3, "global_batch \\(16\\) must be a multiple of grid.dp"),
         (["--grid.z", "4", "--batch.micro_batch", "2", "--grid.dp", "1"], 4, "divisible by grid.z"),
         (["--grid.cp", "3"], 3, "divisible by 2\\*cp"),
+        (["--grid.pp", "2", "--train.eval_every", "5"], 2, "train.eval_every scores a whole model"),
         (["--grid.pp", "2", "--model.preset", "tiny-gpt"], 2, "tied embeddings"),
         (["--grid.pp", "3"], 3, "layers do not divide into 3 pipeline stages"),
         (["--grid.pp", "2", "--batch.global_batch", "2"], 2, "at least pp=2 micro-batches"),

@@ -99,6 +99,10 @@ class TokenLoader:
             self._order = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.train_sequences)
         return int(self._order[offset])
 
+    def held_out(self) -> np.ndarray:
+        """The held-out tail of the token file (never in a training batch)."""
+        return self.tokens[self.train_sequences * self.seq :]
+
     def batch(self, step: int, replica: int, replicas: int) -> np.ndarray:
         """Replica `replica`'s part [global_batch/replicas, seq+1] of step `step`'s global batch."""
         if self.global_batch % replicas:

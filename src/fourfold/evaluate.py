@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from fourfold import comm
+from fourfold import comm, context
 from fourfold.grid import Grid
 
 
@@ -25,8 +25,10 @@ def windows(tokens: np.ndarray, seq: int) -> np.ndarray:
 def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1) -> dict:
     """{"loss", "perplexity", "tokens"} of `model` on `tokens` (a 1-D array of ids).
 
-    Windows are dealt to the dp*z token shards in turn; the last batch is padded with windows
-    whose targets are -1 (scored 0, not counted)."""
+    Windows are dealt to the dp*z token shards in turn, each cut into cp chunks as in training;
+    the last batch is padded with windows whose targets are -1 (scored 0, not counted)."""
+    context.check_sequence(seq, grid.size("cp"))
+    cp = grid.group("cp")
     data = windows(tokens, seq)
     shards = grid.size(("dp", "z"))
     shard = grid.coords["dp"] * grid.size("z") + grid.coords["z"]
@@ -38,10 +40,10 @@ def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, b
         chunk = data[step * per_step : (step + 1) * per_step]
         ids[: len(chunk)] = chunk
         mine = torch.from_numpy(ids[shard::shards])
-        inputs = mine[:, :-1].clamp_min(0)
-        targets = mine[:, 1:].to(grid.device)
-        total[0] += model(inputs.to(grid.device), targets).double().sum()
+        inputs = context.shard_sequence(mine[:, :-1].clamp_min(0), cp).to(grid.device)
+        targets = context.shard_sequence(mine[:, 1:], cp).to(grid.device)
+        total[0] += model(inputs, targets).double().sum()
         total[1] += (targets >= 0).sum()
-    comm.all_reduce(total, grid.group(("dp", "z")))
+    comm.all_reduce(total, grid.group(("dp", "cp", "z")))
     mean = (total[0] / total[1]).item()
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": int(total[1].item())}

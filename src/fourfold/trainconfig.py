@@ -68,6 +68,7 @@ class TrainSection:
     seq_parallel: bool = False
     overlap: bool = True
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
+    eval_every: int = 0  # score the held-out tail every N steps (0: never; needs pp = 1)
 
 
 @dataclass
@@ -235,6 +236,11 @@ def validate(cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"train.recompute must be one of {', '.join(RECOMPUTE)}")
     if cfg.train.precision not in ("auto", "bf16", "float32"):
         raise ConfigError("train.precision must be auto, bf16 or float32")
+    if cfg.train.eval_every and g.pp > 1:
+        raise ConfigError("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
+                          "with `fourfold eval --checkpoint` on a grid without pp")
+    if cfg.train.eval_every < 0:
+        raise ConfigError("train.eval_every must be >= 0 (0: never)")
     if model.tied and g.pp > 1:
         raise ConfigError("tied embeddings cannot be split across pipeline stages yet: use grid.pp = 1 or an untied model")
     if g.pp > 1:

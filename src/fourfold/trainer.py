@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from fourfold import checkpoint, comm, context, corpus
 from fourfold.data import AdamW, GradientSync
+from fourfold.evaluate import evaluate
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
@@ -141,6 +142,15 @@ class Reporter:
         elif record["step"] % self.cfg.log.every == 0:
             print(json.dumps(record), flush=True)
 
+    def evaluation(self, step: int, result: dict) -> None:
+        """The held-out loss after `step` steps: a log.jsonl record and a line under the bar."""
+        if self.rank0:
+            self.log.write(json.dumps({"eval_after_step": step, "eval_loss": result["loss"],
+                                       "eval_perplexity": result["perplexity"], "eval_tokens": result["tokens"]}) + "\n")
+            self.log.flush()
+        self.message(f"step {step}: held-out loss {result['loss']:.4f} (perplexity {result['perplexity']:.1f}, "
+                     f"{result['tokens']} tokens)")
+
     def message(self, text: str) -> None:
         if self.rank0:
             (self.bar.write if self.bar is not None else print)(text)
@@ -159,16 +169,21 @@ def loss_curve(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    losses = {}
+    losses, held_out = {}, {}
     for line in (run_dir / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record.get("loss") is not None and math.isfinite(record["loss"]):
             losses[record["step"]] = record["loss"]
+        if "eval_loss" in record:  # scored after `eval_after_step` steps: plotted at the last one's index
+            held_out[record["eval_after_step"] - 1] = record["eval_loss"]
     steps = sorted(losses)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, [losses[s] for s in steps])
+    ax.plot(steps, [losses[s] for s in steps], label="training")
+    if held_out:
+        ax.plot(sorted(held_out), [held_out[s] for s in sorted(held_out)], "o-", label="held-out")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)")
     ax.set_title(run_dir.name)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -224,6 +239,7 @@ def train(cfg: TrainConfig) -> dict:
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
     scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
     bad, last_loss, first_loss, t_start = 0, math.nan, None, time.perf_counter()
+    last_eval = None
     for step in range(start, cfg.train.steps):
         _maybe_kill(cfg, step)
         began = time.perf_counter()
@@ -249,6 +265,11 @@ def train(cfg: TrainConfig) -> dict:
                            seconds=time.perf_counter() - began, skipped=not math.isfinite(loss),
                            peak_memory_gib=peak_memory_gib(grid)))
         done = step + 1
+        if cfg.train.eval_every and done % cfg.train.eval_every == 0:
+            held_out = evaluate(model.module, grid, loader.held_out(), cfg.batch.seq,
+                                max(1, cfg.batch.micro_batch // grid.size("z")))
+            reporter.evaluation(done, held_out)
+            last_eval = held_out["loss"]
         if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
             meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
                         model=dataclasses.asdict(model_cfg))
@@ -256,7 +277,7 @@ def train(cfg: TrainConfig) -> dict:
                                    files={"tokenizer.json": tokenizer_path})
             reporter.message(f"checkpoint {path}")
     reporter.close()
-    summary = dict(first_loss=first_loss, last_loss=last_loss, steps=cfg.train.steps - start,
+    summary = dict(first_loss=first_loss, last_loss=last_loss, eval_loss=last_eval, steps=cfg.train.steps - start,
                    seconds=time.perf_counter() - t_start, tokens=(cfg.train.steps - start) * cfg.batch.global_batch
                    * cfg.batch.seq, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)))
     if grid.rank == 0:
