@@ -98,6 +98,12 @@ def _run(works, finish, async_op: bool):
     return pending if async_op else pending.wait()
 
 
+# Recent torch names the single-tensor collectives *_single (and deprecates the old names); the
+# torch >= 2.7 this package accepts may only have all_gather_into_tensor / reduce_scatter_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
     """Concatenate every rank's `tensor` along `dim`, in group-rank order (a contiguous result)."""
     if group.size == 1:
@@ -107,7 +113,7 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool 
     out = tensor.new_empty((group.size, *tensor.shape))
     group._record("all_gather", out)
     # gloo wants flat buffers for the single-tensor form.
-    work = dist.all_gather_single(out.view(-1), tensor.view(-1), group=group.process_group, async_op=async_op)
+    work = _all_gather_single(out.view(-1), tensor.view(-1), group=group.process_group, async_op=async_op)
     return _run([work], lambda: out.movedim(0, dim).flatten(dim, dim + 1), async_op)
 
 
@@ -129,7 +135,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: b
         work = dist.all_to_all_single(received, chunks, group=group.process_group, async_op=async_op)
         return _run([work], lambda: torch.sum(received, 0, out=out), async_op)
     out = chunks.new_empty(chunks.shape[1:]) if out is None else out
-    work = dist.reduce_scatter_single(out, chunks, group=group.process_group, async_op=async_op)
+    work = _reduce_scatter_single(out, chunks, group=group.process_group, async_op=async_op)
     return _run([work], lambda: out, async_op)
 
 
