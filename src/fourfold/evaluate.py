@@ -27,7 +27,6 @@ def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, b
 
     Windows are dealt to the dp*z token shards in turn, each cut into cp chunks as in training;
     the last batch is padded with windows whose targets are -1 (scored 0, not counted)."""
-    context.check_sequence(seq, grid.size("cp"))
     cp = grid.group("cp")
     data = windows(tokens, seq)
     shards = grid.size(("dp", "z"))
