@@ -13,13 +13,15 @@ sys.path.insert(0, "tests")
 from test_planner_measured import CASES, CFG, DEVICE_TERMS, MICRO, SEQ, _measured_peak  # noqa: E402
 
 from fourfold.measure import measure_peak  # noqa: E402
-from fourfold.plan.memory import Setup, fourfold_memory  # noqa: E402
+from fourfold.job import Job  # noqa: E402
+from fourfold.layout import Layout  # noqa: E402
+from fourfold.plan.memory import fourfold_memory  # noqa: E402
 from fourfold.testing import RankPool  # noqa: E402
 
 
-def setup_of(sizes: dict, seq_parallel: bool, recompute: str) -> Setup:
-    return Setup(**sizes, micro_batch=MICRO, seq=SEQ, global_batch=MICRO * sizes.get("dp", 1), recompute=recompute,
-                 seq_parallel=seq_parallel, dtype_bytes=4)
+def job_of(sizes: dict, seq_parallel: bool, recompute: str) -> Job:
+    return Job(Layout(**sizes), micro_batch=MICRO, seq=SEQ, global_batch=MICRO * sizes.get("dp", 1),
+               recompute=recompute, seq_parallel=seq_parallel, precision="float32")
 
 
 if __name__ == "__main__":
@@ -27,10 +29,10 @@ if __name__ == "__main__":
     pool = RankPool(max_ranks=4)
     for sizes, sp, rec in CASES:
         measured = max(pool.run(_measured_peak, 4, sizes, sp, rec))
-        terms = fourfold_memory(CFG, setup_of(sizes, sp, rec), 80).terms
+        terms = fourfold_memory(CFG, job_of(sizes, sp, rec), 80).terms
         estimate = sum(v for k, v in terms.items() if k not in DEVICE_TERMS)
         print(f"{sizes} sp={sp} {rec}: MemTracker {measured / 2**20:.2f} MiB, estimate {estimate / 2**20:.2f} MiB "
               f"({100 * (estimate / measured - 1):+.1f}%)")
     pool.close()
     for sizes, sp, rec in CASES:
-        print(f"{sizes} fake: {measure_peak(CFG, setup_of(sizes, sp, rec)).peak_bytes / 2**20:.2f} MiB")
+        print(f"{sizes} fake: {measure_peak(CFG, job_of(sizes, sp, rec)).peak_bytes / 2**20:.2f} MiB")

@@ -20,12 +20,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fourfold.data import AdamW, GradientSync
+from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid, init_process_group
 from fourfold.layout import DIMS, Layout
 from fourfold.models.config import ModelConfig
+from fourfold.optimizer import AdamW
 from fourfold.plan.hardware import GPU, Cluster
-from fourfold.plan.memory import Setup
+from fourfold.job import Job
 from fourfold.plan.perf import Calibration, step_time
 from fourfold.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
 from fourfold.trainer import Model, local_batch
@@ -87,8 +88,8 @@ def measure(text: str, repeat: int = 3) -> float:
 
 def predict(text: str, cluster: Cluster) -> float:
     layout = Layout.parse(text)
-    s = Setup(dp=layout.dp, pp=layout.pp, cp=layout.cp, x=layout.x, y=layout.y, z=layout.z, micro_batch=MICRO,
-              seq=SEQ, global_batch=GLOBAL_BATCH, seq_parallel=layout.y > 1, dtype_bytes=4)
+    s = Job(layout, micro_batch=MICRO, seq=SEQ, global_batch=GLOBAL_BATCH, seq_parallel=layout.y > 1,
+            precision="float32")
     return step_time(CFG, s, cluster, Calibration(efficiency_max=1.0, efficiency_half=16)).total
 
 

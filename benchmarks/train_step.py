@@ -14,11 +14,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fourfold.data import AdamW, GradientSync
+from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid, init_process_group
 from fourfold.layout import Layout
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
+from fourfold.optimizer import AdamW
 from fourfold.overlap import OverlapOptions
 from fourfold.tensor.block import TensorOptions
 from timing import best_time, print_table  # benchmarks/timing.py, beside this file

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from fourfold.data import AdamW, GradientSync
+from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid
 from fourfold.layout import Layout
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
+from fourfold.optimizer import AdamW
 from fourfold.overlap import OverlapOptions
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import full_weights

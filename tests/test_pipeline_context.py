@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from fourfold import comm, context
-from fourfold.data import AdamW, GradientSync
+from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid
 from fourfold.layout import Layout
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
-from fourfold.pipeline import Pipeline, check_schedule, split_layers
+from fourfold.optimizer import AdamW
+from fourfold.job import split_layers
+from fourfold.pipeline import Pipeline
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import full_weights
 from fourfold.volumes import ledger_bytes, model_collectives, pipeline_sends
@@ -209,19 +211,6 @@ def test_ring_attention_equals_causal_attention(ranks, cp):
         assert max(ranks.run(_ring_against_sdpa, cp, cp, heads, kv_heads)) < 1e-12
 
 
-def test_invalid_combinations_name_the_fix():
-    with pytest.raises(ValueError, match="stage_layers"):
-        split_layers(4, 3)
-    assert [len(r) for r in split_layers(4, 3, [2, 1, 1])] == [2, 1, 1]
-    with pytest.raises(ValueError, match="sum to the model's 4 layers"):
-        split_layers(4, 2, [1, 1])
-    with pytest.raises(ValueError, match="at least pp=4 micro-batches"):
-        check_schedule("1f1b", 4, 1, 2)
-    with pytest.raises(ValueError, match="multiple of pp=2"):
-        check_schedule("interleaved-1f1b", 2, 2, 3)
-    with pytest.raises(ValueError, match=">= 2 with interleaved-1f1b"):
-        check_schedule("interleaved-1f1b", 2, 1, 2)
-    with pytest.raises(ValueError, match="must be one of"):
-        check_schedule("zero-bubble", 2, 1, 2)
+def test_sequence_chunks_name_the_fix():
     with pytest.raises(ValueError, match="divisible by 2\\*cp = 4"):
         context.check_sequence(6, 2)

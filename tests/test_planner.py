@@ -13,10 +13,18 @@ from hypothesis import strategies as st
 
 from fourfold.models.config import load_config
 from fourfold.plan.hardware import make_cluster
-from fourfold.plan.memory import GIB, Setup, fourfold_memory, megatron_memory
+from fourfold.job import Job
+from fourfold.layout import Layout
+from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
 from fourfold.plan.search import check, search
 
 LLAMA7 = load_config("llama-2-7b")
+
+
+def job(*, dp=1, pp=1, cp=1, x=1, y=1, z=1, micro_batch=1, seq=4096, global_batch=1024, recompute="none") -> Job:
+    """A planner job (bf16, sequence parallelism) on the grid given."""
+    return Job(Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z), micro_batch=micro_batch, seq=seq,
+               global_batch=global_batch, recompute=recompute, seq_parallel=True, precision="bf16")
 
 
 def test_megatron_formulas_by_hand_llama2_7b():
@@ -25,7 +33,7 @@ def test_megatron_formulas_by_hand_llama2_7b():
     layer = 2 * h * h * (1 + 1) + 3 * h * F  # matrices; plus 2h of norms not divided by t
     params = L * (layer / t + 2 * h) + h * v / t + h * v / t + h
     assert params == 3369340928
-    mem = megatron_memory(LLAMA7, Setup(dp=d, y=t, seq=s, micro_batch=1, framework="megatron"), 80)
+    mem = megatron_memory(LLAMA7, job(dp=d, y=t, seq=s, micro_batch=1), 80)
     assert mem.terms["weights_and_grads"] == 6 * params
     assert mem.terms["optimizer"] == 12 * params / d
     assert mem.terms["activations"] == L * s * h * (12 + 4 + 8 * F / h) / t == 10066329600
@@ -38,15 +46,15 @@ def test_megatron_formulas_by_hand_llama2_7b():
 def test_megatron_pipeline_terms_by_hand_llama3_70b():
     cfg = load_config("llama-3.1-70b")  # GQA: k/a = 8/64
     h, F, v, L, t, p, c, d, b, s = 8192, 28672, 128256, 80, 8, 4, 2, 4, 2, 8192
-    mem = megatron_memory(cfg, Setup(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s, framework="megatron"), 80)
+    mem = megatron_memory(cfg, job(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s), 80)
     params = L / p * ((2 * h * h * (1 + 8 / 64) + 3 * h * F) / t + 2 * h) + h * v / t  # no head: not on stage 1
     assert mem.terms["weights_and_grads"] == pytest.approx(6 * params, rel=1e-15)
     assert mem.terms["optimizer"] == pytest.approx(12 * params / (d * c), rel=1e-15)
     assert mem.terms["activations"] == pytest.approx(L * (s / c) * b * h * (12 + 4 * 8 / 64 + 8 * F / h) / t, rel=1e-15)
     assert mem.terms["first_stage_inputs"] == 8 * (s / c) * b * h * p / t
     assert "logits" not in mem.terms
-    assert not megatron_memory(cfg, Setup(y=1, seq=s, framework="megatron"), 80).fits
-    assert megatron_memory(cfg, Setup(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s, framework="megatron"), 80,
+    assert not megatron_memory(cfg, job(y=1, seq=s), 80).fits
+    assert megatron_memory(cfg, job(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s), 80,
                            rule80=False).limit_bytes == 80 * GIB
 
 
@@ -57,12 +65,11 @@ SMALL = load_config("llama-2-7b")
 @given(gpus=st.sampled_from([8, 16, 32, 64]), framework=st.sampled_from(["fourfold", "megatron"]))
 @settings(max_examples=8, deadline=None)
 def test_every_candidate_multiplies_out_and_divides(gpus, framework):
-    base = Setup(seq=2048, global_batch=64, framework=framework)
-    found = search(SMALL, gpus, CLUSTER, base, include_unfit=True)
+    found = search(SMALL, gpus, CLUSTER, job(seq=2048, global_batch=64), include_unfit=True, framework=framework)
     assert found
     for r in found:
         assert r["dp"] * r["pp"] * r["cp"] * r["x"] * r["y"] * r["z"] == gpus
-        assert r["tp"] == r["x"] * r["y"] * r["z"]
+        assert r["job"].layout.sizes == {d: r[d] for d in ("dp", "pp", "cp", "x", "y", "z")}
         assert SMALL.heads % r["y"] == 0 and SMALL.layers % r["pp"] == 0 and r["micro_batch"] % r["z"] == 0
         assert 64 % (r["dp"] * r["micro_batch"]) == 0
         if framework == "megatron":
@@ -73,7 +80,7 @@ def test_every_candidate_multiplies_out_and_divides(gpus, framework):
 
 
 SETUPS = st.builds(
-    Setup, dp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]),
+    job, dp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]),
     x=st.sampled_from([1, 2, 4]), y=st.sampled_from([1, 2, 4]), z=st.sampled_from([1, 2]),
     micro_batch=st.sampled_from([2, 4]), seq=st.just(4096), global_batch=st.just(256),
     recompute=st.sampled_from(["none", "selective", "full"]))
@@ -83,14 +90,14 @@ SETUPS = st.builds(
 @settings(max_examples=200, deadline=None)
 def test_memory_is_monotone_in_micro_batch(s):
     bigger = replace(s, micro_batch=2 * s.micro_batch)
-    for profile in (fourfold_memory, lambda c, st_, m: megatron_memory(c, replace(st_, x=1, z=1, framework="megatron"), m)):
+    for profile in (fourfold_memory, lambda c, st_, m: megatron_memory(c, st_.with_layout(x=1, z=1), m)):
         assert profile(SMALL, bigger, 80).total >= profile(SMALL, s, 80).total
 
 
 @given(s=SETUPS, dim=st.sampled_from(["x", "y", "z", "pp", "dp", "cp"]))
 @settings(max_examples=300, deadline=None)
 def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
-    doubled = replace(s, **{dim: 2 * getattr(s, dim)})
+    doubled = s.with_layout(**{dim: 2 * getattr(s, dim)})
     before, after = fourfold_memory(SMALL, s, 80).terms, fourfold_memory(SMALL, doubled, 80).terms
     if dim in ("x", "y", "z", "pp"):
         for term in ("weights", "gradients", "optimizer"):
@@ -101,14 +108,14 @@ def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
 
 
 def test_invalid_configurations_name_the_fix():
-    with pytest.raises(ValueError, match="layers=32 must be divisible by pp\\*vpp=3"):
-        check(SMALL, Setup(pp=3))
-    with pytest.raises(ValueError, match="micro-batch 1 must be divisible by z=2"):
-        check(SMALL, Setup(z=2, micro_batch=1))
-    with pytest.raises(ValueError, match="sequence 4097 must be divisible by 2\\*cp=4"):
-        check(SMALL, Setup(cp=2, seq=4097))
+    with pytest.raises(ValueError, match="32 layers do not divide into 3 pipeline stages; choose pp\\*virtual"):
+        check(SMALL, job(pp=3))
+    with pytest.raises(ValueError, match="micro_batch=1 must be divisible by z=2"):
+        check(SMALL, job(z=2, micro_batch=1))
+    with pytest.raises(ValueError, match="batch.seq=4097 does not divide; use a sequence length that is a multiple of 4"):
+        check(SMALL, job(cp=2, seq=4097))
     with pytest.raises(ValueError, match="the megatron profile has 1D tensor parallelism"):
-        check(SMALL, Setup(x=2, framework="megatron"))
+        check(SMALL, job(x=2), "megatron")
 
 
 def test_planner_does_not_import_torch():
@@ -129,7 +136,7 @@ def _cli(*args):
     return out.stdout
 
 
-KEYS = {"dp", "pp", "cp", "x", "y", "z", "tp", "micro_batch", "recompute", "memory_gib", "memory_limit_gib", "fits",
+KEYS = {"dp", "pp", "cp", "x", "y", "z", "virtual", "seq_parallel", "micro_batch", "recompute", "memory_gib", "memory_limit_gib", "fits",
         "step_seconds", "tokens_per_second", "model_tflops_per_gpu", "mfu", "memory_breakdown_gib", "time_breakdown_seconds"}
 
 
@@ -154,7 +161,7 @@ def test_cli_json_objects(tmp_path):
 def test_cli_error_is_clear():
     out = subprocess.run([sys.executable, "-m", "fourfold.cli", "estimate", "--model", "llama-2-7b", "--pp", "3"],
                          capture_output=True, text=True)
-    assert out.returncode == 2 and "layers=32 must be divisible by pp*vpp=3" in out.stderr
+    assert out.returncode == 2 and "32 layers do not divide into 3 pipeline stages; choose pp*virtual" in out.stderr
 
 
 def test_cli_memory_measured_under_fake_tensors(capsys):

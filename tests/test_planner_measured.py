@@ -9,13 +9,16 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fourfold.data import AdamW, GradientSync
+from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid
 from fourfold.layout import Layout
 from fourfold.measure import GPU_ONLY_TERMS as DEVICE_TERMS, measure_peak
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.models.transformer import Transformer
-from fourfold.plan.memory import Setup, fourfold_memory
+from fourfold.optimizer import AdamW
+from fourfold.job import Job
+from fourfold.layout import Layout
+from fourfold.plan.memory import fourfold_memory
 from fourfold.tensor.block import TensorOptions
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=1024,
@@ -46,9 +49,9 @@ CASES = [(dict(x=2, y=2), False, "none"), (dict(dp=2, z=2), False, "none"), (dic
 def test_estimate_within_5_percent_of_measured_peak(ranks, case):
     sizes, seq_parallel, recompute = case
     measured = max(ranks.run(_measured_peak, 4, sizes, seq_parallel, recompute))
-    setup = Setup(**sizes, micro_batch=MICRO, seq=SEQ, global_batch=MICRO * sizes.get("dp", 1), recompute=recompute,
-                  seq_parallel=seq_parallel, dtype_bytes=4)
-    terms = fourfold_memory(CFG, setup, 80).terms
+    job = Job(Layout(**sizes), micro_batch=MICRO, seq=SEQ, global_batch=MICRO * sizes.get("dp", 1),
+              recompute=recompute, seq_parallel=seq_parallel, precision="float32")
+    terms = fourfold_memory(CFG, job, 80).terms
     estimate = sum(v for k, v in terms.items() if k not in DEVICE_TERMS)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**20, measured / 2**20)
 
@@ -62,8 +65,10 @@ LARGE = [dict(x=2, y=2, z=2, micro_batch=2), dict(dp=2, y=2, z=2, micro_batch=2,
 
 @pytest.mark.parametrize("sizes", LARGE, ids=["x2y2z2", "dp2y2z2-selective", "cp2y4-ring", "y8-no-sp", "x2y2z2-full"])
 def test_estimate_within_5_percent_of_fake_tensor_peak_of_a_large_layer(sizes):
-    setup = Setup(**{"seq": 4096, **sizes})
-    measured = measure_peak(LLAMA_70B_2_LAYERS, setup).peak_bytes
-    terms = fourfold_memory(LLAMA_70B_2_LAYERS, setup, 80).terms
+    options = {"seq": 4096, "micro_batch": 1, "recompute": "none", "seq_parallel": True, **sizes}
+    grid = Layout(**{d: options.pop(d) for d in ("dp", "cp", "x", "y", "z") if d in options})
+    job = Job(grid, global_batch=options["micro_batch"] * grid.dp, precision="bf16", **options)
+    measured = measure_peak(LLAMA_70B_2_LAYERS, job).peak_bytes
+    terms = fourfold_memory(LLAMA_70B_2_LAYERS, job, 80).terms
     estimate = sum(v for k, v in terms.items() if k not in DEVICE_TERMS)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)

@@ -15,7 +15,6 @@ NORMS = ("rms", "layer")
 # A linear layer's kind -> (grid dim splitting its input features K, dim splitting its outputs N).
 LINEAR_KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
-RECOMPUTE = ("none", "selective", "full")  # activation checkpointing per block
 
 
 @dataclass(frozen=True)
@@ -70,3 +69,98 @@ def mlp_chunks(cfg: BlockConfig, x: int, y: int, non_redundant: bool = True) -> 
     if cfg.ffn % y == 0:
         return y
     raise GridError(f"y={y} must divide ffn={cfg.ffn}; choose y dividing {cfg.ffn}")
+
+
+# ----- the block plan: one block's layers over the tensor grid, as data ----------------------
+# The runtime builds its layers from it (fourfold.tensor.block), the volume functions count its
+# collectives (fourfold.volumes), the performance model its GEMMs and the memory estimator the
+# tensors its layers save (fourfold.plan). A new model family or way of saving activations
+# changes `block_plan` and nothing else.
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Rows [start, start + count) of the serial parameter `name` (fused layers: QKV, gate+up)."""
+
+    name: str
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    name: str  # within the block: "attn.qkv", "attn.o", "mlp.up", "mlp.down"
+    kind: str  # "x-in" (K over x, N over y) or "y-in" (K over y, N over x)
+    in_features: int
+    rows: tuple[RowSource, ...]  # the serial rows of the outputs, in the fused order (names within the block)
+    reduction: str  # over the in-dim: "all_reduce", "scatter_tokens" or "scatter_features"
+    input_gather: str  # over the out-dim, before the GEMM: "none", "tokens" or "features"
+    bias: bool
+
+    @property
+    def out_features(self) -> int:
+        return sum(r.count for r in self.rows)
+
+    @property
+    def in_dim(self) -> str:
+        return LINEAR_KINDS[self.kind][0]
+
+    @property
+    def out_dim(self) -> str:
+        return LINEAR_KINDS[self.kind][1]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    cfg: BlockConfig
+    attention_chunks: int  # head groups over (x, y): x*y (non-redundant) or y
+    mlp_chunks: int  # FFN feature groups: x*y or y
+    qkv: LinearPlan
+    out: LinearPlan
+    up: LinearPlan
+    down: LinearPlan
+
+    @property
+    def linears(self) -> tuple[LinearPlan, ...]:
+        """In the order a forward runs them."""
+        return self.qkv, self.out, self.up, self.down
+
+    @property
+    def local_heads(self) -> int:
+        return self.cfg.heads // self.attention_chunks
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.cfg.kv_heads // self.attention_chunks
+
+    @property
+    def local_ffn(self) -> int:
+        return self.cfg.ffn // self.mlp_chunks
+
+
+def block_plan(cfg: BlockConfig, x: int, y: int, *, seq_parallel: bool, non_redundant: bool = True) -> BlockPlan:
+    """The layers of one block on an (x, y) grid (z splits every weight block evenly, padded)."""
+    heads_chunks = attention_chunks(cfg, x, y, non_redundant)
+    ffn_chunks = mlp_chunks(cfg, x, y, non_redundant)
+    own_heads, own_ffn = heads_chunks == x * y, ffn_chunks == x * y
+    d, h_local, kv_local = cfg.head_dim, cfg.heads // heads_chunks, cfg.kv_heads // heads_chunks
+    # Fused rows chunk by chunk: each chunk holds whole heads with their q, k and v.
+    qkv_rows = tuple(r for c in range(heads_chunks) for r in (
+        RowSource("attn.q", c * h_local * d, h_local * d), RowSource("attn.k", c * kv_local * d, kv_local * d),
+        RowSource("attn.v", c * kv_local * d, kv_local * d)))
+    f = cfg.ffn // ffn_chunks
+    up_rows = (tuple(RowSource(f"mlp.{n}", c * f, f) for c in range(ffn_chunks) for n in ("gate", "up"))
+               if cfg.gated else (RowSource("mlp.fc", 0, cfg.ffn),))
+    gather_in = "tokens" if seq_parallel else "none"  # the residual stream's tokens over y
+    scatter_out = "scatter_tokens" if seq_parallel else "all_reduce"
+    return BlockPlan(
+        cfg, heads_chunks, ffn_chunks,
+        qkv=LinearPlan("attn.qkv", "x-in", cfg.hidden, qkv_rows, "scatter_features" if own_heads else "all_reduce",
+                       gather_in, cfg.bias),
+        out=LinearPlan("attn.o", "y-in", cfg.hidden, (RowSource("attn.o", 0, cfg.hidden),), scatter_out,
+                       "features" if own_heads else "none", cfg.bias),
+        up=LinearPlan("mlp.up", "x-in", cfg.hidden, up_rows, "scatter_features" if own_ffn else "all_reduce",
+                      gather_in, cfg.bias),
+        down=LinearPlan("mlp.down", "y-in", cfg.ffn, (RowSource("mlp.down", 0, cfg.hidden),), scatter_out,
+                        "features" if own_ffn else "none", cfg.bias),
+    )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fourfold.data import AdamW
+from fourfold.optimizer import AdamW
 from fourfold.tensor.params import dict_reader, full_weights, load
 
 META = "meta.json"

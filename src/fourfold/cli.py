@@ -11,13 +11,17 @@ import time
 from pathlib import Path
 
 from fourfold.launch import inside_torchrun, relaunch_with_torchrun
+from fourfold.job import PRECISIONS
 from fourfold.layout import DEFAULT_ORDER, GridError, Layout
+from fourfold.rules import JobError
+from fourfold.trainconfig import ConfigError
 
 
 def _add_grid_options(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--grid", default=default, help=f"grid sizes, dims left out are 1 (default {default})")
     parser.add_argument("--order", default=",".join(DEFAULT_ORDER), help="placement order, innermost first")
-    parser.add_argument("--nproc", type=int, default=None, help="local ranks to launch with torchrun (default: the grid's size)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="local ranks to launch with torchrun (default: the grid's size)")
 
 
 def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -37,39 +41,78 @@ def _demo(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-DTYPES = ("float32", "float64", "bfloat16")
+def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
+    """Every problem of `fourfold eval`, found before any process starts."""
+    import numpy as np
+
+    from fourfold.evaluate import windows
+    from fourfold.job import Job
+    from fourfold.rules import check
+
+    model = _eval_model_config(args)
+    # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training
+    job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
+              seq=args.seq, precision=args.precision)
+    check(model, job, world=args.nproc_per_node)
+    try:
+        tokens = np.load(args.tokens, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokens {args.tokens}: {e}; give a .npy file of token ids") from None
+    if tokens.ndim != 1:
+        raise ConfigError(f"--tokens {args.tokens} has shape {tokens.shape}; give a 1-D array of token ids")
+    try:
+        windows(tokens[: args.seq + 1], args.seq)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if len(tokens) and int(tokens.max()) >= model.vocab:
+        raise ConfigError(f"--tokens {args.tokens} holds id {int(tokens.max())}, outside the model's vocabulary of "
+                          f"{model.vocab}; tokenize with the model's own tokenizer")
+
+
+def _eval_model_config(args: argparse.Namespace):
+    from fourfold.models.config import ModelConfig, load_config
+
+    if args.hf:
+        if not Path(args.hf, "config.json").is_file():
+            raise ConfigError(f"--hf {args.hf} has no config.json; give the directory save_pretrained wrote")
+        try:
+            return load_config(args.hf)
+        except ValueError as e:
+            raise ConfigError(f"--hf {args.hf}: {e}") from None
+    from fourfold import checkpoint
+
+    try:
+        return ModelConfig(**checkpoint.read_meta(checkpoint.latest(args.checkpoint) or args.checkpoint)["model"])
+    except ValueError as e:  # CheckpointError
+        raise ConfigError(str(e)) from None
 
 
 def _eval(args: argparse.Namespace, argv: list[str]) -> int:
     layout = Layout.parse(args.grid, args.order)
     if not inside_torchrun():
-        return relaunch_with_torchrun(args.nproc or layout.world_size, argv)
+        _eval_job(args, layout)
+        return relaunch_with_torchrun(args.nproc_per_node or layout.world_size, _launcher_options_removed(argv))
+    model_cfg = _eval_model_config(args)
     import json
 
     import numpy as np
-    import torch
     import torch.distributed as dist
 
     from fourfold.evaluate import evaluate
     from fourfold.grid import Grid, init_process_group
-    from fourfold.models.config import load_config
     from fourfold.models.hf import load_hf
     from fourfold.models.transformer import Transformer
-    from fourfold.tensor.block import TensorOptions
+    from fourfold.tensor.block import TensorOptions, torch_dtype
 
     init_process_group()
     grid = Grid(layout)
+    model = Transformer(grid, model_cfg, TensorOptions(dtype=torch_dtype(args.precision, grid.device))).to(grid.device)
     if args.hf:
-        model = Transformer(grid, load_config(args.hf), TensorOptions(dtype=getattr(torch, args.dtype))).to(grid.device)
         load_hf(model, args.hf)
     else:  # a training checkpoint, written on any grid
         from fourfold import checkpoint
-        from fourfold.models.config import ModelConfig
 
-        path = checkpoint.latest(args.checkpoint) or args.checkpoint
-        cfg = ModelConfig(**checkpoint.read_meta(path)["model"])
-        model = Transformer(grid, cfg, TensorOptions(dtype=getattr(torch, args.dtype))).to(grid.device)
-        checkpoint.load_checkpoint(path, model)
+        checkpoint.load_checkpoint(checkpoint.latest(args.checkpoint) or args.checkpoint, model)
     tokens = np.load(args.tokens, mmap_mode="r")
     result = evaluate(model, grid, tokens, args.seq, args.batch)
     if grid.rank == 0:
@@ -81,6 +124,20 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _launcher_options_removed(argv: list[str]) -> list[str]:
+    """`argv` for the ranks: without the options that only the launching process reads (torchrun
+    would also take `--nproc...` for an abbreviation of its own options)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--nproc-per-node", "--max-restarts"):
+            skip = True
+        elif not arg.startswith(("--nproc-per-node=", "--max-restarts=")):
+            out.append(arg)
+    return out
+
+
 def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
     from fourfold.trainconfig import load_train_config, resolve_auto_grid, validate
 
@@ -89,15 +146,14 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
         world = args.nproc_per_node or cfg.layout().world_size
         if cfg.grid.auto:
             chosen = resolve_auto_grid(cfg, world)
-            print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: dp={chosen['dp']} pp={chosen['pp']} "
-                  f"cp={chosen['cp']} x={chosen['x']} y={chosen['y']} z={chosen['z']} micro_batch={chosen['micro_batch']}")
+            print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}")
             argv = _resolved(argv, cfg)
         validate(cfg, world)
         from fourfold.trainer import tokens_files
 
         tokenizer, tokens = tokens_files(cfg)  # the ranks are given the files: none re-reads the corpus
         argv = argv + ["--data.tokenizer", str(tokenizer), "--data.tokens", str(tokens)]
-        return relaunch_with_torchrun(world, argv, max_restarts=args.max_restarts)
+        return relaunch_with_torchrun(world, _launcher_options_removed(argv), max_restarts=args.max_restarts)
     import torch.distributed as dist
 
     from fourfold.grid import init_process_group
@@ -114,9 +170,10 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
 
 
 def _resolved(argv: list[str], cfg) -> list[str]:
-    """`argv` with the grid, micro-batch and recompute the planner chose, for the ranks to read."""
+    """`argv` with the job the planner chose, for the ranks to read."""
     values = {f"grid.{d}": getattr(cfg.grid, d) for d in ("dp", "pp", "cp", "x", "y", "z", "order")}
-    values.update({"grid.auto": "false", "batch.micro_batch": cfg.batch.micro_batch, "train.recompute": cfg.train.recompute})
+    values.update({"grid.auto": "false", "batch.micro_batch": cfg.batch.micro_batch, "train.recompute": cfg.train.recompute,
+                   "train.seq_parallel": cfg.train.seq_parallel})
     out = list(argv)
     for key, value in values.items():
         out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
@@ -124,9 +181,13 @@ def _resolved(argv: list[str], cfg) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from fourfold.checkpoint import CheckpointError
     from fourfold.generate import generate
 
-    print(generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    try:
+        print(generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
     return 0
 
 
@@ -178,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--tokens", required=True, help="a .npy file of token ids (1-D)")
     ev.add_argument("--seq", type=int, required=True, help="sequence length of each window")
     ev.add_argument("--batch", type=int, default=1, help="windows per data shard per step")
-    ev.add_argument("--dtype", choices=DTYPES, default="float32")
+    ev.add_argument("--precision", choices=PRECISIONS, default="float32",
+                    help="parameters and activations (auto: bf16 on GPUs, float32 on CPU)")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
     _add_grid_options(ev, "dp=1")
     tr = commands.add_parser("train", help="train from a TOML config (plus --section.key value overrides)")
@@ -210,8 +272,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("memory", "estimate", "plan"):
         return run_planner(args)
-    from fourfold.trainconfig import ConfigError
-
     try:
         if args.command == "train":
             return _train(args, argv, extra)
@@ -222,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args, extra)
         return _eval(args, argv)
-    except (GridError, ConfigError) as err:
+    except (GridError, ConfigError, JobError) as err:
         print(f"fourfold: error: {err}", file=sys.stderr)
         return 2
 

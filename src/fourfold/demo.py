@@ -24,10 +24,11 @@ def print_plan(model: str = "llama-3.1-70b", gpus: int = 512, cluster: str = "dg
     """What the planner recommends for a large model on a large cluster (same as `fourfold plan`)."""
     from fourfold.plan.cli import HEADER, row
     from fourfold.plan.hardware import make_cluster
-    from fourfold.plan.memory import Setup
+    from fourfold.job import Job
     from fourfold.plan.search import search
 
-    found = search(load_config(model), gpus, make_cluster(cluster), Setup(seq=4096, global_batch=1024))
+    base = Job(seq=4096, global_batch=1024, seq_parallel=True, precision="bf16")
+    found = search(load_config(model), gpus, make_cluster(cluster), base)
     print(f"\nthe planner's best configurations for {model} on {gpus} GPUs of {cluster} (seq 4096, 1024 sequences/step):")
     print(HEADER)
     for r in found[:3]:

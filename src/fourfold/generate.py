@@ -10,9 +10,11 @@ import torch.distributed as dist
 
 from fourfold import checkpoint, corpus
 from fourfold.grid import Grid
+from fourfold.job import Job
 from fourfold.layout import Layout
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
+from fourfold.rules import check
 
 
 def _single_process_group() -> None:
@@ -33,8 +35,14 @@ def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperatur
     path = Path(path)
     if not (path / checkpoint.META).is_file():  # a run's checkpoint directory: take its latest
         path = checkpoint.latest(path) or path
+    if (path / "config.json").is_file() and not (path / checkpoint.META).is_file():
+        raise checkpoint.CheckpointError(
+            f"{path} is a Hugging Face model directory; generate samples from a fourfold training checkpoint: "
+            f"train from it first (`fourfold train --model.hf {path}`), or score it with `fourfold eval --hf`")
     meta = checkpoint.read_meta(path)
     cfg = ModelConfig(**meta["model"])
+    # one process, windows of up to the model's positions
+    check(cfg, Job(micro_batch=1, global_batch=1, seq=cfg.max_positions, precision="float32"), world=1)
     tokenizer = corpus.load_tokenizer(path / "tokenizer.json")
     _single_process_group()
     model = Transformer(Grid(Layout()), cfg)

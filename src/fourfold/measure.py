@@ -29,14 +29,15 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fourfold.data import AdamW, GradientSync
+from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
-from fourfold.plan.memory import Setup
-from fourfold.tensor.block import TensorOptions
+from fourfold.job import Job
+from fourfold.optimizer import AdamW
+from fourfold.rules import JobError, Problem, problems
+from fourfold.tensor.block import TensorOptions, torch_dtype
 
-DTYPES = {2: torch.bfloat16, 4: torch.float32}
 GPU_ONLY_TERMS = ("nccl", "cuda_context", "fragmentation")
 
 
@@ -102,35 +103,34 @@ def _fourfold_line() -> str:
     return "torch"
 
 
-def check_measurable(setup: Setup) -> None:
-    if setup.framework != "fourfold":
-        raise ValueError(f"--measure runs fourfold's runtime; it cannot measure the {setup.framework} profile "
-                         "(use --framework fourfold)")
-    if setup.pp > 1:
-        raise ValueError("--measure runs one model without pipeline sends: use pp 1 (to measure a stage, "
-                         "give the layers it holds with --layers)")
-    if setup.dtype_bytes not in DTYPES:
-        raise ValueError(f"dtype_bytes {setup.dtype_bytes}: measurable precisions are 2 (bf16) and 4 (float32)")
-    if setup.micro_batch % setup.z:
-        raise ValueError(f"micro-batch {setup.micro_batch} must be a multiple of z={setup.z} (z splits each micro-batch)")
+def check_measurable(cfg: ModelConfig, job: Job) -> None:
+    """The rule function's problems, and what this measurement cannot take (JobError)."""
+    found = problems(cfg, job)
+    if job.pp > 1:
+        found.append(Problem("--measure runs one model without pipeline sends",
+                             "use pp 1 (to measure a stage, give the layers it holds with --layers)"))
+    if found:
+        raise JobError(found)
 
 
-def measure_peak(cfg: ModelConfig, setup: Setup, *, top: int = 12) -> Measurement:
-    """Peak bytes alive on rank 0 over two training steps of `setup` (one micro-batch each)."""
-    check_measurable(setup)
+def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, top: int = 12) -> Measurement:
+    """Peak bytes alive on rank 0 over two training steps of `job` (one micro-batch each);
+    `flash_attention` False measures CPU's math path."""
+    check_measurable(cfg, job)
     if dist.is_initialized():
         raise RuntimeError("measure_peak builds its own fake process group: call it in a process without one")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.gpus)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.world_size)
     try:
-        grid = Grid(setup.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
-        kernel = SDPBackend.FLASH_ATTENTION if setup.flash_attention else SDPBackend.MATH
-        opts = TensorOptions(seq_parallel=setup.seq_parallel, dtype=DTYPES[setup.dtype_bytes])
-        tokens = (setup.micro_batch // setup.z, setup.seq // setup.cp)
+        grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
+        kernel = SDPBackend.FLASH_ATTENTION if flash_attention else SDPBackend.MATH
+        # "auto" is a GPU's bf16 here: the measurement stands for a GPU run
+        opts = TensorOptions(seq_parallel=job.seq_parallel, dtype=torch_dtype(job.precision, torch.device("cuda")))
+        tokens = (job.micro_batch // job.z, job.seq // job.cp)
         with FakeTensorMode(), sdpa_kernel(kernel):
             # Built before counting starts: the runtime initialises parameters in host memory.
-            model = Transformer(grid, cfg, opts, recompute=setup.recompute)
+            model = Transformer(grid, cfg, opts, recompute=job.recompute)
             opt = AdamW(GradientSync(model, grid), lr=1e-4)
-            with LiveBytes([*model.parameters(), *[p.main_grad for p in opt.sync.params]]) as counter:
+            with LiveBytes([*model.parameters(), *opt.sync.main_grads.values()]) as counter:
                 for step in range(2):
                     ids = torch.randint(0, cfg.vocab, tokens)
                     counter.phase = f"step {step} forward"

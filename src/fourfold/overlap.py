@@ -6,13 +6,15 @@
   current one is consumed, in the order the blocks were gathered in the previous pass (traced:
   forward, backward and recompute as they really ran, not the order of registration).
 - `defer_weight_grads`: the reduce-scatter of dW over z is launched async and waited only when
-  the next one is launched or when backward ends; the gradient then lands in `.grad`.
+  the next one is launched or when backward ends; the gradient then lands in `.grad`, after
+  autograd's hooks have run, so `on_grad_landed(param)` is called (GradientSync sets it).
 None of them changes a value or a byte sent (tests hold both equal).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -38,6 +40,7 @@ class Overlapper:
         self._deferred: list[tuple[torch.Tensor, Pending]] = []
         self._callback_queued = False
         self._tracing = False  # prefetching starts once a model announces its passes
+        self.on_grad_landed: Callable[[torch.Tensor], None] | None = None
 
     # ----- weight gathers --------------------------------------------------------------------
     def new_pass(self) -> None:
@@ -85,9 +88,8 @@ class Overlapper:
     def _land(self, param: torch.Tensor, pending: Pending) -> None:
         grad = pending.wait()
         param.grad = grad if param.grad is None else param.grad + grad
-        ready = getattr(param, "grad_ready", None)  # set by fourfold.data.GradientSync
-        if ready is not None:
-            ready(param)
+        if self.on_grad_landed is not None:
+            self.on_grad_landed(param)
 
     def _land_all(self) -> None:
         while self._deferred:

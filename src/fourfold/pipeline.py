@@ -16,41 +16,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from fourfold.comm import Group
 from fourfold.grid import Grid
+from fourfold.job import split_layers
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Stage, Transformer
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.vocab import vocab_parallel_cross_entropy
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
-
-
-def split_layers(layers: int, stages: int, stage_layers: list[int] | None = None) -> list[range]:
-    """The global layer indices of each stage: an even split, or the counts given."""
-    if stage_layers is None:
-        if layers % stages:
-            raise ValueError(f"{layers} layers do not divide into {stages} pipeline stages; choose pp*virtual "
-                             f"dividing {layers}, or give stage_layers (layers per stage, uneven allowed)")
-        stage_layers = [layers // stages] * stages
-    if len(stage_layers) != stages or sum(stage_layers) != layers or min(stage_layers) < 1:
-        raise ValueError(f"stage_layers {stage_layers} must give each of the {stages} stages at least one layer "
-                         f"and sum to the model's {layers} layers")
-    starts = [sum(stage_layers[:i]) for i in range(stages)]
-    return [range(start, start + n) for start, n in zip(starts, stage_layers)]
-
-
-def check_schedule(schedule: str, pp: int, virtual: int, microbatches: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} must be one of {', '.join(SCHEDULES)}")
-    if virtual < 1 or (virtual > 1) != (schedule == "interleaved-1f1b"):
-        raise ValueError(f"virtual stages per rank ({virtual}) must be >= 2 with interleaved-1f1b and 1 with "
-                         f"{schedule}")
-    if microbatches < 1:
-        raise ValueError(f"micro-batches per step ({microbatches}) must be >= 1")
-    if schedule != "gpipe" and microbatches < pp:
-        raise ValueError(f"{schedule} needs at least pp={pp} micro-batches per step, got {microbatches}; "
-                         f"raise the number of micro-batches or use gpipe")
-    if schedule == "interleaved-1f1b" and microbatches % pp:
-        raise ValueError(f"interleaved-1f1b needs the micro-batches ({microbatches}) to be a multiple of pp={pp}")
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
 class _LedgerStage(PipelineStage):
@@ -85,9 +57,8 @@ class Pipeline:
                  microbatches: int, micro_batch: int, seq: int, virtual: int = 1,
                  stage_layers: list[int] | None = None, seed: int = 0, std: float = 0.02, recompute: str = "none"):
         pp = grid.group("pp")
-        check_schedule(schedule, pp.size, virtual, microbatches)
-        n_stages = pp.size * virtual
-        ranges = split_layers(cfg.layers, n_stages, stage_layers)
+        n_stages = pp.size * virtual  # the job was checked by fourfold.rules
+        ranges = split_layers(cfg.layers, n_stages, stage_layers or ())
         self.grid, self.microbatches = grid, microbatches
         self.batch_shape = torch.Size([microbatches * micro_batch, seq])
         self.indices = [pp.rank + v * pp.size for v in range(virtual)]
@@ -106,7 +77,7 @@ class Pipeline:
         stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=ids if i == 0 else stream,
                                output_args=logits if i == n_stages - 1 else stream, group=pp.process_group, pp=pp)
                   for m, i in zip(self.models, self.indices)]
-        kind = SCHEDULES[schedule]
+        kind = SCHEDULE_CLASSES[schedule]
         self.schedule = kind(stages if schedule == "interleaved-1f1b" else stages[0], microbatches,
                              loss_fn=self._loss, scale_grads=False)
         self._scale = 1.0

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import shlex
 import sys
+import unicodedata
+
+from fourfold.trainconfig import ConfigError
+
+
+def _refuse_control_characters(name: str, value: str) -> None:
+    """A newline in a value would end its #SBATCH line and start a live shell line (and sbatch
+    stops reading directives there); no control character belongs in a job's options."""
+    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")]
+    if bad:
+        raise ConfigError(f"{name} {value!r} contains the control character {bad[0]!r}; give it on one line "
+                          f"without control characters")
 
 
 def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_node: int, job_name: str = "fourfold",
                   time: str = "24:00:00", partition: str = "", account: str = "", max_restarts: int = 3,
                   port: int = 29500) -> str:
-    """The script's text; every user value is shell-quoted."""
+    """The script's text; every user value is shell-quoted, and refused if it holds a control character."""
+    values = {"--job-name": job_name, "--time": time, "--partition": partition, "--account": account, "config": config}
+    values.update({f"override {i}": v for i, v in enumerate(overrides)})
+    for name, value in values.items():
+        _refuse_control_characters(name, value)
     q = shlex.quote
     lines = [
         "#!/bin/bash",

@@ -8,10 +8,10 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from fourfold.blockspec import RECOMPUTE
-from fourfold.layout import DIMS, Layout
+from fourfold.job import Job
+from fourfold.layout import DIMS, GridError, Layout
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.pipeline import SCHEDULES, check_schedule, split_layers
+from fourfold.rules import problems
 
 
 @dataclass
@@ -22,16 +22,10 @@ class ModelSection:
     init_std: float = 0.02
 
 
-@dataclass
-class GridSection:
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    x: int = 1
-    y: int = 1
-    z: int = 1
-    order: str = ""  # innermost first, e.g. "x,y,z,cp,dp,pp" (the default)
-    auto: bool = False  # take the planner's best grid for `hardware` and the world size
+# [grid]: the sizes of the dims Layout declares, the placement order (innermost first, e.g.
+# "x,y,z,cp,dp,pp", the default) and `auto` (take the planner's best job for `hardware`).
+GridSection = dataclasses.make_dataclass(
+    "GridSection", [(d, int, 1) for d in DIMS] + [("order", str, ""), ("auto", bool, False)])
 
 
 @dataclass
@@ -63,7 +57,7 @@ class OptimizerSection:
 @dataclass
 class TrainSection:
     steps: int = 100
-    precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or "bf16", "float32"
+    precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or bf16, float32, float64
     recompute: str = "none"
     seq_parallel: bool = False
     overlap: bool = True
@@ -137,10 +131,19 @@ class TrainConfig:
         sizes = {d: getattr(g, d) for d in DIMS}
         return Layout(**sizes, order=tuple(g.order.split(","))) if g.order else Layout(**sizes)
 
-    @property
-    def microbatches(self) -> int:
-        """Micro-batches per step on each data-parallel replica."""
-        return self.batch.global_batch // (self.grid.dp * self.batch.micro_batch)
+    def job(self) -> Job:
+        b, p, t = self.batch, self.pipeline, self.train
+        return Job(self.layout(), global_batch=b.global_batch, micro_batch=b.micro_batch, seq=b.seq,
+                   recompute=t.recompute, seq_parallel=t.seq_parallel, schedule=p.schedule, virtual=p.virtual,
+                   stage_layers=tuple(p.stage_layers), precision=t.precision)
+
+    def use_job(self, job: Job) -> None:
+        """Take the grid, batch, recompute and sequence parallelism of `job` (the planner's choice)."""
+        for d in DIMS:
+            setattr(self.grid, d, getattr(job.layout, d))
+        self.grid.order, self.grid.auto = ",".join(job.layout.order), False
+        self.batch.micro_batch, self.train.recompute = job.micro_batch, job.recompute
+        self.train.seq_parallel = job.seq_parallel
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -211,72 +214,44 @@ def load_train_config(path: str | None, overrides: list[str] = ()) -> TrainConfi
 
 
 def validate(cfg: TrainConfig, world: int) -> None:
-    """Every check that needs no process group: raises ConfigError naming the fix."""
+    """Every check that needs no process group: raises ConfigError listing each problem with its fix."""
     try:
         model = cfg.model_config()
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"model: {e}") from None
-    layout = cfg.layout()
-    if layout.world_size != world:
-        raise ConfigError(f"the grid {layout} needs {layout.world_size} processes, but {world} were started; "
-                          f"set --nproc-per-node (times nodes) to {layout.world_size} or change the grid")
-    b, g = cfg.batch, cfg.grid
-    if b.global_batch % (g.dp * b.micro_batch):
-        raise ConfigError(f"batch.global_batch ({b.global_batch}) must be a multiple of grid.dp * batch.micro_batch "
-                          f"({g.dp} * {b.micro_batch})")
-    if b.micro_batch % g.z:
-        raise ConfigError(f"batch.micro_batch ({b.micro_batch}) must be divisible by grid.z ({g.z}): z splits the batch")
-    if b.seq % (2 * g.cp if g.cp > 1 else 1) or b.seq > model.max_positions:
-        raise ConfigError(f"batch.seq ({b.seq}) must be divisible by 2*cp ({2 * g.cp}) and at most the model's "
-                          f"{model.max_positions} positions")
-    if cfg.train.seq_parallel and (b.seq // g.cp) % g.y:
-        raise ConfigError(f"sequence parallelism splits each rank's {b.seq // g.cp} tokens over y={g.y}: choose a "
-                          f"sequence length divisible by cp*y")
-    if cfg.train.recompute not in RECOMPUTE:
-        raise ConfigError(f"train.recompute must be one of {', '.join(RECOMPUTE)}")
-    if cfg.train.precision not in ("auto", "bf16", "float32"):
-        raise ConfigError("train.precision must be auto, bf16 or float32")
-    if cfg.train.eval_every and g.pp > 1:
-        raise ConfigError("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
-                          "with `fourfold eval --checkpoint` on a grid without pp")
+    try:
+        found = problems(model, cfg.job(), world=world)
+    except GridError as e:  # the placement order or a dim size
+        raise ConfigError(f"grid: {e}") from None
     if cfg.train.eval_every < 0:
-        raise ConfigError("train.eval_every must be >= 0 (0: never)")
-    if model.tied and g.pp > 1:
-        raise ConfigError("tied embeddings cannot be split across pipeline stages yet: use grid.pp = 1 or an untied model")
-    if g.pp > 1:
-        try:
-            check_schedule(cfg.pipeline.schedule, g.pp, cfg.pipeline.virtual, cfg.microbatches)
-            split_layers(model.layers, g.pp * cfg.pipeline.virtual, cfg.pipeline.stage_layers or None)
-        except ValueError as e:
-            raise ConfigError(f"pipeline: {e}") from None
-    elif cfg.pipeline.schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}")
-    for name, value in (("steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every)):
+        found.append("train.eval_every must be >= 0 (0: never)")
+    if cfg.train.eval_every and cfg.grid.pp > 1:
+        found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
+                     "with `fourfold eval --checkpoint` on a grid without pp")
+    for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every)):
         if value < 1:
-            raise ConfigError(f"{name} must be >= 1")
+            found.append(f"{name} must be >= 1")
+    if found:
+        raise ConfigError("\n  ".join(["this run cannot start:", *map(str, found)]) if len(found) > 1 else str(found[0]))
 
 
-def resolve_auto_grid(cfg: TrainConfig, world: int) -> dict:
-    """With grid.auto: set the grid, micro-batch and recompute to the planner's best candidate for
-    `hardware` on `world` GPUs that this runtime can run; returns that candidate."""
+def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
+    """With grid.auto: take the planner's best job for `hardware` on `world` GPUs that this run can
+    use (the search returns only jobs the rule function accepts); returns it."""
     from fourfold.plan.hardware import make_cluster
-    from fourfold.plan.memory import Setup
     from fourfold.plan.search import search
 
     h = cfg.hardware
     cluster = make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
-    base = Setup(seq=cfg.batch.seq, global_batch=cfg.batch.global_batch, seq_parallel=cfg.train.seq_parallel)
-    for candidate in search(cfg.model_config(), world, cluster, base):
-        trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid, auto=False, order=candidate["order"]),
-                                    batch=dataclasses.replace(cfg.batch, micro_batch=candidate["micro_batch"]),
-                                    train=dataclasses.replace(cfg.train, recompute=candidate["recompute"]))
-        for d in DIMS:
-            setattr(trial.grid, d, candidate[d])
+    for candidate in search(cfg.model_config(), world, cluster, cfg.job()):
+        trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
+                                    train=dataclasses.replace(cfg.train))
+        trial.use_job(candidate["job"])
         try:
-            validate(trial, world)
+            validate(trial, world)  # the trainer's own options (eval_every needs pp = 1)
         except ConfigError:
             continue
-        cfg.grid, cfg.batch, cfg.train = trial.grid, trial.batch, trial.train
-        return candidate
+        cfg.use_job(candidate["job"])
+        return candidate["job"]
     raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run can use; "
                       f"set the grid by hand")

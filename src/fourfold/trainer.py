@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 
 from fourfold import checkpoint, comm, context, corpus
-from fourfold.data import AdamW, GradientSync
+from fourfold.dataparallel import GradientSync
 from fourfold.evaluate import evaluate
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
+from fourfold.optimizer import AdamW
 from fourfold.overlap import OverlapOptions
 from fourfold.pipeline import Pipeline
 from fourfold.plan.hardware import GPUS
 from fourfold.plan.perf import model_flops_per_token
-from fourfold.tensor.block import TensorOptions
+from fourfold.tensor.block import TensorOptions, torch_dtype
 from fourfold.trainconfig import TrainConfig, validate
 
 
@@ -63,13 +64,9 @@ class Model:
     def __init__(self, grid: Grid, cfg: TrainConfig, model_cfg: ModelConfig):
         t = cfg.train
         overlap = OverlapOptions() if t.overlap else OverlapOptions(False, False, False)
-        # bf16 parameters and activations (fp32 gradient accumulators and master weights in
-        # GradientSync and AdamW, fp32 loss), as Megatron trains; float32 on CPU by default
-        bf16 = t.precision == "bf16" or (t.precision == "auto" and grid.device.type == "cuda")
-        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap,
-                             dtype=torch.bfloat16 if bf16 else torch.float32)
+        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap, dtype=torch_dtype(t.precision, grid.device))
         common = dict(seed=cfg.model.seed, std=cfg.model.init_std, recompute=t.recompute)
-        self.grid, self.microbatches = grid, cfg.microbatches
+        self.grid, self.microbatches = grid, cfg.job().microbatches
         self.pipeline = None
         if grid.size("pp") > 1:
             self.pipeline = Pipeline(grid, model_cfg, opts, schedule=cfg.pipeline.schedule,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from fourfold.blockspec import LINEAR_KINDS, BlockConfig, attention_chunks, mlp_chunks
+from fourfold.blockspec import LINEAR_KINDS, BlockConfig, LinearPlan, attention_chunks, block_plan
 from fourfold.models.config import ModelConfig
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
@@ -110,30 +110,18 @@ def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *
 
 def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
                  keep_weights: bool = False, non_redundant: bool = True) -> Passes:
-    """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's)."""
-    x, y = sizes["x"], sizes["y"]
+    """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's): its block plan's layers."""
+    plan = block_plan(cfg, sizes["x"], sizes["y"], seq_parallel=seq_parallel, non_redundant=non_redundant)
     tokens = batch * seq
-    stream = tokens // y if seq_parallel else tokens  # tokens of the residual stream on this rank
-    out_reduction = "scatter_tokens" if seq_parallel else "all_reduce"
-    in_gather = "tokens" if seq_parallel else "none"
-    own_heads = attention_chunks(cfg, x, y, non_redundant) == x * y
-    own_ffn = mlp_chunks(cfg, x, y, non_redundant) == x * y
-    qkv_rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-    up_rows = 2 * cfg.ffn if cfg.gated else cfg.ffn
-    kw = dict(keep_weight=keep_weights)
-    return (
-        norm_passes(sizes, cfg.norm, stream)
-        + linear_passes(sizes, "x-in", cfg.hidden, qkv_rows, tokens, input_gather=in_gather,
-                        reduction="scatter_features" if own_heads else "all_reduce", **kw)
-        + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant)
-        + linear_passes(sizes, "y-in", cfg.hidden, cfg.hidden, tokens, reduction=out_reduction,
-                        input_gather="features" if own_heads else "none", **kw)
-        + norm_passes(sizes, cfg.norm, stream)
-        + linear_passes(sizes, "x-in", cfg.hidden, up_rows, tokens, input_gather=in_gather,
-                        reduction="scatter_features" if own_ffn else "all_reduce", **kw)
-        + linear_passes(sizes, "y-in", cfg.ffn, cfg.hidden, tokens, reduction=out_reduction,
-                        input_gather="features" if own_ffn else "none", **kw)
-    )
+    stream = tokens // sizes["y"] if seq_parallel else tokens  # tokens of the residual stream on this rank
+
+    def linear(layer: LinearPlan) -> Passes:
+        return linear_passes(sizes, layer.kind, layer.in_features, layer.out_features, tokens,
+                             reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=keep_weights)
+
+    return (norm_passes(sizes, cfg.norm, stream) + linear(plan.qkv)
+            + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant) + linear(plan.out)
+            + norm_passes(sizes, cfg.norm, stream) + linear(plan.up) + linear(plan.down))
 
 
 def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, **options) -> list[Collective]:

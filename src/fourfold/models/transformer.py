@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fourfold import comm, context
-from fourfold.blockspec import RECOMPUTE
+from fourfold.job import RECOMPUTE
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
 from fourfold.overlap import Overlapper
@@ -17,7 +17,7 @@ from fourfold.tensor import init
 from fourfold.tensor.block import ParallelBlock, TensorOptions
 from fourfold.tensor.linear import ParallelLinear, RowSource
 from fourfold.tensor.norm import ParallelNorm
-from fourfold.tensor.params import describe
+from fourfold.tensor.params import ParallelModule, ParamLayout, Piece
 from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -31,17 +31,16 @@ class Stage:
     last: bool = True
 
 
-class PositionEmbedding(nn.Module):
+class PositionEmbedding(ParallelModule):
     """GPT-2's learned positions [max_positions, hidden], features split over x (small: not z-sharded)."""
 
     def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions, seed: int, std: float):
         super().__init__()
-        self.grid, x = grid, grid.group("x")
+        self.grid, self.hidden, x = grid, cfg.hidden, grid.group("x")
         local = cfg.hidden // x.size
         rows = torch.arange(cfg.max_positions)[:, None]
         cols = torch.arange(local)[None, :] + x.rank * local
         self.weight = nn.Parameter(init.normal(seed, "positions", rows * cfg.hidden + cols, std, opts.dtype))
-        describe(self.weight, grad_sum=("z", "y") if opts.seq_parallel else ("z",), replicated=("y", "z"))
         self.seq_parallel = opts.seq_parallel
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
@@ -59,6 +58,12 @@ class PositionEmbedding(nn.Module):
     def full_weights(self, pick) -> dict:
         t = pick(self.weight).detach()
         return {"positions": comm.all_gather(t, self.grid.group("x"), dim=1)}
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        rows, local = self.weight.shape
+        piece = Piece("positions", (rows, self.hidden), (0, self.grid.coords["x"] * local), (rows, local),
+                      (0, rows * local), 0)
+        return {self.weight: ParamLayout(("z", "y") if self.seq_parallel else ("z",), ("y", "z"), (piece,))}
 
 
 class Transformer(nn.Module):

@@ -8,13 +8,13 @@ import json
 import sys
 import time
 
-from fourfold.blockspec import RECOMPUTE
-from fourfold.layout import GridError
+from fourfold.job import PRECISIONS, RECOMPUTE, Job
+from fourfold.layout import DEFAULT_ORDER, DIMS, GridError, Layout
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.hardware import CLUSTERS, GPUS, make_cluster
-from fourfold.plan.memory import FRAMEWORKS, GIB, Setup
+from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
-from fourfold.plan.search import evaluate, search
+from fourfold.plan.search import as_json, predict, search
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -30,6 +30,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--recompute", choices=RECOMPUTE)
+    p.add_argument("--seq-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="sequence parallelism (default on)")
+    p.add_argument("--precision", choices=[p for p in PRECISIONS if p != "auto"], default="bf16",
+                   help="parameters and activations (default bf16)")
     p.add_argument("--framework", choices=FRAMEWORKS, default="fourfold")
     p.add_argument("--no-80-rule", action="store_true", help="megatron profile: compare with the whole card")
     p.add_argument("--calibrate", help="JSON with efficiency_max, efficiency_half, bandwidth_factor")
@@ -37,15 +41,17 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_config(p: argparse.ArgumentParser) -> None:
-    for dim in ("dp", "pp", "cp", "x", "y", "z", "vpp"):
+    for dim in DIMS:
         p.add_argument(f"--{dim}", type=int, default=1)
-    p.add_argument("--tp", type=int, help="1D tensor parallelism: x=1, y=TP, z=1")
+    p.add_argument("--virtual", type=int, default=1, help="pipeline stages per pp rank (interleaved 1F1B when > 1)")
+    p.add_argument("--tp", type=int, help="Megatron's 1D tensor parallelism: y=TP (x = z = 1)")
     p.add_argument("--order", default=None, help="placement order, innermost first")
 
 
-def _setup(args, **extra) -> Setup:
-    return Setup(seq=args.seq, global_batch=args.global_batch, framework=args.framework,
-                 micro_batch=args.micro_batch or 1, recompute=args.recompute or "none", **extra)
+def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
+    return Job(layout, global_batch=args.global_batch, micro_batch=args.micro_batch or 1, seq=args.seq,
+               recompute=args.recompute or "none", seq_parallel=args.seq_parallel, precision=args.precision,
+               virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
 
 
 def _context(args):
@@ -58,26 +64,21 @@ def _context(args):
     return cfg, cluster, cal
 
 
-def _one(args) -> tuple[ModelConfig, Setup, dict]:
+def _one(args) -> tuple[ModelConfig, Job, dict]:
     cfg, cluster, cal = _context(args)
-    y = args.tp if args.tp else args.y
-    x = 1 if args.tp else args.x
-    z = 1 if args.tp else args.z
-    order = tuple(d.strip() for d in args.order.split(",")) if args.order else None
-    extra = dict(dp=args.dp, pp=args.pp, cp=args.cp, x=x, y=y, z=z, vpp=args.vpp)
-    if order:
-        from fourfold.layout import Layout
-
-        extra["order"] = Layout(order=order).order
-    setup = _setup(args, **extra)
-    return cfg, setup, evaluate(cfg, setup, cluster, cal, not args.no_80_rule)
+    sizes = {d: getattr(args, d) for d in DIMS}
+    if args.tp:
+        sizes.update(x=1, y=args.tp, z=1)
+    order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
+    job = _job(args, Layout(**sizes, order=order), args.virtual)
+    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, args.framework)
 
 
-def _measure(cfg: ModelConfig, setup: Setup, r: dict) -> None:
+def _measure(cfg: ModelConfig, job: Job, r: dict) -> None:
     """Add fourfold's measured peak (FakeTensorMode, fourfold.measure) to the result `r`."""
     from fourfold.measure import GPU_ONLY_TERMS, measure_peak
 
-    m = measure_peak(cfg, setup)
+    m = measure_peak(cfg, job)
     r["measured_gib"] = m.peak_bytes / GIB
     r["measured_phase_peaks_gib"] = {phase: b / GIB for phase, b in m.phase_peaks.items()}
     r["measured_at_peak"] = [{"gib": b / GIB, "tensor": what} for b, what in m.at_peak]
@@ -119,12 +120,13 @@ def _print_one(r: dict, memory_only: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.command in ("memory", "estimate"):
-            cfg, setup, r = _one(args)
+            cfg, job, r = _one(args)
+            r = as_json(r)
             if args.command == "memory":
                 r = {k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_second", "model_tflops_per_gpu",
                                                             "mfu", "time_breakdown_seconds")}
                 if args.measure:
-                    _measure(cfg, setup, r)
+                    _measure(cfg, job, r)
             if args.json:
                 print(json.dumps(r, indent=1))
             else:
@@ -136,10 +138,10 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
         recomputes = (args.recompute,) if args.recompute else RECOMPUTE
-        found = search(cfg, args.gpus, cluster, _setup(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
-                       rule80=not args.no_80_rule, include_unfit=args.all)
+        found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
+                       rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework)
         if args.json:
-            print(json.dumps({"candidates": found[: args.top] if args.top else found}))
+            print(json.dumps({"candidates": [as_json(r) for r in (found[: args.top] if args.top else found)]}))
         else:
             print(f"{cfg.family} {cfg.parameter_count() / 1e9:.1f}B on {args.gpus} x {cluster.gpu.name}, "
                   f"{args.framework} profile: {len(found)} candidates in {time.perf_counter() - start:.1f} s")

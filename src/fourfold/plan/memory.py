@@ -12,10 +12,9 @@ Two profiles:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
-from fourfold.blockspec import attention_chunks, mlp_chunks
-from fourfold.layout import DEFAULT_ORDER, Layout
+from fourfold.blockspec import block_plan
+from fourfold.job import Job
 from fourfold.models.config import ModelConfig
 
 GIB = 2**30
@@ -26,44 +25,6 @@ CUDA_CONTEXT_BYTES = 0.5 * GIB
 NCCL_BYTES_PER_COMMUNICATOR = 32 * 2**20
 FRAGMENTATION = 0.05  # of the dynamic (activation and buffer) bytes
 BUCKET_BYTES = 25 * 2**20  # GradientSync's default bucket (fp32)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """A parallel configuration and the training setup it runs."""
-
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    x: int = 1
-    y: int = 1
-    z: int = 1
-    micro_batch: int = 1
-    seq: int = 4096
-    global_batch: int = 1024  # sequences per optimizer step
-    recompute: str = "none"
-    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B)
-    order: tuple[str, ...] = DEFAULT_ORDER
-    framework: str = "fourfold"
-    seq_parallel: bool = True
-    dtype_bytes: int = 2  # parameters and activations: bf16 on GPUs (4 for fourfold's float32 CPU runs)
-    flash_attention: bool = True  # False: the math path (CPU) keeps the attention probabilities
-
-    @property
-    def tp(self) -> int:
-        return self.x * self.y * self.z
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
-    @cached_property
-    def layout(self) -> Layout:
-        return Layout(dp=self.dp, pp=self.pp, cp=self.cp, x=self.x, y=self.y, z=self.z, order=self.order)
-
-    @property
-    def micro_batches(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
 
 
 @dataclass
@@ -99,7 +60,7 @@ def layer_params(cfg: ModelConfig) -> tuple[int, int]:
     return matrices, vectors
 
 
-def megatron_memory(cfg: ModelConfig, s: Setup, memory_gib: float, rule80: bool = True) -> Memory:
+def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True) -> Memory:
     """The seed paper's formulas (first pipeline stage), bytes; t = TP (y), c = CP, p = PP, d = DP."""
     h, F, a, k, v, L = cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.layers
     t, c, p, d, b, seq = s.y, s.cp, s.pp, s.dp, s.micro_batch, s.seq
@@ -123,7 +84,7 @@ def megatron_memory(cfg: ModelConfig, s: Setup, memory_gib: float, rule80: bool 
     return Memory(terms, limit)
 
 
-def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
+def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention: bool = True) -> Memory:
     """fourfold's runtime on the most loaded pipeline stage, bytes, against the whole card."""
     h, F, v, L = cfg.hidden, cfg.ffn, cfg.vocab, cfg.layers
     x, y, z, c, p = s.x, s.y, s.z, s.cp, s.pp
@@ -137,28 +98,30 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
     params += max(embed, head) if p > 1 else embed + head + h / x  # first or last stage; both when p = 1
     # Activations saved for backward by one layer on this rank, as measured by autograd's saved
     # tensors (tests/test_planner_measured.py holds the whole step's peak to these terms).
-    e = s.dtype_bytes
+    e = s.element_bytes
     T = (s.seq / c) * (s.micro_batch / z)  # tokens on this rank
     Ts = T / y if s.seq_parallel else T  # tokens of the residual stream
-    heads = cfg.heads / attention_chunks(blk, x, y)
-    kv = cfg.kv_heads / attention_chunks(blk, x, y)
-    ffn_local = F / mlp_chunks(blk, x, y)
-    up_rows = (2 if blk.gated else 1) * ffn_local
-    math_path = not s.flash_attention and c == 1  # ring attention (cp > 1) keeps no probabilities
+    plan = block_plan(blk, x, y, seq_parallel=s.seq_parallel)
+    heads, kv, ffn_local = plan.local_heads, plan.local_kv_heads, plan.local_ffn
+    up_rows = plan.up.out_features / plan.mlp_chunks
+
+    def gathered_input(layer) -> float:  # a linear layer saves its input after the gather over its out-dim
+        return T * layer.in_features / (x if layer.in_dim == "x" else y)
+    math_path = not flash_attention and c == 1  # ring attention (cp > 1) keeps no probabilities
     attention = ({"attention probabilities": (s.micro_batch / z) * heads * (s.seq / c) ** 2} if math_path else
                  {"attention output and stats": T * heads * d + T * heads / d})
     saved = {
         "norm inputs": 2 * Ts * h / x,
         "normalized (norm weight gradients)": 2 * Ts * h / x,
-        "qkv input (gathered)": T * h / x,
+        "qkv input (gathered)": gathered_input(plan.qkv),
         "q, k, v": T * (heads + 2 * kv) * d,
         **attention,
         "rope tables": (4 * (s.seq / c) * d) if blk.rope else 0.0,
-        "out-proj input (gathered)": T * h / y,
-        "mlp input (gathered)": T * h / x,
+        "out-proj input (gathered)": gathered_input(plan.out),
+        "mlp input (gathered)": gathered_input(plan.up),
         "gate/up output": T * up_rows,
         "activation output": T * ffn_local,
-        "down input (gathered)": T * F / y,
+        "down input (gathered)": gathered_input(plan.down),
     }
     per_layer = e * sum(saved.values())
     core = e * (saved["q, k, v"] + sum(attention.values()))  # what selective recompute redoes
@@ -169,11 +132,11 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
         working = core
     else:
         per_layer_kept, working = per_layer, 0.0
-    in_flight = min(p, s.micro_batches) if p > 1 else 1  # 1F1B: the first stage holds p micro-batches
+    in_flight = min(p, s.microbatches) if p > 1 else 1  # 1F1B: the first stage holds p micro-batches
     activations = layers_here * per_layer_kept * in_flight
     # The largest weight block of one matrix on this rank (before the z split): with z > 1 it is
     # gathered (bf16) while its layer runs, and its gradient block exists before the z reduce-scatter.
-    largest_block = max(h * (cfg.heads + 2 * cfg.kv_heads) * d, h * (2 if blk.gated else 1) * F, h * v) / (x * y)
+    largest_block = max(*(layer.in_features * layer.out_features for layer in plan.linears), h * v) / (x * y)
     head_block = h * v / (x * y)
     gathered = e * largest_block if z > 1 else 0.0
     # Forward, at the loss: every layer's saved tensors, the logits (bf16 GEMM output, its fp32
@@ -201,7 +164,7 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
         "gathered_weights": gathered,
         "backward_extra": max(0.0, backward - forward),
         "optimizer_step_extra": max(0.0, optimizer_step - max(forward, backward)),
-        "ring_attention": (2 * 2 * e * T * (cfg.kv_heads / attention_chunks(blk, x, y)) * d) if c > 1 else 0.0,
+        "ring_attention": (2 * 2 * e * T * kv * d) if c > 1 else 0.0,
         "nccl": NCCL_BYTES_PER_COMMUNICATOR * groups,
         "cuda_context": CUDA_CONTEXT_BYTES,
         "fragmentation": FRAGMENTATION * dynamic,
@@ -209,7 +172,9 @@ def fourfold_memory(cfg: ModelConfig, s: Setup, memory_gib: float) -> Memory:
     return Memory(terms, memory_gib * GIB)
 
 
-def estimate_memory(cfg: ModelConfig, s: Setup, memory_gib: float, rule80: bool = True) -> Memory:
-    if s.framework == "megatron":
+def estimate_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True,
+                    framework: str = "fourfold", flash_attention: bool = True) -> Memory:
+    """Bytes per GPU of `s` under a framework's profile; `flash_attention` False: CPU's math path."""
+    if framework == "megatron":
         return megatron_memory(cfg, s, memory_gib, rule80)
-    return fourfold_memory(cfg, s, memory_gib)
+    return fourfold_memory(cfg, s, memory_gib, flash_attention)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from fourfold.blockspec import attention_chunks
+from fourfold.blockspec import attention_chunks, block_plan
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
-from fourfold.plan.memory import Setup, layer_params
+from fourfold.job import Job
+from fourfold.plan.memory import layer_params
 from fourfold.volumes import (
     Collective,
     block_passes,
@@ -41,7 +42,7 @@ def gemm_efficiency(m: float, n: float, k: float, cal: Calibration) -> float:
     return cal.efficiency_max * smallest / (smallest + cal.efficiency_half)
 
 
-def group_bandwidth(s: Setup, cluster: Cluster, dims: tuple[str, ...]) -> float:
+def group_bandwidth(s: Job, cluster: Cluster, dims: tuple[str, ...]) -> float:
     """Bytes/s per GPU for a collective over `dims`: intra-node if the group fits in a node, else
     the node's NICs shared by the groups of this dim that cross the node boundary together."""
     return _bandwidth(s.layout, cluster, dims)
@@ -60,7 +61,7 @@ def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...]) -> float:
     return gbs * 1e9
 
 
-def comm_seconds(collectives: list[Collective], s: Setup, cluster: Cluster, element_size: int, cal: Calibration) -> float:
+def comm_seconds(collectives: list[Collective], s: Job, cluster: Cluster, element_size: int, cal: Calibration) -> float:
     """Seconds of these collectives run one after another: volume over the group's bandwidth, plus
     a latency per ring step."""
     return _totals_seconds(_totals(collectives), s, cluster, element_size, cal)
@@ -76,7 +77,7 @@ def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, int, int], .
     return tuple((group, op, numel, count) for (group, op), (numel, count) in totals.items())
 
 
-def _totals_seconds(totals, s: Setup, cluster: Cluster, element_size: int, cal: Calibration) -> float:
+def _totals_seconds(totals, s: Job, cluster: Cluster, element_size: int, cal: Calibration) -> float:
     seconds = 0.0
     for group, op, numel, count in totals:
         g, bandwidth = _group_figures(s.layout, cluster, group)
@@ -134,23 +135,29 @@ def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 6 * cfg.layers * cfg.hidden * seq
 
 
-def _layer_compute_seconds(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration) -> tuple[float, float]:
+@functools.lru_cache(maxsize=4096)
+def _plan(block, x: int, y: int):
+    """The block plan's shapes (sequence parallelism changes collectives, not GEMMs)."""
+    return block_plan(block, x, y, seq_parallel=False)
+
+
+def _layer_compute_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, framework: str) -> tuple[float, float]:
     """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank."""
     b = cfg.block
-    if s.framework == "megatron":
+    if framework == "megatron":
         x, y = 1, s.y
     else:
         x, y = s.x, s.y
     T = s.seq / s.cp * s.micro_batch / s.z
     peak = cluster.gpu.bf16_tflops * 1e12
     d = b.head_dim
-    gemms = [(cfg.hidden, (cfg.heads + 2 * cfg.kv_heads) * d, "x"), (cfg.hidden, cfg.hidden, "y"),
-             (cfg.hidden, (2 if b.gated else 1) * cfg.ffn, "x"), (cfg.ffn, cfg.hidden, "y")]
+    plan = _plan(b, x, y)
     forward = 0.0
-    for K, N, kind in gemms:
-        k_local, n_local = (K / x, N / y) if kind == "x" else (K / y, N / x)
+    for layer in plan.linears:  # each rank's block of each GEMM (z only splits the stored weights)
+        k_local = layer.in_features / (x if layer.in_dim == "x" else y)
+        n_local = layer.out_features / (x if layer.out_dim == "x" else y)
         forward += 2 * T * k_local * n_local / (peak * gemm_efficiency(T, k_local, n_local, cal))
-    heads = cfg.heads / attention_chunks(b, x, y) if s.framework == "fourfold" else cfg.heads / y
+    heads = plan.local_heads
     # QK^T and PV of the local queries against the whole sequence (ring attention brings the
     # other chunks' keys), causal: half of it
     attention = 2 * 2 * T * s.seq * d * heads / 2
@@ -172,13 +179,13 @@ def _ring_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int
     return _totals(ring.forward), _totals(ring.backward)
 
 
-def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration, forward_seconds: float,
-                 dw_seconds: float) -> float:
+def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, forward_seconds: float,
+                 dw_seconds: float, framework: str) -> float:
     """Exposed tensor-parallel communication of one layer for one micro-batch (forward and backward)."""
-    b = s.dtype_bytes  # bf16 on GPUs
+    b = s.element_bytes  # bf16 on GPUs
     sizes = s.layout.sizes
     T = int(s.seq / s.cp * s.micro_batch / s.z)
-    if s.framework == "megatron":  # 1D TP with sequence parallelism: AG + RS per sublayer, both passes
+    if framework == "megatron":  # 1D TP with sequence parallelism: AG + RS per sublayer, both passes
         sublayer = [Collective("y", "all_gather", T * cfg.hidden), Collective("y", "reduce_scatter", T * cfg.hidden)]
         return comm_seconds(sublayer * 4, s, cluster, b, cal)
     activations, input_grad, weights = _layer_totals(cfg.block, tuple(sizes.items()), int(s.micro_batch / s.z),
@@ -192,29 +199,30 @@ def _tensor_comm(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration,
     return exposed + max(0.0, weights - 3 * forward_seconds)
 
 
-def _ring_attention_exposed(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration) -> float:
+def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, framework: str) -> float:
     """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
     K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs)."""
     T = s.seq / s.cp * s.micro_batch / s.z
     ring_forward, ring_backward = _ring_totals(cfg.block, tuple(s.layout.sizes.items()), int(s.micro_batch / s.z),
                                                int(s.seq / s.cp))
-    tp_heads = s.y if s.framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
+    tp_heads = s.y if framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
     peak = cluster.gpu.bf16_tflops * 1e12
     heads = cfg.heads / tp_heads
     # each ring step attends half a block (the other half is masked and skipped)
     block_attention = 2 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
-    forward = max(0.0, _totals_seconds(ring_forward, s, cluster, s.dtype_bytes, cal) - (s.cp - 1) * block_attention)
-    backward = max(0.0, _totals_seconds(ring_backward, s, cluster, s.dtype_bytes, cal) - 2 * (s.cp - 1) * block_attention)
+    forward = max(0.0, _totals_seconds(ring_forward, s, cluster, s.element_bytes, cal) - (s.cp - 1) * block_attention)
+    backward = max(0.0, _totals_seconds(ring_backward, s, cluster, s.element_bytes, cal) - 2 * (s.cp - 1) * block_attention)
     return forward + backward
 
 
-def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = Calibration()) -> StepTime:
-    forward, dw = _layer_compute_seconds(cfg, s, cluster, cal)
+def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
+              framework: str = "fourfold") -> StepTime:
+    forward, dw = _layer_compute_seconds(cfg, s, cluster, cal, framework)
     per_layer = 3 * forward  # forward, then dX and dW GEMMs in backward
     if s.recompute == "full":
         per_layer += forward
     layers_per_stage = cfg.layers / s.pp
-    comm_layer = _tensor_comm(cfg, s, cluster, cal, forward, dw)
+    comm_layer = _tensor_comm(cfg, s, cluster, cal, forward, dw, framework)
     if s.recompute == "full":
         comm_layer *= 1.5  # the forward's collectives again
     micro_compute = layers_per_stage * per_layer
@@ -223,23 +231,23 @@ def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = C
     T = s.seq / s.cp * s.micro_batch / s.z
     y = s.y
     peak = cluster.gpu.bf16_tflops * 1e12
-    head = 6 * T * cfg.hidden * cfg.vocab / (s.x * y if s.framework == "fourfold" else y)
+    head = 6 * T * cfg.hidden * cfg.vocab / (s.x * y if framework == "fourfold" else y)
     micro_compute += head / (peak * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / y, cal))
-    if s.framework == "fourfold":
+    if framework == "fourfold":
         micro_comm += _totals_seconds(_head_totals(tuple(s.layout.sizes.items()), cfg.vocab, cfg.hidden, int(T)),
-                                      s, cluster, s.dtype_bytes, cal)
+                                      s, cluster, s.element_bytes, cal)
     # Pipeline: P2P of each micro-batch's activation shard in both directions, then the bubble.
     if s.pp > 1:
-        shard = T * cfg.hidden / (s.x * s.y if s.framework == "fourfold" else s.y)
-        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2, s, cluster, s.dtype_bytes, cal)
+        shard = T * cfg.hidden / (s.x * s.y if framework == "fourfold" else s.y)
+        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2, s, cluster, s.element_bytes, cal)
     if s.cp > 1:
-        micro_comm += layers_per_stage * _ring_attention_exposed(cfg, s, cluster, cal)
-    m = s.micro_batches
+        micro_comm += layers_per_stage * _ring_attention_exposed(cfg, s, cluster, cal, framework)
+    m = s.microbatches
     compute, exposed = m * micro_compute, m * micro_comm
-    bubble = (s.pp - 1) / s.vpp * (micro_compute + micro_comm)
+    bubble = (s.pp - 1) / s.virtual * (micro_compute + micro_comm)
     # Data-parallel gradients (fp32) over dp*cp: reduce-scatter + all-gather of the parameters.
     matrices, vectors = layer_params(cfg)
-    tp = s.x * s.y * s.z if s.framework == "fourfold" else s.y
+    tp = s.x * s.y * s.z if framework == "fourfold" else s.y
     params_rank = layers_per_stage * (matrices + vectors) / tp + cfg.hidden * cfg.vocab / tp
     g = s.dp * s.cp
     dp_comm = 0.0
@@ -247,11 +255,11 @@ def step_time(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = C
         dims = ("dp", "cp")
         bw = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
         reduce = float(bytes_sent("reduce_scatter", g, 4 * params_rank)) / bw
-        gather = float(bytes_sent("all_gather", g, s.dtype_bytes * params_rank)) / bw
+        gather = float(bytes_sent("all_gather", g, s.element_bytes * params_rank)) / bw
         # Both runtimes launch each gradient bucket as soon as it is final in the last
         # micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the
         # reduce-scatter hides behind that backward; the parameter all-gather follows the update.
         dp_comm = max(0.0, reduce - micro_compute * 2 / 3) + gather
     optimizer = 16 * params_rank / g / (cluster.gpu.hbm_tbs * 1e12)
-    flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.gpus
+    flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.world_size
     return StepTime(compute, exposed, bubble, dp_comm, optimizer, flops)

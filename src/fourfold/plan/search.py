@@ -6,12 +6,13 @@ import math
 
 from dataclasses import replace
 
-from fourfold.blockspec import RECOMPUTE, attention_chunks, mlp_chunks
-from fourfold.layout import DEFAULT_ORDER, GridError, factorisations
+from fourfold.job import RECOMPUTE, Job
+from fourfold.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
-from fourfold.plan.memory import Setup, estimate_memory
+from fourfold.plan.memory import estimate_memory
 from fourfold.plan.perf import Calibration, group_bandwidth, step_time
+from fourfold.rules import JobError, Problem, problems
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
 ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp", "dp", "pp"),
@@ -19,38 +20,34 @@ ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp"
 COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp")]  # every group the perf model times
 
 
-def check(cfg: ModelConfig, s: Setup) -> None:
-    """Raise ValueError naming the fix when the model or batch does not divide over the setup."""
-    if s.framework == "megatron" and (s.x != 1 or s.z != 1):
-        raise ValueError("the megatron profile has 1D tensor parallelism: give --tp (y) and leave x = z = 1")
-    if cfg.hidden % s.x or cfg.hidden % s.y:
-        raise ValueError(f"hidden={cfg.hidden} must be divisible by x={s.x} and y={s.y}")
-    attention_chunks(cfg.block, s.x, s.y)  # raises GridError naming the fix
-    mlp_chunks(cfg.block, s.x, s.y)
-    if cfg.vocab % s.y:
-        raise ValueError(f"vocab={cfg.vocab} must be divisible by y={s.y}")
-    if cfg.layers % (s.pp * s.vpp):
-        raise ValueError(f"layers={cfg.layers} must be divisible by pp*vpp={s.pp * s.vpp}")
-    if s.micro_batch % s.z:
-        raise ValueError(f"micro-batch {s.micro_batch} must be divisible by z={s.z} (z splits whole sequences)")
-    if s.global_batch % (s.dp * s.micro_batch):
-        raise ValueError(f"global batch {s.global_batch} must be divisible by dp*micro_batch={s.dp * s.micro_batch}")
-    if s.cp > 1 and s.seq % (2 * s.cp):
-        raise ValueError(f"sequence {s.seq} must be divisible by 2*cp={2 * s.cp} (causal load balancing)")
-    if s.pp > 1 and s.micro_batches < s.pp:
-        raise ValueError(f"{s.micro_batches} micro-batches are fewer than pp={s.pp} stages; raise the global batch")
+def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
+    """Raise JobError naming each fix when the runtime (or the profile) cannot run `job`."""
+    found = problems(cfg, job)
+    if framework == "megatron" and (job.x != 1 or job.z != 1):
+        found.append(Problem("the megatron profile has 1D tensor parallelism",
+                             "give --tp (y) and leave x = z = 1"))
+    if found:
+        raise JobError(found)
 
 
-def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = Calibration(), rule80: bool = True) -> dict:
-    """Memory and speed of one configuration, as the JSON object the CLI prints."""
-    check(cfg, s)
-    mem = estimate_memory(cfg, s, cluster.gpu.memory_gib, rule80)
-    t = step_time(cfg, s, cluster, cal)
-    tokens = s.global_batch * s.seq
+def predict(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration = Calibration(), rule80: bool = True,
+             framework: str = "fourfold") -> dict:
+    """Memory and speed of one job, as the JSON object the CLI prints (plus the `job` itself,
+    which the JSON printers leave out)."""
+    check(cfg, job, framework)
+    return _result(cfg, job, cluster, cal, rule80, framework)
+
+
+def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule80: bool, framework: str) -> dict:
+    mem = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
+    t = step_time(cfg, job, cluster, cal, framework)
+    tokens = job.global_batch * job.seq
     tflops = t.flops_per_gpu / t.total / 1e12
+    g = job.layout
     return {
-        "framework": s.framework, "dp": s.dp, "pp": s.pp, "cp": s.cp, "x": s.x, "y": s.y, "z": s.z, "tp": s.tp,
-        "vpp": s.vpp, "order": ",".join(s.order), "micro_batch": s.micro_batch, "recompute": s.recompute,
+        "job": job, "framework": framework, "dp": g.dp, "pp": g.pp, "cp": g.cp, "x": g.x, "y": g.y, "z": g.z,
+        "virtual": job.virtual, "order": ",".join(g.order), "micro_batch": job.micro_batch,
+        "recompute": job.recompute, "seq_parallel": job.seq_parallel,
         "memory_gib": mem.gib, "memory_limit_gib": mem.limit_bytes / 2**30, "fits": mem.fits,
         "step_seconds": t.total, "tokens_per_second": tokens / t.total, "model_tflops_per_gpu": tflops,
         "mfu": tflops / cluster.gpu.bf16_tflops,
@@ -58,37 +55,43 @@ def evaluate(cfg: ModelConfig, s: Setup, cluster: Cluster, cal: Calibration = Ca
     }
 
 
+def as_json(result: dict) -> dict:
+    """A result without its `job` object (the JSON printers' form)."""
+    return {k: v for k, v in result.items() if k != "job"}
+
+
 def rounded_seconds(seconds: float) -> float:
     """A step time to four significant digits: closer candidates count as equally fast."""
     return round(seconds, 3 - math.floor(math.log10(seconds))) if seconds > 0 else seconds
 
 
-def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Setup, *, micro_batches=(1, 2, 4, 8),
-           recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False) -> list[dict]:
-    """Every valid (dp, pp, cp, x, y, z), micro-batch, order and recompute option on `gpus`, best first."""
+def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
+           recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False,
+           framework: str = "fourfold") -> list[dict]:
+    """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, order and
+    recompute option of `base`, best first; each result's `job` is the job itself."""
     results = []
-    orders = ORDERS if base.framework == "fourfold" else [DEFAULT_ORDER]
+    orders = ORDERS if framework == "fourfold" else [DEFAULT_ORDER]
     for dp, pp, cp, x, y, z in factorisations(gpus):
-        if base.framework == "megatron" and (x != 1 or z != 1):
+        if framework == "megatron" and (x != 1 or z != 1):
             continue
         for mb in micro_batches:
-            setup = replace(base, dp=dp, pp=pp, cp=cp, x=x, y=y, z=z, micro_batch=mb)
-            try:
-                check(cfg, setup)
-            except (ValueError, GridError):
+            job = replace(base, layout=Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z), micro_batch=mb)
+            if problems(cfg, job):
                 continue
             for recompute in recomputes:
-                setup = replace(setup, recompute=recompute)
-                fits = estimate_memory(cfg, setup, cluster.gpu.memory_gib, rule80).fits  # the order never changes memory
+                job = replace(job, recompute=recompute)
+                # the order never changes memory
+                fits = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework).fits
                 if not (fits or include_unfit):
                     continue
                 # The order changes time only through the bandwidth each group gets: evaluate one
                 # order per distinct set of bandwidths, keep the fastest.
                 placements = {}
                 for o in orders:
-                    placed = replace(setup, order=o)
+                    placed = job.with_layout(order=o)
                     placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
-                best = min((evaluate(cfg, placed, cluster, cal, rule80) for placed in placements.values()),
+                best = min((_result(cfg, placed, cluster, cal, rule80, framework) for placed in placements.values()),
                            key=lambda r: r["step_seconds"])
                 results.append(best)
                 if fits:
@@ -96,7 +99,7 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Setup, *, micro_
     # Among equally fast candidates (step times equal to 0.1%), the simpler one first: less
     # context parallelism, then the smaller model-parallel group, then less memory.
     results.sort(key=lambda r: (not r["fits"], rounded_seconds(r["step_seconds"]), r["cp"],
-                                r["pp"] * r["tp"], r["memory_gib"]))
+                                r["pp"] * r["x"] * r["y"] * r["z"], r["memory_gib"]))
     return results
 
 

@@ -33,6 +33,14 @@ class TensorOptions:
     dtype: torch.dtype = torch.float32
 
 
+def torch_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """Parameters' and activations' dtype for a job's precision. "auto": bf16 on GPUs (fp32
+    gradient accumulators and master weights, fp32 loss, as Megatron trains), float32 on CPU."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "float32"
+    return {"bf16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[precision]
+
+
 def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] at the given positions [seq].
 

@@ -29,7 +29,7 @@ from fourfold.grid import Grid
 from fourfold.layout import GridError
 from fourfold.overlap import Overlapper, OverlapOptions
 from fourfold.tensor import init
-from fourfold.tensor.params import describe
+from fourfold.tensor.params import ParallelModule, ParamLayout, Piece
 
 SEQ_DIM, FEATURE_DIM = 1, -1
 INIT_PIECE = 2**22  # elements initialised at a time
@@ -70,27 +70,43 @@ class ShardedMatrix:
     def init_shard(self, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
         """This rank's shard of the serial model's initial values (padding stays zero).
 
-        The shard is a contiguous flat range of the row-major block, so the elements coming from
-        each serial parameter are a contiguous sub-range: plain integer arithmetic, no
+        Each piece is a contiguous flat range of the shard: plain integer arithmetic, no
         data-dependent masks (a model can be built under FakeTensorMode to measure its memory).
         """
-        c, (block_rows, block_cols) = self.grid.coords, self.block_shape
-        row0, col0 = c[self.out_dim] * block_rows, c[self.in_dim] * block_cols
-        start = c["z"] * self.shard_numel
-        stop = min(start + self.shard_numel, self.block_numel)
         shard = torch.zeros(self.shard_numel, dtype=dtype)
-        fused = 0  # first fused row of the current source
-        for src in self.rows:
-            lo = max(start, (fused - row0) * block_cols)
-            hi = min(stop, (fused + src.count - row0) * block_cols)
-            # In pieces: the generator's int64/float64 temporaries are several times the values.
+        for piece in self.pieces():
+            (row0, col0), cols, (lo, hi) = piece.offset, piece.window[1], piece.flat
+            # In chunks: the generator's int64/float64 temporaries are several times the values.
             for a in range(lo, hi, INIT_PIECE):
                 flat = torch.arange(a, min(a + INIT_PIECE, hi))
-                serial_row = flat // block_cols + row0 - fused + src.start
-                col = flat % block_cols + col0
-                shard[a - start : a - start + len(flat)] = init.normal(seed, src.name, serial_row * self.k + col, std, dtype)
-            fused += src.count
+                index = (flat // cols + row0) * self.k + flat % cols + col0
+                at = piece.local_start + a - lo
+                shard[at : at + len(flat)] = init.normal(seed, piece.name, index, std, dtype)
         return shard
+
+    def pieces(self, bias: bool = False) -> tuple[Piece, ...]:
+        """The serial elements this rank's weight shard (or bias, NAME.bias) holds: for each
+        source, its rows in this (x, y) block, as far as they overlap this rank's z shard (the
+        shard is a contiguous flat range of the row-major block; the bias is not split over z)."""
+        c, (block_rows, block_cols) = self.grid.coords, self.block_shape
+        cols = 1 if bias else block_cols
+        row0, col0 = c[self.out_dim] * block_rows, 0 if bias else c[self.in_dim] * block_cols
+        start = 0 if bias else c["z"] * self.shard_numel
+        stop = block_rows if bias else min(start + self.shard_numel, self.block_numel)
+        sizes: dict[str, int] = {}
+        for src in self.rows:
+            sizes[src.name] = sizes.get(src.name, 0) + src.count
+        out, fused = [], 0  # fused: first fused row of the current source
+        for src in self.rows:
+            first, last = max(fused, row0), min(fused + src.count, row0 + block_rows)
+            base = (first - row0) * cols  # where the source's window starts in the flat block
+            lo, hi = max(start, base), min(stop, (last - row0) * cols)
+            if first < last and lo < hi:
+                shape = (sizes[src.name],) if bias else (sizes[src.name], self.k)
+                out.append(Piece(src.name + (".bias" if bias else ""), shape, (src.start + first - fused, col0),
+                                 (last - first, cols), (lo - base, hi - base), lo - start))
+            fused += src.count
+        return tuple(out)
 
     def read_shard(self, read) -> torch.Tensor:
         """This rank's shard, reading only its block of the serial matrices (see params.Read)."""
@@ -183,7 +199,7 @@ class _Linear3D(torch.autograd.Function):
         return pending.wait() if overlap else pending, dshard, None
 
 
-class ParallelLinear(nn.Module):
+class ParallelLinear(ParallelModule):
     """Y = X W^T (+ b) on the 3D grid; see the module docstring for the collectives.
 
     `reduction` over the in-dim: "all_reduce" (output replicated over it), "scatter_features"
@@ -208,14 +224,8 @@ class ParallelLinear(nn.Module):
         # Shared with the model's other layers for prefetching; a layer on its own gets its own.
         self.overlap = overlap or Overlapper(OverlapOptions(), grid.group("z"))
         self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
-        describe(self.weight)  # its gradient is complete after the reduce-scatter over z
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.matrix.block_shape[0], dtype=dtype))  # GPT-2 starts biases at 0
-            # The bias is added after the reduction: its gradient is a sum over the local tokens
-            # (split over z, and over the in-dim when scattering tokens) and, when scattering
-            # features, only this rank's slice is filled.
-            describe(self.bias, grad_sum=("z",) if reduction == "all_reduce" else ("z", self.matrix.in_dim),
-                     replicated=(self.matrix.in_dim, "z"))
         else:
             self.register_parameter("bias", None)
 
@@ -237,6 +247,17 @@ class ParallelLinear(nn.Module):
         put(self.weight, self.matrix.read_shard(read))
         if self.bias is not None:
             put(self.bias, self.matrix.read_bias(read))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        # The weight's gradient is complete after the reduce-scatter over z.
+        out = {self.weight: ParamLayout((), (), self.matrix.pieces())}
+        if self.bias is not None:
+            # The bias is added after the reduction: its gradient is a sum over the local tokens
+            # (split over z, and over the in-dim when scattering tokens) and, when scattering
+            # features, only this rank's slice is filled.
+            grad_sum = ("z",) if self.reduction == "all_reduce" else ("z", self.matrix.in_dim)
+            out[self.bias] = ParamLayout(grad_sum, (self.matrix.in_dim, "z"), self.matrix.pieces(bias=True))
+        return out
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         """Serial tensors of `pick(param)` (see params.full_weights), gathered from every rank;

@@ -12,25 +12,21 @@ from torch import nn
 from fourfold import comm
 from fourfold.grid import Grid
 from fourfold.layout import GridError
-from fourfold.tensor.params import describe
+from fourfold.tensor.params import ParallelModule, ParamLayout, vector_piece
 from fourfold.tensor.regions import all_reduce_partial
 
 
-class ParallelNorm(nn.Module):
+class ParallelNorm(ParallelModule):
     def __init__(self, grid: Grid, hidden: int, kind: str, eps: float, *, seq_parallel: bool, dtype: torch.dtype, name: str):
         super().__init__()
         if hidden % grid.size("x"):
             raise GridError(f"{name}: hidden={hidden} is not divisible by x={grid.size('x')}; choose x dividing {hidden}")
         self.grid, self.hidden, self.kind, self.eps, self.name = grid, hidden, kind, eps, name
+        self.seq_parallel = seq_parallel
         local = hidden // grid.size("x")
         self.weight = nn.Parameter(torch.ones(local, dtype=dtype))
-        # Tokens are split over z (and over y with sequence parallelism); without it the y ranks
-        # compute the same gradient, so it must not be summed over y.
-        sum_dims = ("z", "y") if seq_parallel else ("z",)
-        describe(self.weight, grad_sum=sum_dims, replicated=("y", "z"))
         if kind == "layer":
             self.bias = nn.Parameter(torch.zeros(local, dtype=dtype))
-            describe(self.bias, grad_sum=sum_dims, replicated=("y", "z"))
         else:
             self.register_parameter("bias", None)
 
@@ -50,6 +46,18 @@ class ParallelNorm(nn.Module):
         for suffix, p in (("weight", self.weight), ("bias", self.bias)):
             if p is not None:
                 put(p, read(f"{self.name}.{suffix}", features, None))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        # Tokens are split over z (and over y with sequence parallelism); without it the y ranks
+        # compute the same gradient, so it must not be summed over y.
+        grad_sum = ("z", "y") if self.seq_parallel else ("z",)
+        local = self.weight.numel()
+        out = {}
+        for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+            if p is not None:
+                piece = vector_piece(f"{self.name}.{suffix}", self.hidden, self.grid.coords["x"] * local, local)
+                out[p] = ParamLayout(grad_sum, ("y", "z"), (piece,))
+        return out
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         out = {}

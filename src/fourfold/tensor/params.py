@@ -1,4 +1,10 @@
-"""Whole-module helpers for 3D-parallel layers: loading, gathering, replicated gradients.
+"""How 3D-parallel parameters are laid out, and whole-module helpers: loading, gathering,
+replicated gradients.
+
+Every layer owning parameters is a `ParallelModule`: it loads them from serial tensors, gathers
+them back, and describes each one with a `ParamLayout` (which serial elements it holds, which
+tensor dims replicate it, which dims its gradient is summed over). Gradient synchronisation, the
+optimizer's global norm and checkpoints read these layouts; nothing is stored on the parameters.
 
 Loading goes through a `Read`: a function giving a slice of a *serial* tensor by fourfold's name,
 `read(name, rows, cols)` (cols is None for vectors). Each layer asks only for the block it owns.
@@ -6,7 +12,9 @@ Loading goes through a `Read`: a function giving a slice of a *serial* tensor by
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -15,14 +23,71 @@ from fourfold import comm
 from fourfold.grid import Grid
 
 Read = Callable[[str, slice, "slice | None"], torch.Tensor]
+Put = Callable[[nn.Parameter, torch.Tensor], None]
+Pick = Callable[[nn.Parameter], torch.Tensor]
 
 
-def describe(p: nn.Parameter, *, grad_sum: tuple[str, ...] = (), replicated: tuple[str, ...] = ()) -> None:
-    """Say how a parallel parameter is laid out, for gradient synchronisation and global norms:
-    `grad_sum`, the tensor dims its gradient must be summed over (its tokens, or its filled
-    slice, were split over them); `replicated`, the tensor dims holding identical copies of it."""
-    p.grad_sum_dims = grad_sum
-    p.replicated_dims = replicated
+@dataclass(frozen=True)
+class Piece:
+    """A run of a local flat parameter that holds elements of one serial tensor.
+
+    The serial elements are a row-major window of `window` = (rows, cols) at `offset` = (row, col)
+    of the serial tensor `name` (vectors are [n, 1]: cols 1); the piece holds the window's
+    flattened elements [flat[0], flat[1]), at [local_start, local_start + flat[1] - flat[0]) of
+    the local flat parameter."""
+
+    name: str
+    serial_shape: tuple[int, ...]
+    offset: tuple[int, int]
+    window: tuple[int, int]
+    flat: tuple[int, int]
+    local_start: int
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """`grad_sum`: the tensor dims a parameter's gradient must be summed over (its tokens, or its
+    filled slice, were split over them); `replicated`: the tensor dims holding identical copies of
+    it; `pieces`: the serial elements it holds (elements in no piece are padding, always zero)."""
+
+    grad_sum: tuple[str, ...]
+    replicated: tuple[str, ...]
+    pieces: tuple[Piece, ...]
+
+
+def vector_piece(name: str, size: int, start: int, count: int) -> Piece:
+    """Elements [start, start + count) of the serial vector `name` of `size`, held whole."""
+    return Piece(name, (size,), (start, 0), (count, 1), (0, count), 0)
+
+
+class ParallelModule(nn.Module, ABC):
+    """A layer owning parallel parameters (each parameter belongs to one such layer, or to
+    several for a tied weight)."""
+
+    @abstractmethod
+    def load(self, read: Read, put: Put) -> None:
+        """Give each parameter's local value, read from serial tensors, to `put` (see `load`)."""
+
+    @abstractmethod
+    def full_weights(self, pick: Pick) -> dict[str, torch.Tensor]:
+        """Serial name -> full tensor of `pick(param)`, gathered onto every rank (see `full_weights`)."""
+
+    @abstractmethod
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        """The layout of each of this layer's parameters on this rank."""
+
+
+def _parallel_layers(module: nn.Module) -> list[ParallelModule]:
+    return [layer for layer in module.modules() if isinstance(layer, ParallelModule)]
+
+
+def layouts(module: nn.Module) -> dict[nn.Parameter, ParamLayout]:
+    """Every parallel parameter of `module` (a tied weight once, as its first layer lays it out)."""
+    out: dict[nn.Parameter, ParamLayout] = {}
+    for layer in _parallel_layers(module):
+        for p, layout in layer.param_layouts().items():
+            out.setdefault(p, layout)
+    return out
 
 
 def dict_reader(weights: dict[str, torch.Tensor]) -> Read:
@@ -35,21 +100,12 @@ def dict_reader(weights: dict[str, torch.Tensor]) -> Read:
     return read
 
 
-def _parallel_layers(module: nn.Module) -> Iterator[nn.Module]:
-    """The layers that own parallel parameters (each once, tied ones too)."""
-    seen = set()
-    for layer in module.modules():
-        if layer is not module and hasattr(layer, "full_weights") and id(layer) not in seen:
-            seen.add(id(layer))
-            yield layer
-
-
 def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
     with torch.no_grad():
         param.copy_(value)
 
 
-def load(module: nn.Module, read: Read, put: Callable[[nn.Parameter, torch.Tensor], None] = _copy_into) -> None:
+def load(module: nn.Module, read: Read, put: Put = _copy_into) -> None:
     """Set every parallel layer of `module` from serial tensors; with `put`, hand each parameter's
     local value to `put(param, value)` instead (to restore optimizer state the same way)."""
     for layer in _parallel_layers(module):
@@ -60,8 +116,7 @@ def load_full(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     load(module, dict_reader(weights))
 
 
-def full_weights(module: nn.Module, grads: bool = False,
-                 pick: Callable[[nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def full_weights(module: nn.Module, grads: bool = False, pick: Pick | None = None) -> dict[str, torch.Tensor]:
     """Serial name -> full tensor, gathered onto every rank: the parameters, their gradients
     (`grads`), or any tensor laid out like each parameter (`pick(param)`, e.g. optimizer state)."""
     pick = pick or ((lambda p: p.grad) if grads else (lambda p: p))
@@ -72,8 +127,8 @@ def full_weights(module: nn.Module, grads: bool = False,
 
 
 def sum_replicated_grads(module: nn.Module, grid: Grid) -> None:
-    """All-reduce the gradient of each replicated parameter over its `grad_sum_dims` (the dims
-    its tokens or its filled slice were split over). Weight shards need nothing here."""
-    for p in module.parameters():
-        if p.grad is not None and p.grad_sum_dims:
-            comm.all_reduce(p.grad, grid.group(p.grad_sum_dims))
+    """All-reduce the gradient of each replicated parameter over its layout's `grad_sum` dims
+    (the dims its tokens or its filled slice were split over). Weight shards need nothing here."""
+    for p, layout in layouts(module).items():
+        if p.grad is not None and layout.grad_sum:
+            comm.all_reduce(p.grad, grid.group(layout.grad_sum))

@@ -16,18 +16,17 @@ from fourfold import comm
 from fourfold.comm import Group
 from fourfold.grid import Grid
 from fourfold.tensor.linear import SEQ_DIM, RowSource, ShardedMatrix
-from fourfold.tensor.params import describe
+from fourfold.tensor.params import ParallelModule, ParamLayout
 from fourfold.tensor.regions import all_gather, all_reduce_replicated, reduce_scatter
 
 
-class ParallelEmbedding(nn.Module):
+class ParallelEmbedding(ParallelModule):
     def __init__(self, grid: Grid, vocab: int, hidden: int, *, seed: int, std: float, seq_parallel: bool,
                  dtype: torch.dtype, name: str = "embed"):
         super().__init__()
         self.grid, self.seq_parallel, self.name = grid, seq_parallel, name
         self.matrix = ShardedMatrix(grid, [RowSource(name, 0, vocab)], hidden, "x-in", name)
         self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
-        describe(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""
@@ -46,6 +45,9 @@ class ParallelEmbedding(nn.Module):
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         return self.matrix.gather_full(pick(self.weight).detach())
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        return {self.weight: ParamLayout((), (), self.matrix.pieces())}
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

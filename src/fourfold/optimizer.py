@@ -1,0 +1,137 @@
+"""AdamW (decoupled weight decay) on fp32 master weights over GradientSync's buckets: sharded
+(ZeRO-1) or replicated, with exact global-norm clipping.
+
+With ZeRO-1 each rank updates its shard of each reduced bucket (fourfold.dataparallel) and the
+updated parameters are all-gathered. The global norm counts every element once: each is weighted
+by 1/(number of ranks holding it), from the parameter layouts' `replicated` dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fourfold import comm
+from fourfold.dataparallel import Bucket, GradientSync, at_least_fp32
+
+
+class AdamW:
+    """AdamW (decoupled weight decay) on fp32 master weights, bucket by bucket: with ZeRO-1 each
+    rank updates its shard of each bucket and the updated parameters are all-gathered."""
+
+    def __init__(self, sync: GradientSync, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, clip_norm: float | None = None):
+        self.sync, self.lr, self.betas, self.eps, self.wd, self.clip = sync, lr, betas, eps, weight_decay, clip_norm
+        self.step_count = 0
+        self.state: list[dict[str, torch.Tensor]] = []
+        self._norm: torch.Tensor | None = None
+
+    @property
+    def last_norm(self) -> float:
+        """The global gradient norm of the last step (read on demand: a host sync on GPUs)."""
+        return math.nan if self._norm is None else self._norm.item()
+
+    def _shard(self, bucket: Bucket, tensor_of, lo: int, hi: int) -> torch.Tensor:
+        """Range [lo, hi) of the bucket's flat (padded) layout, filled from `tensor_of(param)`,
+        fp32 at least; built segment by segment, never the whole bucket."""
+        first = bucket.params[0]
+        out = torch.zeros(hi - lo, dtype=at_least_fp32(first.dtype), device=first.device)
+        offset = 0
+        for p in bucket.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                out[a - lo : b - lo] = tensor_of(p).detach().reshape(-1)[a - offset : b - offset]
+            offset += p.numel()
+        return out
+
+    def _copies(self, bucket: Bucket, lo: int, hi: int) -> list[tuple[int, int, float]]:
+        """(start, end, copies) segments of this rank's range [lo, hi) of the bucket: how many
+        ranks of the world hold each element after reduction. Its tensor-grid copies times dp*cp
+        replicas; with ZeRO-1 one rank of the bucket's group (dp, cp and the dims its gradient
+        was summed over) holds it. Padding is counted once (it is zero)."""
+        grid = self.sync.grid
+        factor = grid.size(("dp", "cp")) / (bucket.group.size if self.sync.shard else 1)
+        segments, offset = [], 0
+        for p in bucket.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                segments.append((a - lo, b - lo, grid.size(self.sync.layouts[p].replicated) * factor))
+            offset += p.numel()
+        return segments
+
+    def global_norm(self, buckets: list[Bucket]) -> torch.Tensor:
+        """Exact global gradient norm: each element counted once over every shard and replica."""
+        total = torch.zeros((), dtype=torch.float64, device=self.sync.grid.device)
+        for bucket, state in zip(buckets, self.state):
+            for a, b, copies in state["copies"]:  # accumulated in float64, no float64 copy made
+                total += torch.linalg.vector_norm(bucket.reduced[a:b], dtype=torch.float64).square() / copies
+        comm.all_reduce(total, self.sync.grid.group(("dp", "pp", "cp", "x", "y", "z")))
+        return total.sqrt()
+
+    STATE = ("master", "m", "v")
+
+    def per_param_state(self) -> dict[str, dict[int, torch.Tensor]]:
+        """{"master"|"m"|"v": {id(param): tensor shaped like the param}}, gathered over each
+        bucket's group; empty before the first step (the buckets are traced then)."""
+        out: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in self.STATE}
+        for bucket, s in zip(self.sync.buckets, self.state):
+            for kind in self.STATE:
+                full = comm.all_gather(s[kind], bucket.group) if self.sync.shard else s[kind]
+                offset = 0
+                for p in bucket.params:
+                    out[kind][id(p)] = full[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+        return out
+
+    def restore(self, state: dict[str, dict[int, torch.Tensor]], step_count: int) -> None:
+        """Take `per_param_state()`'s form back; applied when the first step has traced the buckets."""
+        self._restore, self.step_count = state, step_count
+
+    def _init_state(self, buckets: list[Bucket]) -> None:
+        restore = getattr(self, "_restore", None)
+        for bucket in buckets:
+            lo, hi = bucket.shard_range(self.sync.shard)
+            s = {"master": self._shard(bucket, lambda p: p, lo, hi), "copies": self._copies(bucket, lo, hi)}
+            for kind in self.STATE:
+                if restore is not None:
+                    s[kind] = self._shard(bucket, lambda p: restore[kind][id(p)], lo, hi)
+                elif kind != "master":
+                    s[kind] = torch.zeros_like(s["master"])
+            self.state.append(s)
+        self._restore = None
+
+    @torch.no_grad()
+    def skip(self) -> None:
+        """Drop this step's gradients without updating anything (a non-finite loss)."""
+        for bucket in self.sync.finish():
+            self.sync.release(bucket)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        buckets = self.sync.finish()
+        if not self.state:
+            self._init_state(buckets)
+        self._norm = self.global_norm(buckets)
+        # Clipping as a tensor (torch's clip_grad_norm_ rule): no host sync inside the step.
+        scale = 1.0 if self.clip is None else (self.clip / (self._norm + 1e-6)).clamp(max=1.0)
+        self.step_count += 1
+        b1, b2 = self.betas
+        step_size = self.lr / (1 - b1**self.step_count)
+        root_correction = math.sqrt(1 - b2**self.step_count)
+        for bucket, s in zip(buckets, self.state):
+            # torch's AdamW arithmetic, with no temporaries: the reduced gradient's own storage
+            # (zeroed by release() anyway) holds the scaled gradient, then the denominator.
+            g = bucket.reduced.mul_(scale) if self.clip is not None else bucket.reduced
+            s["m"].mul_(b1).add_(g, alpha=1 - b1)
+            s["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = torch.sqrt(s["v"], out=g).div_(root_correction).add_(self.eps)
+            s["master"].mul_(1 - self.lr * self.wd).addcdiv_(s["m"], denom, value=-step_size)
+            self.sync.release(bucket)
+            # Gather in the parameters' dtype: half the bytes of fp32 for bf16 parameters.
+            dtype = bucket.params[0].dtype
+            full = comm.all_gather(s["master"].to(dtype), bucket.group) if self.sync.shard else s["master"]
+            offset = 0
+            for p in bucket.params:
+                p.copy_(full[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()

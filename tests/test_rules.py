@@ -1,0 +1,192 @@
+"""The one rule function (fourfold.rules): every job it accepts on up to 8 ranks builds and trains a
+step; every refusal names its fix; the commands check before they start processes."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fourfold.job import Job, split_layers
+from fourfold.layout import Layout, factorisations
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.rules import JobError, check, problems
+
+MODELS = {
+    "tiny-llama": load_config("tiny-llama"),  # hidden 128, 8 heads, 4 kv heads, ffn 352, 2 layers
+    "tiny-gpt": load_config("tiny-gpt"),  # tied: no pipeline
+    # awkward sizes: 6 heads, 2 kv heads, ffn 96, an odd vocabulary, 3 layers
+    "odd-llama": ModelConfig("llama", hidden=48, layers=3, heads=6, kv_heads=2, ffn=96, vocab=250, max_positions=64,
+                             tied=False, eps=1e-5),
+}
+FIXES = ("choose ", "use ", "set ", "raise ", "give ", "change ", "turn ")
+
+
+def _jobs(world: int):
+    """Every grid of `world` ranks, each with one of two option sets (alternating)."""
+    for i, sizes in enumerate(factorisations(world)):
+        layout = Layout(**dict(zip(("dp", "pp", "cp", "x", "y", "z"), sizes)))
+        if i % 2:
+            yield Job(layout, micro_batch=2, global_batch=4 * layout.dp, seq=24, seq_parallel=True,
+                      recompute="selective", schedule="gpipe", precision="float64")
+        else:
+            yield Job(layout, micro_batch=4, global_batch=8 * layout.dp, seq=16, recompute="full", precision="float64")
+
+
+def _accepted():
+    out, refused = [], 0
+    for name, model in MODELS.items():
+        for world in range(1, 9):
+            for job in _jobs(world):
+                found = problems(model, job, world=world)
+                for p in found:
+                    assert p.fix.startswith(FIXES), p  # every refusal says what to change
+                refused += bool(found)
+                if not found:
+                    out.append((name, job))
+    return out, refused
+
+
+def test_every_refusal_names_a_fix_and_most_grids_are_exercised():
+    accepted, refused = _accepted()
+    assert len(accepted) > 100 and refused > 100
+
+
+def _train_one_step(cases):
+    """A training step of each (model, job) on this world, through the trainer's Model and batch split."""
+    import torch
+
+    from fourfold.dataparallel import GradientSync
+    from fourfold.grid import Grid
+    from fourfold.optimizer import AdamW
+    from fourfold.trainconfig import TrainConfig
+    from fourfold.trainer import Model, local_batch
+
+    losses = []
+    for name, job in cases:
+        cfg = TrainConfig()
+        cfg.use_job(job)
+        cfg.batch.global_batch, cfg.batch.seq = job.global_batch, job.seq
+        cfg.pipeline.schedule, cfg.train.precision = job.schedule, job.precision
+        grid = Grid(job.layout)
+        model = Model(grid, cfg, MODELS[name])
+        opt = AdamW(GradientSync(model.module, grid), lr=1e-3)
+        rows = job.global_batch // job.layout.dp
+        ids = np.random.default_rng(0).integers(0, MODELS[name].vocab, (rows, job.seq + 1))
+        inputs, targets = local_batch(cfg, grid, ids)
+        loss = model.step(inputs, targets, opt.sync, 1.0 / (job.global_batch * job.seq))
+        opt.step()
+        total = loss.clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item())
+    return losses
+
+
+def _sample(accepted, per_model: int = 8):
+    """Every accepted job when FOURFOLD_ALL_GRIDS=1 (about 200, over ten minutes on 2 cores);
+    otherwise a fixed spread: per model, jobs using the most dims at once, each set of dims once."""
+    if os.environ.get("FOURFOLD_ALL_GRIDS") == "1":
+        return accepted
+    out = []
+    richest_first = sorted(accepted, key=lambda a: -sum(n > 1 for n in a[1].layout.sizes.values()))
+    for name in MODELS:
+        seen = set()
+        for model, job in richest_first:
+            kind = tuple(d for d, n in job.layout.sizes.items() if n > 1)
+            if model == name and kind not in seen and len(seen) < per_model:
+                seen.add(kind)
+                out.append((model, job))
+    return out
+
+
+def test_every_accepted_job_up_to_8_ranks_trains_a_step(ranks):
+    by_world: dict[int, list] = {}
+    for name, job in _sample(_accepted()[0]):
+        by_world.setdefault(job.layout.world_size, []).append((name, job))
+    for world, cases in sorted(by_world.items()):
+        for start in range(0, len(cases), 8):  # a few grids per world: gloo keeps every group's sockets
+            chunk = cases[start : start + 8]
+            for (name, job), loss in zip(chunk, ranks.run(_train_one_step, world, chunk)[0]):
+                # each token's loss is held by its x*y tensor ranks (on the last stage): the
+                # mean loss of a fresh model, about ln(vocab)
+                replicas = job.layout.size(("x", "y"))
+                assert math.isfinite(loss), (name, str(job))
+                assert loss / replicas == pytest.approx(math.log(MODELS[name].vocab), rel=0.05), (name, str(job))
+
+
+def test_refusals_of_the_old_validation_gaps():
+    tiny = MODELS["tiny-llama"]
+    # y=3 without sequence parallelism used to pass validation and fail on every rank
+    found = problems(tiny, Job(Layout(y=3), micro_batch=2, global_batch=2))
+    assert any("y=3 must divide heads=8" in str(p) for p in found)
+    assert any("y=3 must divide hidden=128" in str(p) for p in found)
+    with pytest.raises(JobError, match="this job cannot run:\n  "):  # several problems, one per line
+        check(tiny, Job(Layout(y=3), micro_batch=2, global_batch=2))
+    assert problems(tiny, Job(seq=1024))[0].what == "batch.seq=1024 is longer than the model's 512 positions"
+    found = problems(tiny, Job(Layout(pp=2), micro_batch=2, global_batch=2))
+    assert found and "at least pp=2 micro-batches" in str(found[0]) and "raise batch.global_batch to 4" in str(found[0])
+    assert not problems(tiny, Job(Layout(pp=2), micro_batch=2, global_batch=2, schedule="gpipe"))
+    found = problems(tiny, Job(Layout(pp=2), micro_batch=1, global_batch=3, schedule="interleaved-1f1b", virtual=2))
+    assert "multiple of pp=2" in str(found[0]) and "2 layers do not divide into 4 pipeline stages" in str(found[1])
+    assert "virtual=1 does not go with" in str(problems(tiny, Job(Layout(pp=2), global_batch=4,
+                                                                   schedule="interleaved-1f1b"))[0])
+    assert "unknown" in str(problems(tiny, Job(schedule="zero-bubble"))[0])
+
+
+def test_split_layers():
+    with pytest.raises(ValueError, match="stage_layers"):
+        split_layers(4, 3)
+    assert [len(r) for r in split_layers(4, 3, [2, 1, 1])] == [2, 1, 1]
+    with pytest.raises(ValueError, match="sum to the model's 4 layers"):
+        split_layers(4, 2, [1, 1])
+
+
+def test_config_parsing_and_rules_need_no_torch():
+    code = ("import sys, fourfold.trainconfig, fourfold.rules, fourfold.cli; "
+            "fourfold.trainconfig.validate(fourfold.trainconfig.load_train_config(None), 1); "
+            "print(any(m.startswith('torch') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def _cli(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"))
+    return subprocess.run([sys.executable, "-m", "fourfold.cli", *args], capture_output=True, text=True, timeout=120,
+                          env=env, **kw)
+
+
+def test_eval_checks_before_it_starts_processes(tmp_path):
+    """Each mistake exits 2 with one message, before torchrun starts anything."""
+    missing = _cli("eval", "--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8", "--grid", "x=2", "--nproc-per-node", "2")
+    assert missing.returncode == 2 and "has no config.json" in missing.stderr and "Traceback" not in missing.stderr
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    unsupported = _cli("eval", "--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8")
+    assert unsupported.returncode == 2 and "model_type 'bert'" in unsupported.stderr
+    (tmp_path / "config.json").write_text((Path(__file__).parents[1] / "src/fourfold/models/presets/tiny-llama.json").read_text())
+    no_tokens = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--json")
+    assert no_tokens.returncode == 2 and "give a .npy file of token ids" in no_tokens.stderr
+    np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int64) * 100)
+    too_big = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8")
+    assert too_big.returncode == 2 and "outside the model's vocabulary of 4096" in too_big.stderr
+    bad_grid = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--grid", "y=3")
+    assert bad_grid.returncode == 2 and "choose y from 1, 2, 4" in bad_grid.stderr
+
+
+def test_launcher_options_stay_with_the_launcher():
+    from fourfold.cli import _launcher_options_removed
+
+    argv = ["eval", "--hf", "d", "--nproc-per-node", "8", "--json", "--max-restarts=2", "--grid", "x=2"]
+    assert _launcher_options_removed(argv) == ["eval", "--hf", "d", "--json", "--grid", "x=2"]
+
+
+@pytest.mark.parametrize("field", ["job_name", "time", "partition", "account"])
+def test_sbatch_values_with_control_characters_are_refused(field):
+    from fourfold.slurm import sbatch_script
+    from fourfold.trainconfig import ConfigError
+
+    with pytest.raises(ConfigError, match="control character '\\\\n'"):
+        sbatch_script("cfg.toml", [], nodes=1, gpus_per_node=8, **{field: "x\nsrun rm -rf /"})
+    with pytest.raises(ConfigError, match="override 1"):
+        sbatch_script("cfg.toml", ["--log.run_dir", "a\rb"], nodes=1, gpus_per_node=8)
