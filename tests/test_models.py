@@ -9,7 +9,8 @@ from fourfold import comm
 from fourfold.grid import Grid
 from fourfold.layout import GridError, Layout
 from fourfold.models.config import ModelConfig, load_config, preset_names
-from fourfold.models.hf import CheckpointError, load_hf, save_hf, to_hf_tensors
+from fourfold.checkpoint import CheckpointError
+from fourfold.models.hf import load_hf, save_hf, to_hf_tensors
 from fourfold.models.transformer import Transformer
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import full_weights, sum_replicated_grads
@@ -199,7 +200,7 @@ def test_eval_command_gives_transformers_loss(checkpoint, tmp_path):
     tokens = np.random.default_rng(0).integers(0, 128, size=16 * 10 + 5).astype(np.int32)  # 10 windows, 1 padded
     np.save(tmp_path / "tokens.npy", tokens)
     cmd = [sys.executable, "-m", "fourfold.cli", "eval", "--hf", path, "--tokens", str(tmp_path / "tokens.npy"),
-           "--seq", "16", "--grid", "x=2,z=2", "--dtype", "float64", "--json"]
+           "--seq", "16", "--grid", "x=2,z=2", "--precision", "float64", "--json", "--nproc-per-node", "4"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

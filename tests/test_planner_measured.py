@@ -11,13 +11,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid
+from fourfold.job import Job
 from fourfold.layout import Layout
 from fourfold.measure import GPU_ONLY_TERMS as DEVICE_TERMS, measure_peak
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.models.transformer import Transformer
 from fourfold.optimizer import AdamW
-from fourfold.job import Job
-from fourfold.layout import Layout
 from fourfold.plan.memory import fourfold_memory
 from fourfold.tensor.block import TensorOptions
 

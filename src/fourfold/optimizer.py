@@ -26,6 +26,7 @@ class AdamW:
         self.step_count = 0
         self.state: list[dict[str, torch.Tensor]] = []
         self._norm: torch.Tensor | None = None
+        self._restore: dict[str, dict[int, torch.Tensor]] | None = None  # applied at the first step
 
     @property
     def last_norm(self) -> float:
@@ -89,7 +90,7 @@ class AdamW:
         self._restore, self.step_count = state, step_count
 
     def _init_state(self, buckets: list[Bucket]) -> None:
-        restore = getattr(self, "_restore", None)
+        restore = self._restore
         for bucket in buckets:
             lo, hi = bucket.shard_range(self.sync.shard)
             s = {"master": self._shard(bucket, lambda p: p, lo, hi), "copies": self._copies(bucket, lo, hi)}

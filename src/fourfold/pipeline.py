@@ -5,7 +5,7 @@ placement the interleaved schedule expects). Each stage is a `Transformer` holdi
 layers (the embedding on the first stage, norm, LM head and loss on the last), so a stage sends
 its own residual-stream shard [micro/z, seq/cp(/y), hidden/x] to the same tensor-grid position
 of the next stage. Parameter gradients accumulate over the micro-batches into the hooks of
-`fourfold.data.GradientSync`, which launches each bucket's reduction after the last one.
+`fourfold.dataparallel.GradientSync`, which launches each bucket's reduction after the last one.
 """
 
 from __future__ import annotations

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from fourfold.blockspec import LINEAR_KINDS, BlockConfig, LinearPlan, attention_chunks, block_plan
-from fourfold.models.config import ModelConfig
+
+if TYPE_CHECKING:  # comm imports this module for `bytes_sent`: it needs no model config
+    from fourfold.models.config import ModelConfig
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 

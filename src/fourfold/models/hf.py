@@ -16,12 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from fourfold.checkpoint import CheckpointError
 from fourfold.models.config import ModelConfig
 from fourfold.tensor.params import Read, full_weights, load
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message says what differs."""
 
 
 def llama_names(cfg: ModelConfig) -> dict[str, str]:

@@ -86,7 +86,7 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
 
 def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention: bool = True) -> Memory:
     """fourfold's runtime on the most loaded pipeline stage, bytes, against the whole card."""
-    h, F, v, L = cfg.hidden, cfg.ffn, cfg.vocab, cfg.layers
+    h, v, L = cfg.hidden, cfg.vocab, cfg.layers
     x, y, z, c, p = s.x, s.y, s.z, s.cp, s.pp
     blk = cfg.block
     d = blk.head_dim

@@ -4,7 +4,9 @@ Residual stream: [batch/z, seq/cp, hidden/x], replicated over y; with sequence p
 [batch/z, seq/(cp*y), hidden/x]. Non-redundant path (heads and kv heads divisible by x*y): the QKV
 output is reduce-scattered over x along whole heads, each rank attends with heads/(x*y) heads,
 and the result is all-gathered over x into the output projection; the MLP likewise with FFN
-features. Otherwise the published path: all-reduce over x, attention replicated over x.
+features. Otherwise the published path: all-reduce over x, attention replicated over x. Which
+path, and every linear layer's shape and collectives, come from the block plan
+(`fourfold.blockspec.block_plan`), the same data the volume functions and the planner read.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fourfold.blockspec import BlockConfig, attention_chunks, mlp_chunks
+from fourfold.blockspec import BlockConfig, BlockPlan, LinearPlan, block_plan
 from fourfold.context import ring_attention
 from fourfold.grid import Grid
 from fourfold.overlap import Overlapper, OverlapOptions
@@ -56,35 +58,25 @@ def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return q * cos + rotated * sin
 
 
+def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, seed: int, std: float,
+            overlap: Overlapper) -> ParallelLinear:
+    """The runtime layer of one linear of the block plan; serial names under `prefix` (layers.{i})."""
+    rows = [RowSource(f"{prefix}.{r.name}", r.start, r.count) for r in layer.rows]
+    return ParallelLinear(grid, layer.in_features, rows, layer.kind, seed=seed, std=std, bias=layer.bias,
+                          reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=opts.keep_weights,
+                          dtype=opts.dtype, name=f"{prefix}.{layer.name}", overlap=overlap)
+
+
 class ParallelAttention(nn.Module):
-    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float,
+    def __init__(self, grid: Grid, plan: BlockPlan, opts: TensorOptions, *, seed: int, std: float, out_std: float,
                  prefix: str, overlap: Overlapper, recompute_core: bool = False):
         super().__init__()
-        self.cfg, self.recompute_core = cfg, recompute_core
+        self.cfg, self.recompute_core = plan.cfg, recompute_core
         self.cp = grid.group("cp")
-        chunks = attention_chunks(cfg, grid.size("x"), grid.size("y"), opts.non_redundant)
-        self.own_heads = chunks == grid.size("x") * grid.size("y")
-        d = cfg.head_dim
-        self.heads, self.kv_heads = cfg.heads // chunks, cfg.kv_heads // chunks
-        # Fused rows, chunk by chunk: each chunk holds whole heads with their q, k and v.
-        rows = []
-        for c in range(chunks):
-            rows += [
-                RowSource(f"{prefix}.q", c * self.heads * d, self.heads * d),
-                RowSource(f"{prefix}.k", c * self.kv_heads * d, self.kv_heads * d),
-                RowSource(f"{prefix}.v", c * self.kv_heads * d, self.kv_heads * d),
-            ]
-        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype, overlap=overlap)
-        self.qkv = ParallelLinear(
-            grid, cfg.hidden, rows, "x-in", std=std, name=f"{prefix}.qkv",
-            reduction="scatter_features" if self.own_heads else "all_reduce",
-            input_gather="tokens" if opts.seq_parallel else "none", **common,
-        )
-        self.out = ParallelLinear(
-            grid, cfg.hidden, [RowSource(f"{prefix}.o", 0, cfg.hidden)], "y-in", std=out_std, name=f"{prefix}.o",
-            input_gather="features" if self.own_heads else "none",
-            reduction="scatter_tokens" if opts.seq_parallel else "all_reduce", **common,
-        )
+        self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
+        self.own_heads = plan.attention_chunks == grid.size("x") * grid.size("y")  # the non-redundant path
+        self.qkv = _linear(grid, plan.qkv, prefix, opts, seed=seed, std=std, overlap=overlap)
+        self.out = _linear(grid, plan.out, prefix, opts, seed=seed, std=out_std, overlap=overlap)
 
     def core(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]."""
@@ -112,28 +104,12 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float, out_std: float,
+    def __init__(self, grid: Grid, plan: BlockPlan, opts: TensorOptions, *, seed: int, std: float, out_std: float,
                  prefix: str, overlap: Overlapper):
         super().__init__()
-        self.cfg = cfg
-        chunks = mlp_chunks(cfg, grid.size("x"), grid.size("y"), opts.non_redundant)
-        own = chunks == grid.size("x") * grid.size("y")
-        f = cfg.ffn // chunks
-        if cfg.gated:  # gate and up rows of each chunk side by side
-            rows = [RowSource(f"{prefix}.{n}", c * f, f) for c in range(chunks) for n in ("gate", "up")]
-        else:
-            rows = [RowSource(f"{prefix}.fc", 0, cfg.ffn)]
-        common = dict(seed=seed, bias=cfg.bias, keep_weight=opts.keep_weights, dtype=opts.dtype, overlap=overlap)
-        self.up = ParallelLinear(
-            grid, cfg.hidden, rows, "x-in", std=std, name=f"{prefix}.up",
-            reduction="scatter_features" if own else "all_reduce",
-            input_gather="tokens" if opts.seq_parallel else "none", **common,
-        )
-        self.down = ParallelLinear(
-            grid, cfg.ffn, [RowSource(f"{prefix}.down", 0, cfg.hidden)], "y-in", std=out_std, name=f"{prefix}.down",
-            input_gather="features" if own else "none",
-            reduction="scatter_tokens" if opts.seq_parallel else "all_reduce", **common,
-        )
+        self.cfg = plan.cfg
+        self.up = _linear(grid, plan.up, prefix, opts, seed=seed, std=std, overlap=overlap)
+        self.down = _linear(grid, plan.down, prefix, opts, seed=seed, std=out_std, overlap=overlap)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         u = self.up(h)
@@ -154,13 +130,14 @@ class ParallelBlock(nn.Module):
         super().__init__()
         out_std = std if out_std is None else out_std
         overlap = overlap or Overlapper(opts.overlap, grid.group("z"))
+        plan = block_plan(cfg, grid.size("x"), grid.size("y"), seq_parallel=opts.seq_parallel,
+                          non_redundant=opts.non_redundant)
         norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype)
         self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
-        self.attn = ParallelAttention(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.attn",
+        self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
                                       overlap=overlap, recompute_core=recompute_attention)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
-        self.mlp = ParallelMLP(grid, cfg, opts, seed=seed, std=std, out_std=out_std, prefix=f"{prefix}.mlp",
-                               overlap=overlap)
+        self.mlp = ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), positions)

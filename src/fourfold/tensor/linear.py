@@ -17,14 +17,13 @@ gate+up) are initialised and exported as the serial model's separate matrices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from fourfold import comm
-from fourfold.blockspec import LINEAR_KINDS
+from fourfold.blockspec import LINEAR_KINDS, RowSource
 from fourfold.grid import Grid
 from fourfold.layout import GridError
 from fourfold.overlap import Overlapper, OverlapOptions
@@ -35,15 +34,6 @@ SEQ_DIM, FEATURE_DIM = 1, -1
 INIT_PIECE = 2**22  # elements initialised at a time
 REDUCTIONS = ("all_reduce", "scatter_tokens", "scatter_features")
 GATHERS = ("none", "tokens", "features")
-
-
-@dataclass(frozen=True)
-class RowSource:
-    """Rows [start, start + count) of the serial parameter `name`."""
-
-    name: str
-    start: int
-    count: int
 
 
 class ShardedMatrix:
