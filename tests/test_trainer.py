@@ -196,6 +196,8 @@ def test_config_errors_name_the_fix(tmp_path):
         (["--grid.pp", "2", "--batch.global_batch", "2"], 2, "at least pp=2 micro-batches"),
         (["--model.preset", "no-such-model"], 1, "model:"),
         (["--train.recompute", "some"], 1, "recompute 'some' is unknown; use one of"),
+        (["--data.text", "no/such/corpus.txt"], 1, "data.text names no/such/corpus.txt, which is not a file"),
+        (["--data.tokens", __file__], 1, "data.tokens needs data.tokenizer"),
     ]
     for overrides, world, message in cases:
         with pytest.raises(ConfigError, match=message):

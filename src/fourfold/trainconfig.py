@@ -228,11 +228,23 @@ def validate(cfg: TrainConfig, world: int) -> None:
     if cfg.train.eval_every and cfg.grid.pp > 1:
         found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
                      "with `fourfold eval --checkpoint` on a grid without pp")
+    found += _data_problems(cfg.data)
     for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every)):
         if value < 1:
             found.append(f"{name} must be >= 1")
     if found:
         raise ConfigError("\n  ".join(["this run cannot start:", *map(str, found)]) if len(found) > 1 else str(found[0]))
+
+
+def _data_problems(d: DataSection) -> list[str]:
+    """The data files named, checked before any process starts."""
+    found = []
+    for key, path in (("data.text", d.text), ("data.tokens", d.tokens), ("data.tokenizer", d.tokenizer)):
+        if path and not Path(path).expanduser().is_file():
+            found.append(f"{key} names {path}, which is not a file; give an existing file's path")
+    if d.tokens and not d.tokenizer:
+        found.append("data.tokens needs data.tokenizer; give the tokenizer.json that made the token file")
+    return found
 
 
 def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
