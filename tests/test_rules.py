@@ -185,3 +185,10 @@ def test_sbatch_values_with_control_characters_are_refused(field):
         sbatch_script("cfg.toml", [], nodes=1, gpus_per_node=8, **{field: "x\nsrun rm -rf /"})
     with pytest.raises(ConfigError, match="override 1"):
         sbatch_script("cfg.toml", ["--log.run_dir", "a\rb"], nodes=1, gpus_per_node=8)
+
+
+def test_a_missing_model_directory_is_named_as_missing(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; give a Hugging Face model directory"):
+        load_config(str(tmp_path / "my-llama"))
+    with pytest.raises(ValueError, match="is neither a config.json nor a preset"):
+        load_config("tiny-lama")

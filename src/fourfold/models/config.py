@@ -97,5 +97,9 @@ def load_config(name_or_path: str) -> ModelConfig:
         return ModelConfig.from_hf(json.loads(path.read_text()))
     preset = resources.files("fourfold.models.presets") / f"{name_or_path}.json"
     if not preset.is_file():
+        if "/" in name_or_path or path.parent.is_dir() and path.suffix == ".json":
+            where = "does not exist" if not path.exists() else "has no config.json"
+            raise ValueError(f"{name_or_path} {where}; give a Hugging Face model directory (with config.json), "
+                             f"a config.json, or a preset: {', '.join(preset_names())}")
         raise ValueError(f"{name_or_path!r} is neither a config.json nor a preset; presets: {', '.join(preset_names())}")
     return ModelConfig.from_hf(json.loads(preset.read_text()))

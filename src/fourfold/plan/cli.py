@@ -143,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"candidates": [as_json(r) for r in (found[: args.top] if args.top else found)]}))
         else:
-            print(f"{cfg.family} {cfg.parameter_count() / 1e9:.1f}B on {args.gpus} x {cluster.gpu.name}, "
+            n = cfg.parameter_count()
+            size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+            print(f"{cfg.family} {size} on {args.gpus} x {cluster.gpu.name}, "
                   f"{args.framework} profile: {len(found)} candidates in {time.perf_counter() - start:.1f} s")
             print(HEADER)
             for r in found[: args.top or 10]:
