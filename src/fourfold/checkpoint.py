@@ -1,10 +1,10 @@
 """Training checkpoints with torch.distributed.checkpoint (DCP), in the serial model's names.
 
-Every tensor is stored under its serial name ("model/layers.0.attn.q", "optim/m/...") with its
-full shape, so a checkpoint loads onto any grid: each rank reads what its shards need. Ranks
-holding the same tensor (replicas over dp, the tensor-grid peers after the gather) offer it
-under the same key and DCP writes it once. The cost is that each tensor is gathered whole on
-the ranks of its stage while saving.
+Every tensor is stored under its serial name ("model/layers.0.attn.q", "optim/m/...") and full
+shape, written in pieces: each rank writes only the rectangles of it that it holds (its z piece of
+its (x, y) block, its ZeRO-1 slice of master/m/v: `fourfold.sharded_io`), straight from its own
+tensors; replicas offer identical rectangles and DCP writes them once. Loading onto any grid reads,
+on each rank, only the rectangles it holds, into its own tensors.
 
 A save goes to `.step-N.partial/` and is renamed to `step-N/` only after every rank finished
 and `meta.json` (step, data position, config) is written; older checkpoints beyond `keep` are
@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fourfold.optimizer import AdamW
-from fourfold.tensor.params import dict_reader, full_weights, load
+from fourfold.sharded_io import Rectangle, RectangleLoadPlanner, RectangleSavePlanner, ShardError, rectangles
+from fourfold.tensor import params
 
 META = "meta.json"
 
@@ -51,13 +53,24 @@ def latest(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def state_dict(module: nn.Module, opt: AdamW | None) -> dict[str, torch.Tensor]:
-    """Serial-named tensors of the model (and of the optimizer, once it has state)."""
-    out = {f"model/{k}": v for k, v in full_weights(module).items()}
+def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True) -> list[Rectangle]:
+    """The serial rectangles this rank holds: of its parameters ("model/NAME", with `model`) and of
+    its ZeRO-1 slices of the optimizer state ("optim/master|m|v/NAME", once it has state). Views of
+    the local tensors: nothing is copied or gathered."""
+    layouts = params.layouts(module)
+    out = []
+    if model:
+        for p, layout in layouts.items():
+            out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
     if opt is not None and opt.state:
-        per_param = opt.per_param_state()
-        for kind, tensors in per_param.items():
-            out.update({f"optim/{kind}/{k}": v for k, v in full_weights(module, pick=lambda p: tensors[id(p)]).items()})
+        for bucket, state in zip(opt.sync.buckets, opt.state):
+            lo, hi = bucket.shard_range(opt.sync.shard)
+            offset = 0
+            for p in bucket.params:  # each parameter's part of this rank's slice of the bucket
+                a, b = max(offset, lo), min(offset + p.numel(), hi)
+                for kind in (AdamW.STATE if a < b else ()):
+                    out += rectangles(layouts[p], state[kind][a - lo : b - lo], lo=a - offset, prefix=f"optim/{kind}/")
+                offset += p.numel()
     return out
 
 
@@ -72,7 +85,7 @@ def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
     dist.barrier()
-    dcp.save(state_dict(module, opt), checkpoint_id=partial)
+    dcp.save({}, checkpoint_id=partial, planner=RectangleSavePlanner(local_rectangles(module, opt)))
     dist.barrier()
     if rank == 0:
         for name, source in (files or {}).items():
@@ -98,46 +111,26 @@ def read_meta(path: str | Path) -> dict:
     return json.loads((path / META).read_text())
 
 
-def _blocks_read(module: nn.Module) -> dict[str, tuple[int, int | None]]:
-    """The serial tensors this rank's parameters are read from, with the extent read (rows, cols)."""
-    extent: dict[str, tuple[int, int | None]] = {}
-
-    def record(name, rows, cols):
-        r, c = extent.get(name, (0, None))
-        extent[name] = (max(r, rows.stop), None if cols is None else max(c or 0, cols.stop))
-        return torch.zeros(rows.stop - rows.start, *(() if cols is None else (cols.stop - cols.start,)))
-
-    load(module, record, put=lambda p, value: None)
-    return extent
+def _read(path: Path, rects: list[Rectangle]) -> None:
+    try:
+        dcp.load({}, checkpoint_id=str(path), planner=RectangleLoadPlanner(rects))
+    except ShardError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except CheckpointException as e:  # raised on every rank for a failure on any
+        failures = [error for error, _ in e.failures.values() if isinstance(error, ShardError)]
+        if failures:
+            raise CheckpointError(f"{path}: {failures[0]}") from None
+        raise
 
 
 def load_checkpoint(path: str | Path, module: nn.Module, opt: AdamW | None = None) -> dict:
-    """Set the model (and the optimizer's state, applied at its next step) from a checkpoint
-    written on any grid; returns its meta."""
+    """Set the model (and the optimizer's state, read at its first step, once its buckets are
+    traced) from a checkpoint written on any grid: each rank reads only the rectangles it holds,
+    into its own tensors; returns the checkpoint's meta."""
     path = Path(path)
     meta = read_meta(path)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    kinds = ["model"] + ([f"optim/{k}" for k in AdamW.STATE] if opt is not None and meta.get("optimizer_steps") else [])
-    state = {}
-    for name, (rows, cols) in _blocks_read(module).items():
-        for kind in kinds:
-            key = f"{kind}/{name}"
-            if key not in saved:
-                raise CheckpointError(f"{path} has no tensor {key!r}: it was written for a different model")
-            shape = tuple(saved[key].size)
-            if rows > shape[0] or (cols is not None and (len(shape) < 2 or cols > shape[1])):
-                raise CheckpointError(f"{path}: {key} has shape {shape}, smaller than this model's; load it into the "
-                                      f"model config it was trained with")
-            state[key] = torch.empty(shape, dtype=saved[key].properties.dtype)
-    dcp.load(state, checkpoint_id=str(path))
-    model = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
-    load(module, dict_reader(model))
-    if len(kinds) > 1:
-        restored: dict[str, dict[int, torch.Tensor]] = {}
-        for kind in AdamW.STATE:
-            prefix = f"optim/{kind}/"
-            tensors = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-            restored[kind] = {}
-            load(module, dict_reader(tensors), put=lambda p, value, into=restored[kind]: into.__setitem__(id(p), value))
-        opt.restore(restored, meta["optimizer_steps"])
+    with torch.no_grad():
+        _read(path, local_rectangles(module, None))
+    if opt is not None and meta.get("optimizer_steps"):
+        opt.restore(lambda: _read(path, local_rectangles(module, opt, model=False)), meta["optimizer_steps"])
     return meta

@@ -9,6 +9,7 @@ by 1/(number of ranks holding it), from the parameter layouts' `replicated` dims
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -26,7 +27,7 @@ class AdamW:
         self.step_count = 0
         self.state: list[dict[str, torch.Tensor]] = []
         self._norm: torch.Tensor | None = None
-        self._restore: dict[str, dict[int, torch.Tensor]] | None = None  # applied at the first step
+        self._restore: Callable[[], None] | None = None  # reads the state at the first step
 
     @property
     def last_norm(self) -> float:
@@ -72,35 +73,20 @@ class AdamW:
 
     STATE = ("master", "m", "v")
 
-    def per_param_state(self) -> dict[str, dict[int, torch.Tensor]]:
-        """{"master"|"m"|"v": {id(param): tensor shaped like the param}}, gathered over each
-        bucket's group; empty before the first step (the buckets are traced then)."""
-        out: dict[str, dict[int, torch.Tensor]] = {kind: {} for kind in self.STATE}
-        for bucket, s in zip(self.sync.buckets, self.state):
-            for kind in self.STATE:
-                full = comm.all_gather(s[kind], bucket.group) if self.sync.shard else s[kind]
-                offset = 0
-                for p in bucket.params:
-                    out[kind][id(p)] = full[offset : offset + p.numel()].view_as(p)
-                    offset += p.numel()
-        return out
-
-    def restore(self, state: dict[str, dict[int, torch.Tensor]], step_count: int) -> None:
-        """Take `per_param_state()`'s form back; applied when the first step has traced the buckets."""
-        self._restore, self.step_count = state, step_count
+    def restore(self, read: Callable[[], None], step_count: int) -> None:
+        """Continue from a checkpoint: `read()` fills this rank's state in place (collective:
+        every rank calls it), at the first step, once the buckets are traced."""
+        self._restore, self.step_count = read, step_count
 
     def _init_state(self, buckets: list[Bucket]) -> None:
-        restore = self._restore
         for bucket in buckets:
             lo, hi = bucket.shard_range(self.sync.shard)
             s = {"master": self._shard(bucket, lambda p: p, lo, hi), "copies": self._copies(bucket, lo, hi)}
-            for kind in self.STATE:
-                if restore is not None:
-                    s[kind] = self._shard(bucket, lambda p: restore[kind][id(p)], lo, hi)
-                elif kind != "master":
-                    s[kind] = torch.zeros_like(s["master"])
+            s["m"], s["v"] = torch.zeros_like(s["master"]), torch.zeros_like(s["master"])
             self.state.append(s)
-        self._restore = None
+        if self._restore is not None:
+            self._restore()  # overwrites master, m and v with the checkpoint's
+            self._restore = None
 
     @torch.no_grad()
     def skip(self) -> None:
