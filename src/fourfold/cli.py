@@ -14,7 +14,7 @@ from fourfold.launch import inside_torchrun, relaunch_with_torchrun
 from fourfold.job import PRECISIONS
 from fourfold.layout import DEFAULT_ORDER, GridError, Layout
 from fourfold.rules import JobError
-from fourfold.trainconfig import ConfigError
+from fourfold.trainconfig import ConfigError, sections_help
 
 
 def _add_grid_options(parser: argparse.ArgumentParser, default: str) -> None:
@@ -45,6 +45,7 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     """Every problem of `fourfold eval`, found before any process starts."""
     import numpy as np
 
+    from fourfold.corpus import token_range
     from fourfold.evaluate import windows
     from fourfold.job import Job
     from fourfold.rules import check
@@ -55,18 +56,16 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
               seq=args.seq, precision=args.precision)
     check(model, job, world=args.nproc_per_node)
     try:
-        tokens = np.load(args.tokens, mmap_mode="r")
+        lo, hi = token_range(args.tokens)  # chunk by chunk: the file is never loaded whole
     except (OSError, ValueError) as e:
         raise ConfigError(f"--tokens {args.tokens}: {e}; give a .npy file of token ids") from None
-    if tokens.ndim != 1:
-        raise ConfigError(f"--tokens {args.tokens} has shape {tokens.shape}; give a 1-D array of token ids")
     try:
-        windows(tokens[: args.seq + 1], args.seq)
+        windows(np.load(args.tokens, mmap_mode="r")[: args.seq + 1], args.seq)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if len(tokens) and int(tokens.max()) >= model.vocab:
-        raise ConfigError(f"--tokens {args.tokens} holds id {int(tokens.max())}, outside the model's vocabulary of "
-                          f"{model.vocab}; tokenize with the model's own tokenizer")
+    if lo < 0 or hi >= model.vocab:
+        raise ConfigError(f"--tokens {args.tokens} holds id {hi if hi >= model.vocab else lo}, outside the model's "
+                          f"vocabulary of {model.vocab}; tokenize with the model's own tokenizer")
 
 
 def _eval_model_config(args: argparse.Namespace):
@@ -139,7 +138,7 @@ def _launcher_options_removed(argv: list[str]) -> list[str]:
 
 
 def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
-    from fourfold.trainconfig import load_train_config, resolve_auto_grid, validate
+    from fourfold.trainconfig import check_data_files, load_train_config, resolve_auto_grid, validate
 
     cfg = load_train_config(args.config, overrides)
     if not inside_torchrun():  # check everything and prepare the data before any process starts
@@ -149,6 +148,7 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
             print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}")
             argv = _resolved(argv, cfg)
         validate(cfg, world)
+        check_data_files(cfg)
         from fourfold.trainer import tokens_files
 
         tokenizer, tokens = tokens_files(cfg)  # the ranks are given the files: none re-reads the corpus
@@ -164,7 +164,7 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
         summary = train(cfg)
     finally:
         dist.destroy_process_group()
-    if int(os.environ["RANK"]) == 0:
+    if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
         print(json.dumps(summary))
     return 0
 
@@ -180,6 +180,19 @@ def _resolved(argv: list[str], cfg) -> list[str]:
     return out
 
 
+def _export(args: argparse.Namespace) -> int:
+    from fourfold.checkpoint import CheckpointError
+    from fourfold.export import export
+
+    try:
+        path = export(args.checkpoint, args.output)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    print(f"wrote {args.output} from {path}: load it with --model.hf {shlex.quote(args.output)}, `fourfold eval --hf`, "
+          f"or transformers' from_pretrained")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from fourfold.checkpoint import CheckpointError
     from fourfold.generate import generate
@@ -193,19 +206,48 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from fourfold.slurm import sbatch_script
-    from fourfold.trainconfig import load_train_config, validate
+    from fourfold.trainconfig import check_data_files, load_train_config, resolve_auto_grid, validate
 
     cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
-    validate(cfg, args.nodes * args.gpus_per_node)
-    text = sbatch_script(str(Path(args.config).resolve()), overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                         job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
-                         max_restarts=args.max_restarts)
+    world = args.nodes * args.gpus_per_node
+    if cfg.grid.auto:
+        chosen = resolve_auto_grid(cfg, world)
+        print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}", file=sys.stderr)
+        overrides = _resolved(overrides, cfg)
+    else:
+        _check_slurm_world(cfg.layout(), args.nodes, args.gpus_per_node)
+    validate(cfg, world)
+    check_data_files(cfg)
+    # The run directory absolute, so that the job writes to the same place wherever sbatch is called;
+    # it must exist before the job starts, since SLURM opens the job's output files in it.
+    run_dir = Path(cfg.log.run_dir).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = sbatch_script(str(Path(args.config).resolve()), [*overrides, "--log.run_dir", str(run_dir)],
+                         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         cpus_per_task=args.cpus_per_task or 8 * args.gpus_per_node, run_dir=str(run_dir),
+                         workdir=str(Path.cwd()), job_name=args.job_name, time=args.time, partition=args.partition,
+                         account=args.account, max_restarts=args.max_restarts)
     if args.output:
         Path(args.output).write_text(text)
-        print(f"wrote {args.output}; submit it with: sbatch {shlex.quote(args.output)}")
+        print(f"wrote {args.output} (the job's output goes to {run_dir}); submit it with: sbatch "
+              f"{shlex.quote(args.output)}")
     else:
         print(text, end="")
     return 0
+
+
+def _check_slurm_world(layout: Layout, nodes: int, gpus_per_node: int) -> None:
+    """The grid against the GPUs the job asks for, the fix given in this command's options."""
+    world = nodes * gpus_per_node
+    if layout.world_size == world:
+        return
+    others = layout.world_size // layout.dp
+    grid_fix = f" (e.g. --grid.dp {world // others})" if world % others == 0 else ""
+    nodes_fix = (f" (--nodes {layout.world_size // gpus_per_node})" if layout.world_size % gpus_per_node == 0
+                 else "")
+    raise ConfigError(f"the grid {layout} has {layout.world_size} ranks, but --nodes {nodes} x --gpus-per-node "
+                      f"{gpus_per_node} give {world} GPUs; change the grid so that dp*pp*cp*x*y*z = {world}{grid_fix}, "
+                      f"or --nodes/--gpus-per-node so that they give {layout.world_size} GPUs{nodes_fix}")
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -230,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="fourfold", description="4D hybrid parallel training and planning")
     commands = parser.add_subparsers(dest="command", required=True)
+    # train, slurm and demo take the config's --section.key value overrides: their --help lists them
+    with_overrides = dict(epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     commands.add_parser("demo", help="the main job on an embedded default: train a small Llama on 8 CPU ranks "
-                                     "(takes the same --section.key value overrides as train), sample, plan")
+                                     "(takes the same --section.key value overrides as train), sample, plan",
+                        usage="fourfold demo [--section.key value ...]", **with_overrides)
     ev = commands.add_parser("eval", help="mean next-token loss and perplexity of a model on a token file")
     source = ev.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json + safetensors)")
@@ -243,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="parameters and activations (auto: bf16 on GPUs, float32 on CPU)")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
     _add_grid_options(ev, "dp=1")
-    tr = commands.add_parser("train", help="train from a TOML config (plus --section.key value overrides)")
+    tr = commands.add_parser("train", help="train from a TOML config (plus --section.key value overrides)",
+                             usage="fourfold train [CONFIG.toml] [--section.key value ...] [--nproc-per-node N] "
+                                   "[--max-restarts N]", **with_overrides)
     tr.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
     tr.add_argument("--nproc-per-node", type=int, default=None, help="local ranks (default: the grid's size)")
     tr.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails (resumes)")
@@ -253,10 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=48)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--seed", type=int, default=0)
-    sl = commands.add_parser("slurm", help="write an sbatch script that runs `fourfold train` on N nodes")
+    ex = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model directory")
+    ex.add_argument("checkpoint", help="a step-N checkpoint directory, or a run's checkpoint directory (latest)")
+    ex.add_argument("output", help="the directory to write config.json, model.safetensors and tokenizer.json to")
+    sl = commands.add_parser("slurm", help="write an sbatch script that runs `fourfold train` on N nodes",
+                             usage="fourfold slurm CONFIG.toml --nodes N [options] [--section.key value ...]",
+                             **with_overrides)
     sl.add_argument("config")
     sl.add_argument("--nodes", type=int, required=True)
     sl.add_argument("--gpus-per-node", type=int, default=8)
+    sl.add_argument("--cpus-per-task", type=int, default=0,
+                    help="CPUs of each node's task, shared by its ranks (default: 8 per GPU)")
     sl.add_argument("--job-name", default="fourfold")
     sl.add_argument("--time", default="24:00:00")
     sl.add_argument("--partition", default="")
@@ -279,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             return _slurm(args, extra)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "export":
+            return _export(args)
         if args.command == "demo":
             return _demo(args, extra)
         return _eval(args, argv)

@@ -63,6 +63,21 @@ def prepare(text_path: str | None, vocab: int, cache_dir: str) -> tuple[Path, Pa
     return tok_path, ids_path
 
 
+def token_range(path: str | Path, chunk: int = 1 << 24) -> tuple[int, int]:
+    """(smallest, largest) id of a 1-D token file, read memory-mapped `chunk` ids at a time: a file
+    of any size is checked without loading it. Raises ValueError for anything but a 1-D integer .npy."""
+    tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"holds a {tokens.dtype} array of shape {tokens.shape}, not a 1-D array of integer ids")
+    if not len(tokens):
+        raise ValueError("holds no tokens")
+    lo, hi = int(tokens[0]), int(tokens[0])
+    for start in range(0, len(tokens), chunk):  # one pass over the file
+        part = np.asarray(tokens[start : start + chunk])
+        lo, hi = min(lo, int(part.min())), max(hi, int(part.max()))
+    return lo, hi
+
+
 def load_tokenizer(path: str | Path):
     from tokenizers import Tokenizer
 

@@ -18,11 +18,18 @@ def _refuse_control_characters(name: str, value: str) -> None:
                           f"without control characters")
 
 
-def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_node: int, job_name: str = "fourfold",
-                  time: str = "24:00:00", partition: str = "", account: str = "", max_restarts: int = 3,
-                  port: int = 29500) -> str:
-    """The script's text; every user value is shell-quoted, and refused if it holds a control character."""
-    values = {"--job-name": job_name, "--time": time, "--partition": partition, "--account": account, "config": config}
+STOP_WARNING_S = 300  # SLURM sends SIGTERM this long before the time limit: the ranks save and stop
+
+
+def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_node: int, cpus_per_task: int,
+                  run_dir: str, workdir: str, job_name: str = "fourfold", time: str = "24:00:00", partition: str = "",
+                  account: str = "", max_restarts: int = 3) -> str:
+    """The script's text: one task per node runs torchrun for its GPUs (c10d rendezvous on the first
+    node, a port derived from the job id). `run_dir` (the job's output and error files) and
+    `workdir` (where the job runs, so relative paths in the config mean what they meant when it was
+    checked) are absolute. Every user value is shell-quoted, and refused if it holds a control character."""
+    values = {"--job-name": job_name, "--time": time, "--partition": partition, "--account": account, "config": config,
+              "run directory": run_dir, "working directory": workdir}
     values.update({f"override {i}": v for i, v in enumerate(overrides)})
     for name, value in values.items():
         _refuse_control_characters(name, value)
@@ -33,20 +40,42 @@ def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_nod
         f"#SBATCH --nodes={int(nodes)}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={int(gpus_per_node)}",
+        f"#SBATCH --cpus-per-task={int(cpus_per_task)}",
+        "#SBATCH --exclusive",
         f"#SBATCH --time={q(time)}",
+        f"#SBATCH --signal=TERM@{STOP_WARNING_S}",
+        f"#SBATCH --chdir={q(workdir)}",
+        f"#SBATCH --output={q(run_dir + '/slurm-%j.out')}",
+        f"#SBATCH --error={q(run_dir + '/slurm-%j.err')}",
     ]
     lines += [f"#SBATCH --partition={q(partition)}"] if partition else []
     lines += [f"#SBATCH --account={q(account)}"] if account else []
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={int(nodes)}",
+    # torchrun through fourfold.launch: on a signal it leaves the ranks to stop (and save), quietly
+    launcher = [sys.executable, "-m", "fourfold.launch", f"--nnodes={int(nodes)}",
                 f"--nproc-per-node={int(gpus_per_node)}", f"--max-restarts={int(max_restarts)}", "--rdzv-backend=c10d"]
-    rendezvous = f'"--rdzv-id=$SLURM_JOB_ID" "--rdzv-endpoint=$HEAD:{int(port)}"'  # expanded by the shell, on purpose
+    rendezvous = '"--rdzv-id=$SLURM_JOB_ID" "--rdzv-endpoint=$HEAD:$PORT"'  # expanded by the shell, on purpose
     user = ["-m", "fourfold.cli", "train", config, *overrides]
     quoted = " ".join([*map(q, launcher), rendezvous, *map(q, user)])
     lines += [
+        "#",
+        "# Written by `fourfold slurm`. The compute nodes run the Python above: load modules or activate",
+        "# its environment here if they need it. A SIGTERM (scancel, or the --signal above before the time",
+        "# limit) makes every rank finish its step and save a checkpoint; sbatch this script again to resume.",
         "set -euo pipefail",
         'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
-        f"srun --kill-on-bad-exit=1 {quoted}",
+        "PORT=$((29500 + SLURM_JOB_ID % 10000))  # the rendezvous port: jobs sharing a first node do not collide",
+        f"THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{int(gpus_per_node)}}} / {int(gpus_per_node)} ))  # the task's CPUs over its ranks",
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}",
+        "# NCCL: change these here or in the environment sbatch is called from. On nodes with several",
+        "# networks name the one between nodes, e.g. NCCL_SOCKET_IFNAME=ib0 (or =^lo,docker0 to exclude",
+        "# some) and, for InfiniBand, NCCL_IB_HCA=mlx5; NCCL_DEBUG=INFO shows what NCCL picked.",
+        "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
+        "# export NCCL_SOCKET_IFNAME=ib0",
+        "# export NCCL_IB_HCA=mlx5",
+        "# how long torchrun waits for the ranks to save after a SIGTERM before it kills them",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{STOP_WARNING_S - 60}}}",
+        # srun does not pass sbatch's --cpus-per-task on to its tasks (SLURM >= 22.05): ask again
+        f"srun --kill-on-bad-exit=1 --cpus-per-task={int(cpus_per_task)} {quoted}",
         "",
     ]
     return "\n".join(lines)

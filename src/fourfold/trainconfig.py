@@ -4,6 +4,7 @@ can be made before a process group exists (so a bad config fails in seconds, nam
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -103,6 +104,9 @@ class FaultSection:  # fault injection, to test recovery
     kill_rank: int = -1  # this rank kills itself once, at kill_step
     kill_step: int = -1
     nan_steps: list[int] = field(default_factory=list)  # these steps' losses are made NaN
+    signal_rank: int = -1  # this rank sends itself `signal` once, at the start of signal_step
+    signal_step: int = -1
+    signal: str = "SIGTERM"  # or SIGINT
 
 
 @dataclass
@@ -187,6 +191,29 @@ def _apply(cfg: TrainConfig, section: str, key: str, value, where: str) -> None:
     setattr(part, key, value)
 
 
+def _shown(value) -> str:
+    """A default as it is written on the command line."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "''"
+    return str(value) if value != "" else "''"
+
+
+def sections_help(width: int = 100) -> str:
+    """The override syntax and every section's keys with their defaults (from the dataclasses above),
+    for `fourfold train --help`."""
+    lines = ["Any key of the TOML config can be given on the command line as --section.key value, e.g.",
+             "  fourfold train my.toml --optimizer.lr 1e-3 --grid.dp 2 --train.steps 500",
+             "(lists are comma-separated: --pipeline.stage_layers 3,5). Sections and keys, with their defaults:"]
+    for section in fields(TrainConfig):
+        part = section.default_factory()
+        keys = " ".join(f"{f.name}={_shown(getattr(part, f.name))}" for f in fields(part))
+        lines += textwrap.wrap(keys, width, initial_indent=f"  [{section.name}] ",
+                               subsequent_indent=" " * (len(section.name) + 5), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def load_train_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """The config from a TOML file (or the defaults) with `--section.key value` overrides."""
     cfg = TrainConfig()
@@ -228,7 +255,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
     if cfg.train.eval_every and cfg.grid.pp > 1:
         found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
                      "with `fourfold eval --checkpoint` on a grid without pp")
-    found += _data_problems(cfg.data)
+    found += _data_problems(cfg.data, model.vocab)
     for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every)):
         if value < 1:
             found.append(f"{name} must be >= 1")
@@ -236,15 +263,46 @@ def validate(cfg: TrainConfig, world: int) -> None:
         raise ConfigError("\n  ".join(["this run cannot start:", *map(str, found)]) if len(found) > 1 else str(found[0]))
 
 
-def _data_problems(d: DataSection) -> list[str]:
-    """The data files named, checked before any process starts."""
+def _data_problems(d: DataSection, model_vocab: int) -> list[str]:
+    """The data files named, checked before any process starts (`check_data_files` reads them)."""
     found = []
+    if not d.tokens and d.vocab > model_vocab:  # the tokenizer trained on the corpus has up to data.vocab ids
+        found.append(f"data.vocab={d.vocab} is larger than the model's vocabulary of {model_vocab}: the corpus' "
+                     f"tokenizer would make ids the model has no embedding for; set data.vocab <= {model_vocab}")
     for key, path in (("data.text", d.text), ("data.tokens", d.tokens), ("data.tokenizer", d.tokenizer)):
         if path and not Path(path).expanduser().is_file():
             found.append(f"{key} names {path}, which is not a file; give an existing file's path")
     if d.tokens and not d.tokenizer:
         found.append("data.tokens needs data.tokenizer; give the tokenizer.json that made the token file")
     return found
+
+
+def check_data_files(cfg: TrainConfig) -> None:
+    """The user's tokenizer and token file (data.tokens) against the model's vocabulary, before any
+    process starts; the token file is read once, chunk by chunk (any size). `validate` has checked
+    that both files exist; a corpus tokenized here is bounded by data.vocab, which it checked too."""
+    from fourfold.corpus import load_tokenizer, token_range
+
+    d = cfg.data
+    if not d.tokens:
+        return
+    vocab = cfg.model_config().vocab
+    try:
+        size = load_tokenizer(d.tokenizer).get_vocab_size()
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+        raise ConfigError(f"data.tokenizer {d.tokenizer} is not a tokenizer.json the tokenizers library reads ({e}); "
+                          f"give the tokenizer.json that made data.tokens") from None
+    if size > vocab:
+        raise ConfigError(f"data.tokenizer {d.tokenizer} has {size} tokens, more than the model's vocabulary of "
+                          f"{vocab}; give the model's own tokenizer (its tokenizer.json) and tokens made with it")
+    try:
+        lo, hi = token_range(d.tokens)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokens {d.tokens}: {e}; give a .npy file of token ids (numpy.save of a 1-D array)") \
+            from None
+    if lo < 0 or hi >= vocab:
+        raise ConfigError(f"data.tokens {d.tokens} holds id {hi if hi >= vocab else lo}, outside the model's "
+                          f"vocabulary [0, {vocab}); tokenize the data with the model's tokenizer")
 
 
 def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:

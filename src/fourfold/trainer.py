@@ -3,7 +3,9 @@
 Per step: replica d reads its part of the global batch, splits each micro-batch over z and the
 sequence over cp; the micro-batches run through the model (accumulating) or through the pipeline
 schedule; gradients are reduced in buckets during the last backward; AdamW (ZeRO-1) updates. A
-non-finite loss skips the update; checkpoints are written every N steps and at the end.
+non-finite loss skips the update; checkpoints are written every N steps and at the end. SIGINT or
+SIGTERM stops every rank after the same step (SIGTERM, which clusters send before a time limit,
+saves a checkpoint first; SIGINT, a Ctrl-C, does not: its step is lost, the last checkpoint is named).
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
         return o.lr * (step + 1) / o.warmup
     progress = (step - o.warmup) / max(1, steps - o.warmup)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+SCHEDULE_KEYS = ("train.steps", "optimizer.lr", "optimizer.min_lr", "optimizer.warmup")
+
+
+def schedule_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The keys of the learning-rate schedule that differ from `saved` (the config a checkpoint was
+    written with), as "key old -> new"."""
+    now, out = cfg.to_dict(), []
+    for key in SCHEDULE_KEYS:
+        section, name = key.split(".")
+        before, after = saved.get(section, {}).get(name), now[section][name]
+        if before is not None and before != after:
+            out.append(f"{key} {before} -> {after}")
+    return out
 
 
 def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
@@ -190,6 +207,50 @@ def loss_curve(run_dir: Path) -> Path:
     return path
 
 
+class StopRequest:
+    """SIGINT and SIGTERM noted on this rank, acted on at the next step boundary: `agreed()` is the
+    strongest signal any rank got (SIGTERM > SIGINT, by number), so every rank stops after the same
+    step, whichever ranks the signal reached. `restore()` puts the previous handlers back."""
+
+    def __init__(self):
+        self.received = 0
+        self._previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _note(self, signum: int, frame) -> None:
+        self.received = max(self.received, signum)
+
+    def agreed(self, device: torch.device) -> signal.Signals | None:
+        flag = torch.tensor([self.received], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one small all-reduce per step
+        return signal.Signals(int(flag.item())) if flag.item() else None
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_message(cfg: TrainConfig, stopped: signal.Signals, done: int, saved: Path | None) -> str:
+    """Rank 0's one line about a run stopped by a signal: the last checkpoint and how to resume."""
+    last = checkpoint.latest(cfg.checkpoint_dir)
+    how = (f"resume with --checkpoint.load {last}" if cfg.checkpoint.load or not cfg.checkpoint.resume
+           else "run the same command again to resume from it")
+    if saved is not None:
+        return f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps; saved {saved}: {how}"
+    if last is None:
+        return (f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps; no checkpoint was written "
+                f"(SIGTERM saves one): the same command starts over")
+    return (f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps, not saved (SIGTERM saves); the last "
+            f"checkpoint is {last}: {how}")
+
+
+def _maybe_signal(cfg: TrainConfig, step: int) -> None:
+    """Fault injection for the stop test: this rank sends itself a signal once, at the configured step."""
+    marker = Path(cfg.log.run_dir) / ".signal-injected"
+    if cfg.fault.signal_step == step and cfg.fault.signal_rank == dist.get_rank() and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.Signals[cfg.fault.signal])
+
+
 def _maybe_kill(cfg: TrainConfig, step: int) -> None:
     """Fault injection for the recovery test: this rank dies once, at the configured step."""
     marker = Path(cfg.log.run_dir) / ".fault-injected"
@@ -207,10 +268,7 @@ def train(cfg: TrainConfig) -> dict:
     dist.barrier()
     tokenizer_path, tokens_path = files or tokens_files(cfg)
     loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed)
-    model_cfg = cfg.model_config()
-    if corpus.load_tokenizer(tokenizer_path).get_vocab_size() > model_cfg.vocab:
-        raise ValueError(f"the tokenizer has more tokens than the model's vocabulary ({model_cfg.vocab}); set "
-                         f"data.vocab <= {model_cfg.vocab}")
+    model_cfg = cfg.model_config()  # (the tokenizer and token ids were checked against it before launch)
     model = Model(grid, cfg, model_cfg)
     sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
     o = cfg.optimizer
