@@ -104,3 +104,27 @@ def test_every_overlap_switch_changes_nothing(ranks, serial, recompute):
         _assert_equal(CFG, (weights, norms), serial[(CFG.family, 0.5)])
         sent.append(ledger)
     assert all(s == sent[0] for s in sent[1:])
+
+
+def _overflowing_gradient_step():
+    """Two steps on dp2 z2; in the second one rank's gradient holds an inf (the loss is finite)."""
+    grid = Grid(Layout(dp=2, z=2))
+    model = Transformer(grid, CFG, TensorOptions(dtype=torch.float64), seed=5)
+    opt = AdamW(GradientSync(model, grid), lr=1e-2)
+    results = []
+    for step in range(2):
+        ids = _batches(CFG)[step].chunk(2)[grid.coords["dp"]].chunk(2)[grid.coords["z"]]
+        model(ids[:, :-1], ids[:, 1:]).sum().backward()
+        if step == 1 and grid.rank == 0:
+            next(iter(opt.sync.main_grads.values())).view(-1)[0] = float("inf")
+        before = [{k: t.clone() for k, t in s.items() if k != "copies"} for s in opt.state]
+        weights = [p.detach().clone() for p in model.parameters()]
+        results.append(opt.step())
+    after = [{k: t for k, t in s.items() if k != "copies"} for s in opt.state]
+    unchanged = all(torch.equal(a[k], b[k]) for a, b in zip(after, before) for k in a)
+    return results, unchanged, all(torch.equal(p, w) for p, w in zip(model.parameters(), weights)), opt.step_count
+
+
+def test_a_non_finite_gradient_norm_skips_the_update(ranks):
+    for updated, state_unchanged, weights_unchanged, steps in ranks.run(_overflowing_gradient_step, 4):
+        assert updated == [True, False] and state_unchanged and weights_unchanged and steps == 1

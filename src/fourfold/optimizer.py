@@ -95,12 +95,19 @@ class AdamW:
             self.sync.release(bucket)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Update from this step's gradients; False, with nothing updated, when their global norm
+        is not finite (a finite loss can still overflow a gradient: inf * 0 would write NaN into
+        the Adam moments)."""
         buckets = self.sync.finish()
         if not self.state:
             self._init_state(buckets)
         self._norm = self.global_norm(buckets)
-        # Clipping as a tensor (torch's clip_grad_norm_ rule): no host sync inside the step.
+        if not torch.isfinite(self._norm):  # the step's one host sync (Megatron's found_inf check)
+            for bucket in buckets:
+                self.sync.release(bucket)
+            return False
+        # Clipping as a tensor (torch's clip_grad_norm_ rule).
         scale = 1.0 if self.clip is None else (self.clip / (self._norm + 1e-6)).clamp(max=1.0)
         self.step_count += 1
         b1, b2 = self.betas
@@ -122,3 +129,4 @@ class AdamW:
             for p in bucket.params:
                 p.copy_(full[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+        return True
