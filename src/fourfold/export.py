@@ -1,0 +1,102 @@
+"""`fourfold export CHECKPOINT OUT_DIR`: a training checkpoint as a Hugging Face model directory.
+
+One process, tensor by tensor: each serial tensor is read whole from the DCP checkpoint (from
+whatever pieces the ranks wrote), renamed (and for GPT-2 fused and transposed) as transformers
+names it, and added to the current safetensors shard; a shard is written when it reaches the
+size limit. Memory is bounded by one shard plus the largest tensor, whatever the model's size.
+The directory is written under OUT_DIR.partial and renamed at the end (a failed export leaves no
+half directory); config.json, the index and the checkpoint's tokenizer go with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+from fourfold import checkpoint
+from fourfold.models.config import ModelConfig
+from fourfold.models.hf import gpt2_layout, llama_names
+
+SHARD_BYTES = 2 * 2**30
+
+
+def _hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
+    """transformers name -> the fourfold tensors it is made of, in order, each (name, transposed)."""
+    if cfg.family == "llama":
+        return {hf: [(ours, False)] for ours, hf in llama_names(cfg).items()}
+    out: dict[str, list[tuple[int, str, bool]]] = {}
+    for ours, (hf, offset, conv1d) in gpt2_layout(cfg).items():
+        out.setdefault(hf, []).append((offset, ours, conv1d))
+    return {hf: [(ours, conv1d) for _, ours, conv1d in sorted(parts)] for hf, parts in out.items()}
+
+
+def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write the checkpoint `source` (a step-N directory, or a run's checkpoint directory: its
+    latest) to `out_dir`; returns the step-N directory it read."""
+    path = Path(source)
+    if not (path / checkpoint.META).is_file():
+        path = checkpoint.latest(path) or path
+    cfg = ModelConfig(**checkpoint.read_meta(path)["model"])
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out = Path(out_dir)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+
+    def read(name: str) -> torch.Tensor:
+        md = saved[f"model/{name}"]
+        t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        dcp.load({f"model/{name}": t}, checkpoint_id=str(path), no_dist=True)
+        return t
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    files: list[str] = []
+    weight_map: dict[str, int] = {}
+    size = total = 0
+    for hf, parts in _hf_sources(cfg).items():
+        pieces = [read(ours) for ours, _ in parts]
+        pieces = [t.T if conv1d and t.dim() == 2 else t for t, (_, conv1d) in zip(pieces, parts)]
+        tensor = (torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:  # write the full shard, start the next
+            files.append(_write(shards[-1], partial, len(files)))
+            shards.append({})
+            size = 0
+        shards[-1][hf] = tensor
+        weight_map[hf] = len(shards) - 1
+        size, total = size + nbytes, total + nbytes
+    files.append(_write(shards[-1], partial, len(files)))
+    shards.clear()
+    names = _final_names(partial, files)
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {hf: names[i] for hf, i in weight_map.items()}}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (partial / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    for extra in ("tokenizer.json",):
+        if (path / extra).is_file():
+            shutil.copyfile(path / extra, partial / extra)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(partial, out)
+    return path
+
+
+def _write(tensors: dict[str, torch.Tensor], directory: Path, number: int) -> str:
+    name = f"shard-{number:05d}.safetensors"
+    save_file(tensors, str(directory / name), metadata={"format": "pt"})
+    tensors.clear()  # free the shard's memory before the next is filled
+    return name
+
+
+def _final_names(directory: Path, files: list[str]) -> list[str]:
+    """transformers' names: model.safetensors for one shard, model-0000i-of-0000n.safetensors otherwise."""
+    n = len(files)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for old, new in zip(files, names):
+        os.replace(directory / old, directory / new)
+    return names
