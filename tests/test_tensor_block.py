@@ -48,11 +48,14 @@ def _check_block(sizes: dict):
     grid = Grid(layout)
     batch = 2 * layout.dp * layout.z
     report = []
-    # (sequence parallel, non-redundant attention/MLP): fourfold's paths and the published one
+    # (sequence parallel, non-redundant attention/MLP): fourfold's paths and the published one;
+    # the non-redundant path without sequence parallelism keeps its gathered inputs (features),
+    # with it they are gathered again in backward (tokens and features)
     paths = [(False, True), (True, True), (False, False)]
     for cfg, (seq_parallel, non_redundant) in itertools.product(CONFIGS, paths):
+        keep_inputs = non_redundant and not seq_parallel
         opts = TensorOptions(seq_parallel=seq_parallel, keep_weights=seq_parallel, non_redundant=non_redundant,
-                             dtype=torch.float64)
+                             keep_gathered_inputs=keep_inputs, dtype=torch.float64)
         if not _allowed(cfg, layout.x, layout.y):
             with pytest.raises(GridError):
                 ParallelBlock(grid, cfg, opts, seed=0)
@@ -75,7 +78,8 @@ def _check_block(sizes: dict):
         (out * _local(upstream, grid, seq_parallel)).sum().backward()
         expected = ledger_bytes(
             block_collectives(cfg, layout.sizes, batch // (layout.dp * layout.z), SEQ, seq_parallel=seq_parallel,
-                              keep_weights=seq_parallel, non_redundant=non_redundant), layout.sizes, 8)
+                              keep_weights=seq_parallel, keep_inputs=keep_inputs, non_redundant=non_redundant),
+            layout.sizes, 8)
         assert grid.ledger.bytes() == expected, (cfg, seq_parallel, grid.ledger.bytes(), expected)
         sum_replicated_grads(block, grid)
         for p in block.parameters():

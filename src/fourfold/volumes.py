@@ -79,8 +79,10 @@ def padded_block(sizes: dict, rows: int, cols: int) -> int:
 
 
 def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, tokens: int, *,
-                  reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False) -> Passes:
-    """A `ParallelLinear` on `tokens` local tokens (after any gather of its input)."""
+                  reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
+                  keep_input: bool = False) -> Passes:
+    """A `ParallelLinear` on `tokens` local tokens (after any gather of its input); a gathered
+    input is gathered again in backward unless `keep_input`."""
     i, o = LINEAR_KINDS[kind]
     k_local, n_local = in_features // sizes[i], out_features // sizes[o]
     block = padded_block(sizes, n_local, k_local)
@@ -88,7 +90,8 @@ def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, t
     forward = [Collective(o, "all_gather", tokens * k_local)] if input_gather != "none" else []
     forward += [Collective("z", "all_gather", block),
                 Collective(i, "reduce_scatter" if scatter else "all_reduce", tokens * n_local)]
-    backward = [Collective(i, "all_gather", tokens * n_local)] if scatter else []
+    backward = [Collective(o, "all_gather", tokens * k_local)] if input_gather != "none" and not keep_input else []
+    backward += [Collective(i, "all_gather", tokens * n_local)] if scatter else []
     backward += [] if keep_weight else [Collective("z", "all_gather", block)]
     backward += [Collective(o, "all_reduce" if input_gather == "none" else "reduce_scatter", tokens * k_local),
                  Collective("z", "reduce_scatter", block)]
@@ -112,7 +115,7 @@ def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *
 
 
 def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
-                 keep_weights: bool = False, non_redundant: bool = True) -> Passes:
+                 keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True) -> Passes:
     """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's): its block plan's layers."""
     plan = block_plan(cfg, sizes["x"], sizes["y"], seq_parallel=seq_parallel, non_redundant=non_redundant)
     tokens = batch * seq
@@ -120,7 +123,8 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
 
     def linear(layer: LinearPlan) -> Passes:
         return linear_passes(sizes, layer.kind, layer.in_features, layer.out_features, tokens,
-                             reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=keep_weights)
+                             reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=keep_weights,
+                             keep_input=keep_inputs)
 
     return (norm_passes(sizes, cfg.norm, stream) + linear(plan.qkv)
             + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant) + linear(plan.out)
@@ -145,15 +149,16 @@ def embedding_passes(sizes: dict, vocab: int, hidden: int, tokens: int, *, seq_p
 
 
 def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
-                      keep_weights: bool = False, non_redundant: bool = True, recompute: str = "none",
-                      layers: int | None = None, first: bool = True, last: bool = True) -> list[Collective]:
+                      keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
+                      recompute: str = "none", layers: int | None = None, first: bool = True,
+                      last: bool = True) -> list[Collective]:
     """A `Transformer` forward and backward, loss included, on `batch` local sequences of `seq`
     tokens (this cp rank's); for a pipeline stage, its number of `layers` and whether it is the
     `first` (embedding) or `last` (head and loss). Gradient synchronisation is not included."""
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens
     block = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
-                         non_redundant=non_redundant)
+                         keep_inputs=keep_inputs, non_redundant=non_redundant)
     if recompute == "full":  # the block's forward runs again during backward, its collectives too
         block = Passes(block.forward, block.forward + block.backward)
     elif recompute == "selective":  # the attention core, ring included, runs again in backward
@@ -166,7 +171,7 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
         loss = _passes(sizes, [Collective("y", "all_reduce", tokens)] * 3, [])  # max, sum of exp, target logit
         total = (total + norm_passes(sizes, cfg.block.norm, stream)
                  + linear_passes(sizes, "x-in", cfg.hidden, cfg.vocab, tokens, keep_weight=keep_weights,
-                                 input_gather="tokens" if seq_parallel else "none") + loss)
+                                 keep_input=keep_inputs, input_gather="tokens" if seq_parallel else "none") + loss)
     return total.all()
 
 

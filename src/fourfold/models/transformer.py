@@ -109,7 +109,9 @@ class Transformer(nn.Module):
                                      dtype=opts.dtype, name="norm")
             self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed,
                                           std=std, input_gather="tokens" if opts.seq_parallel else "none",
-                                          dtype=opts.dtype, name="lm_head", overlap=self.overlap)
+                                          keep_weight=opts.keep_weights, keep_gathered_input=opts.keep_gathered_inputs,
+                                          dtype=opts.dtype,
+                                          name="lm_head", overlap=self.overlap)
             if cfg.tied:
                 self.lm_head.weight = self.embed.weight
                 self.lm_head.matrix = self.embed.matrix

@@ -30,6 +30,7 @@ from fourfold.tensor.norm import ParallelNorm
 class TensorOptions:
     seq_parallel: bool = False  # residual stream, norms on seq/y tokens (Megatron-SP generalised)
     keep_weights: bool = False  # keep each gathered weight from forward to backward
+    keep_gathered_inputs: bool = False  # keep each linear's gathered input (else gather it again in backward)
     non_redundant: bool = True  # False: the published all-reduce path, attention/MLP replicated over x
     overlap: OverlapOptions = OverlapOptions()
     dtype: torch.dtype = torch.float32
@@ -64,6 +65,7 @@ def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, 
     rows = [RowSource(f"{prefix}.{r.name}", r.start, r.count) for r in layer.rows]
     return ParallelLinear(grid, layer.in_features, rows, layer.kind, seed=seed, std=std, bias=layer.bias,
                           reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=opts.keep_weights,
+                          keep_gathered_input=opts.keep_gathered_inputs,
                           dtype=opts.dtype, name=f"{prefix}.{layer.name}", overlap=overlap)
 
 

@@ -150,13 +150,18 @@ class ShardedMatrix:
         return self.split_rows(comm.all_gather(rows, self.grid.group(self.out_dim), dim=0))
 
 
+def _gather_dim(gather: str, x: torch.Tensor) -> int:
+    return SEQ_DIM if gather == "tokens" else x.dim() - 1
+
+
 class _Linear3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, layer: "ParallelLinear"):
         grid, m = layer.grid, layer.matrix
         in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
+        local = x
         if layer.input_gather != "none":
-            x = comm.all_gather(x, out_group, dim=SEQ_DIM if layer.input_gather == "tokens" else x.dim() - 1)
+            x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x))
         weight = layer.gather_weight(shard)
         y = x @ weight.t()
         if layer.reduction == "all_reduce":
@@ -164,7 +169,9 @@ class _Linear3D(torch.autograd.Function):
         else:
             y = comm.reduce_scatter(y, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else y.dim() - 1)
         ctx.layer = layer
-        ctx.save_for_backward(x, weight if layer.keep_weight else shard)
+        # Megatron's rule: keep the local input and gather it again in backward (the memory that
+        # sequence parallelism and the non-redundant path save), unless asked to keep the gathered one.
+        ctx.save_for_backward(x if layer.keep_gathered_input else local, weight if layer.keep_weight else shard)
         return y
 
     @staticmethod
@@ -173,16 +180,20 @@ class _Linear3D(torch.autograd.Function):
         grid, m = layer.grid, layer.matrix
         in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
         x, saved = ctx.saved_tensors
+        overlap = layer.overlap.options.input_grad
+        regather = layer.input_gather != "none" and not layer.keep_gathered_input
+        if regather:  # in flight while dY is gathered and the dX GEMM runs
+            x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x), async_op=overlap)
         if layer.reduction != "all_reduce":
             dy = comm.all_gather(dy, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else dy.dim() - 1)
         weight = saved if layer.keep_weight else layer.gather_weight(saved)
         dx = dy @ weight
-        overlap = layer.overlap.options.input_grad
         if layer.input_gather == "none":
             pending = comm.all_reduce(dx, out_group, async_op=overlap)
         else:
-            dim = SEQ_DIM if layer.input_gather == "tokens" else dx.dim() - 1
-            pending = comm.reduce_scatter(dx, out_group, dim=dim, async_op=overlap)
+            pending = comm.reduce_scatter(dx, out_group, dim=_gather_dim(layer.input_gather, dx), async_op=overlap)
+        if regather and overlap:
+            x = x.wait()
         # With overlap on, the dW GEMM runs while the input-gradient collective is in flight.
         dweight = dy.reshape(-1, m.block_shape[0]).t() @ x.reshape(-1, m.block_shape[1])
         dshard = layer.overlap.weight_grad(layer.weight, m.pad(dweight))
@@ -196,12 +207,14 @@ class ParallelLinear(ParallelModule):
     (each rank keeps 1/in of the output features) or "scatter_tokens" (1/in of the sequence).
     `input_gather` over the out-dim: "none" (input replicated), "tokens" or "features" (the input
     holds 1/out of them and is gathered first). `keep_weight` keeps the gathered weight from
-    forward to backward instead of gathering it again.
+    forward to backward instead of gathering it again; `keep_gathered_input` likewise the gathered
+    input (by default the local input is kept and gathered again in backward).
     """
 
     def __init__(
         self, grid: Grid, in_features: int, rows: Sequence[RowSource], kind: str, *, seed: int, std: float,
         bias: bool = False, reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
+        keep_gathered_input: bool = False,
         dtype: torch.dtype = torch.float32, name: str = "linear", overlap: Overlapper | None = None,
     ):
         super().__init__()
@@ -210,6 +223,7 @@ class ParallelLinear(ParallelModule):
         if input_gather not in GATHERS:
             raise ValueError(f"input_gather {input_gather!r} must be one of {', '.join(GATHERS)}")
         self.grid, self.reduction, self.input_gather, self.keep_weight = grid, reduction, input_gather, keep_weight
+        self.keep_gathered_input = keep_gathered_input
         self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
         # Shared with the model's other layers for prefetching; a layer on its own gets its own.
         self.overlap = overlap or Overlapper(OverlapOptions(), grid.group("z"))
