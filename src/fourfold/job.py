@@ -32,6 +32,7 @@ class Job:
     virtual: int = 1  # pipeline stages per pp rank (interleaved-1f1b)
     stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; empty: an even split
     precision: str = "auto"  # parameters and activations; gradients and optimizer state are fp32 at least
+    keep_gathered_inputs: bool = False  # linears keep their gathered input for backward (else gather it again)
 
     @property
     def microbatches(self) -> int:

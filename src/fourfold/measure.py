@@ -124,12 +124,13 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
         grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
         kernel = SDPBackend.FLASH_ATTENTION if flash_attention else SDPBackend.MATH
         # "auto" is a GPU's bf16 here: the measurement stands for a GPU run
-        opts = TensorOptions(seq_parallel=job.seq_parallel, dtype=torch_dtype(job.precision, torch.device("cuda")))
+        opts = TensorOptions(seq_parallel=job.seq_parallel, keep_gathered_inputs=job.keep_gathered_inputs,
+                             dtype=torch_dtype(job.precision, torch.device("cuda")))
         tokens = (job.micro_batch // job.z, job.seq // job.cp)
         with FakeTensorMode(), sdpa_kernel(kernel):
             # Built before counting starts: the runtime initialises parameters in host memory.
             model = Transformer(grid, cfg, opts, recompute=job.recompute)
-            opt = AdamW(GradientSync(model, grid), lr=1e-4)
+            opt = AdamW(GradientSync(model, grid), lr=1e-4, skip_non_finite=False)  # fake values: no check
             with LiveBytes([*model.parameters(), *opt.sync.main_grads.values()]) as counter:
                 for step in range(2):
                     ids = torch.randint(0, cfg.vocab, tokens)

@@ -22,8 +22,11 @@ class AdamW:
     rank updates its shard of each bucket and the updated parameters are all-gathered."""
 
     def __init__(self, sync: GradientSync, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, clip_norm: float | None = None):
+                 weight_decay: float = 0.0, clip_norm: float | None = None, skip_non_finite: bool = True):
         self.sync, self.lr, self.betas, self.eps, self.wd, self.clip = sync, lr, betas, eps, weight_decay, clip_norm
+        # Checking the norm is a host sync; without it (values that are not real, as under
+        # FakeTensorMode) a non-finite gradient would reach the moments.
+        self.skip_non_finite = skip_non_finite
         self.step_count = 0
         self.state: list[dict[str, torch.Tensor]] = []
         self._norm: torch.Tensor | None = None
@@ -103,7 +106,7 @@ class AdamW:
         if not self.state:
             self._init_state(buckets)
         self._norm = self.global_norm(buckets)
-        if not torch.isfinite(self._norm):  # the step's one host sync (Megatron's found_inf check)
+        if self.skip_non_finite and not torch.isfinite(self._norm):  # one host sync (Megatron's found_inf)
             for bucket in buckets:
                 self.sync.release(bucket)
             return False

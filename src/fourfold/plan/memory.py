@@ -105,23 +105,28 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     heads, kv, ffn_local = plan.local_heads, plan.local_kv_heads, plan.local_ffn
     up_rows = plan.up.out_features / plan.mlp_chunks
 
-    def gathered_input(layer) -> float:  # a linear layer saves its input after the gather over its out-dim
-        return T * layer.in_features / (x if layer.in_dim == "x" else y)
+    def saved_input(layer) -> float:
+        """The input a linear layer keeps for backward: local (gathered again in backward), or as
+        gathered over its out-dim with keep_gathered_inputs."""
+        gathered = T * layer.in_features / (x if layer.in_dim == "x" else y)
+        if layer.input_gather == "none" or s.keep_gathered_inputs:
+            return gathered
+        return gathered / (x if layer.out_dim == "x" else y)
     math_path = not flash_attention and c == 1  # ring attention (cp > 1) keeps no probabilities
     attention = ({"attention probabilities": (s.micro_batch / z) * heads * (s.seq / c) ** 2} if math_path else
                  {"attention output and stats": T * heads * d + T * heads / d})
     saved = {
         "norm inputs": 2 * Ts * h / x,
         "normalized (norm weight gradients)": 2 * Ts * h / x,
-        "qkv input (gathered)": gathered_input(plan.qkv),
+        "qkv input": saved_input(plan.qkv),
         "q, k, v": T * (heads + 2 * kv) * d,
         **attention,
         "rope tables": (4 * (s.seq / c) * d) if blk.rope else 0.0,
-        "out-proj input (gathered)": gathered_input(plan.out),
-        "mlp input (gathered)": gathered_input(plan.up),
+        "out-proj input": saved_input(plan.out),
+        "mlp input": saved_input(plan.up),
         "gate/up output": T * up_rows,
         "activation output": T * ffn_local,
-        "down input (gathered)": gathered_input(plan.down),
+        "down input": saved_input(plan.down),
     }
     per_layer = e * sum(saved.values())
     core = e * (saved["q, k, v"] + sum(attention.values()))  # what selective recompute redoes
