@@ -74,8 +74,9 @@ def test_every_candidate_multiplies_out_and_divides(gpus, framework):
         assert 64 % (r["dp"] * r["micro_batch"]) == 0
         if framework == "megatron":
             assert r["x"] == r["z"] == 1
-    # best first: by step time to four digits (the simpler candidate first among equals)
-    fitting = [rounded_seconds(r["step_seconds"]) for r in found if r["fits"]]
+    # best first: those with headroom, then the tight ones, each by step time to four digits (the
+    # simpler candidate first among equals)
+    fitting = [(r["tight"], rounded_seconds(r["step_seconds"])) for r in found if r["fits"]]
     assert fitting == sorted(fitting) and found[: len(fitting)] == [r for r in found if r["fits"]]  # best first
 
 
@@ -153,9 +154,30 @@ def test_cli_json_objects(tmp_path):
                            "--plot", str(tmp_path / "plan.png")))
     candidates = plan["candidates"]
     assert candidates and all(KEYS <= c.keys() for c in candidates) and all(c["fits"] for c in candidates)
-    times = [rounded_seconds(c["step_seconds"]) for c in candidates]
+    times = [(c["tight"], rounded_seconds(c["step_seconds"])) for c in candidates]
     assert times == sorted(times)
     assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_a_candidate_without_headroom_is_marked_and_ranked_after_the_others(capsys):
+    """dp4 z2 with micro-batch 4 is one of the fast jobs here, at 77.6 of 80 GiB: under 5% of the
+    card free. It keeps `fits`, is marked in the table with a footnote, and comes after every
+    candidate that leaves room."""
+    from fourfold.cli import main
+
+    tight = job(dp=4, z=2, micro_batch=4, global_batch=16)
+    found = search(SMALL, 8, CLUSTER, job(global_batch=16))
+    flags = [r["tight"] for r in found if r["fits"]]
+    assert any(flags) and flags == sorted(flags)  # every tight candidate after every roomy one
+    ranked = next(r for r in found if r["job"].layout.sizes == tight.layout.sizes and r["micro_batch"] == 4)
+    assert ranked["fits"] and ranked["tight"] and ranked["memory_gib"] > 0.95 * 80
+    assert any(not r["tight"] and r["step_seconds"] > ranked["step_seconds"] for r in found)  # slower, ranked before
+    args = ["estimate", "--model", "llama-2-7b", "--dp", "4", "--z", "2", "--micro-batch", "4", "--global-batch", "16"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert " yes* " in table and "* fits with less than 5% of the GPU's memory free" in table
+    assert main(["plan", "--model", "llama-2-7b", "--gpus", "8", "--global-batch", "16", "--top", "0"]) == 0
+    assert "yes*" not in capsys.readouterr().out  # the top ten leave room
 
 
 def test_cli_error_is_clear():

@@ -176,15 +176,16 @@ def test_launcher_options_stay_with_the_launcher():
     assert _launcher_options_removed(argv) == ["eval", "--hf", "d", "--json", "--grid", "x=2"]
 
 
-@pytest.mark.parametrize("field", ["job_name", "time", "partition", "account"])
+@pytest.mark.parametrize("field", ["job_name", "time", "partition", "account", "run_dir", "workdir"])
 def test_sbatch_values_with_control_characters_are_refused(field):
     from fourfold.slurm import sbatch_script
     from fourfold.trainconfig import ConfigError
 
+    where = dict(nodes=1, gpus_per_node=8, cpus_per_task=8, run_dir="/runs/a", workdir="/home/me")
     with pytest.raises(ConfigError, match="control character '\\\\n'"):
-        sbatch_script("cfg.toml", [], nodes=1, gpus_per_node=8, **{field: "x\nsrun rm -rf /"})
+        sbatch_script("cfg.toml", [], **dict(where, **{field: "x\nsrun rm -rf /"}))
     with pytest.raises(ConfigError, match="override 1"):
-        sbatch_script("cfg.toml", ["--log.run_dir", "a\rb"], nodes=1, gpus_per_node=8)
+        sbatch_script("cfg.toml", ["--log.run_dir", "a\rb"], **where)
 
 
 def test_a_missing_model_directory_is_named_as_missing(tmp_path):

@@ -213,10 +213,10 @@ def test_cli_rejects_a_bad_config_before_starting_processes():
 
 def test_sbatch_script_quotes_every_user_value(tmp_path):
     config = str(tmp_path / "my runs; rm -rf $HOME" / "cfg.toml")
-    text = sbatch_script(config, ["--log.run_dir", "out dir/$(whoami)"], nodes=4, gpus_per_node=8,
-                         job_name="a b", partition="gpu")
-    assert "'" + config + "'" in text and "'out dir/$(whoami)'" in text
-    assert "#SBATCH --nodes=4" in text and "--nproc-per-node=8" in text and '"--rdzv-endpoint=$HEAD:29500"' in text
+    text = sbatch_script(config, ["--log.run_dir", "out dir/$(whoami)"], nodes=4, gpus_per_node=8, cpus_per_task=64,
+                         run_dir="/runs/a b", workdir="/home/me/$HOME", job_name="a b", partition="gpu")
+    assert "'" + config + "'" in text and "'out dir/$(whoami)'" in text and "--chdir='/home/me/$HOME'" in text
+    assert "#SBATCH --nodes=4" in text and "--nproc-per-node=8" in text and '"--rdzv-endpoint=$HEAD:$PORT"' in text
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -6,11 +6,13 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from fourfold.launch import inside_torchrun, relaunch_with_torchrun
+from fourfold.launch import StopRequest, inside_torchrun, relaunch_with_torchrun
 from fourfold.job import PRECISIONS
 from fourfold.layout import DEFAULT_ORDER, GridError, Layout
 from fourfold.rules import JobError
@@ -154,6 +156,7 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
         tokenizer, tokens = tokens_files(cfg)  # the ranks are given the files: none re-reads the corpus
         argv = argv + ["--data.tokenizer", str(tokenizer), "--data.tokens", str(tokens)]
         return relaunch_with_torchrun(world, _launcher_options_removed(argv), max_restarts=args.max_restarts)
+    stop = StopRequest()  # before torch is imported: a signal from now on stops the run at a step boundary
     import torch.distributed as dist
 
     from fourfold.grid import init_process_group
@@ -161,7 +164,7 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
 
     init_process_group()
     try:
-        summary = train(cfg)
+        summary = train(cfg, stop)
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
@@ -185,7 +188,9 @@ def _export(args: argparse.Namespace) -> int:
     from fourfold.export import export
 
     try:
-        path = export(args.checkpoint, args.output)
+        with warnings.catch_warnings():  # DCP's note that it reads in one process: that is the intent here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            path = export(args.checkpoint, args.output)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
     print(f"wrote {args.output} from {path}: load it with --model.hf {shlex.quote(args.output)}, `fourfold eval --hf`, "
@@ -222,8 +227,8 @@ def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     # it must exist before the job starts, since SLURM opens the job's output files in it.
     run_dir = Path(cfg.log.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    text = sbatch_script(str(Path(args.config).resolve()), [*overrides, "--log.run_dir", str(run_dir)],
-                         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    config = str(Path(args.config).resolve()) if args.config else ""
+    text = sbatch_script(config, _with_run_dir(overrides, run_dir), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          cpus_per_task=args.cpus_per_task or 8 * args.gpus_per_node, run_dir=str(run_dir),
                          workdir=str(Path.cwd()), job_name=args.job_name, time=args.time, partition=args.partition,
                          account=args.account, max_restarts=args.max_restarts)
@@ -234,6 +239,12 @@ def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def _with_run_dir(overrides: list[str], run_dir: Path) -> list[str]:
+    """The (flag, value) pairs of `overrides` with log.run_dir set to `run_dir` (a user's own dropped)."""
+    kept = [pair for pair in zip(overrides[::2], overrides[1::2]) if pair[0][2:].replace("-", "_") != "log.run_dir"]
+    return [*(v for pair in kept for v in pair), "--log.run_dir", str(run_dir)]
 
 
 def _check_slurm_world(layout: Layout, nodes: int, gpus_per_node: int) -> None:
@@ -304,12 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("checkpoint", help="a step-N checkpoint directory, or a run's checkpoint directory (latest)")
     ex.add_argument("output", help="the directory to write config.json, model.safetensors and tokenizer.json to")
     sl = commands.add_parser("slurm", help="write an sbatch script that runs `fourfold train` on N nodes",
-                             usage="fourfold slurm CONFIG.toml --nodes N [options] [--section.key value ...]",
+                             usage="fourfold slurm [CONFIG.toml] --nodes N [options] [--section.key value ...]",
                              **with_overrides)
-    sl.add_argument("config")
+    sl.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
     sl.add_argument("--nodes", type=int, required=True)
     sl.add_argument("--gpus-per-node", type=int, default=8)
-    sl.add_argument("--cpus-per-task", type=int, default=0,
+    sl.add_argument("--cpus-per-task", type=int, default=None,
                     help="CPUs of each node's task, shared by its ranks (default: 8 per GPU)")
     sl.add_argument("--job-name", default="fourfold")
     sl.add_argument("--time", default="24:00:00")
@@ -341,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     except (GridError, ConfigError, JobError) as err:
         print(f"fourfold: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (a training rank notes the signal instead, and stops at a step boundary)
+        print("fourfold: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

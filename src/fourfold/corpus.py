@@ -66,6 +66,11 @@ def prepare(text_path: str | None, vocab: int, cache_dir: str) -> tuple[Path, Pa
 def token_range(path: str | Path, chunk: int = 1 << 24) -> tuple[int, int]:
     """(smallest, largest) id of a 1-D token file, read memory-mapped `chunk` ids at a time: a file
     of any size is checked without loading it. Raises ValueError for anything but a 1-D integer .npy."""
+    with open(path, "rb") as f:
+        try:
+            np.lib.format.read_magic(f)
+        except ValueError:
+            raise ValueError("is not a .npy file") from None
     tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"holds a {tokens.dtype} array of shape {tokens.shape}, not a 1-D array of integer ids")

@@ -1,9 +1,9 @@
 """Start a fourfold command on N local processes through torchrun (one node).
 
 `python -m fourfold.launch TORCHRUN-ARGS` is torchrun that stops quietly on a signal: torchrun
-passes SIGINT/SIGTERM to every rank (each finishes its step, agrees with the others to stop, and
-rank 0 says so in one line; fourfold.trainer), then exits with 128 + the signal instead of
-printing its SignalException traceback and a warning per rank.
+passes SIGINT/SIGTERM to every rank (whose `StopRequest` notes it: each finishes its step, agrees
+with the others to stop, and rank 0 says so in one line; fourfold.trainer), then exits with 128 +
+the signal instead of printing its SignalException traceback and a warning per rank.
 """
 
 from __future__ import annotations
@@ -53,6 +53,22 @@ def _wait(torchrun: subprocess.Popen) -> int:
             interrupted = True
 
 
+class StopRequest:
+    """Notes SIGINT and SIGTERM on a rank instead of raising: the training loop reads `received` (the
+    highest signal number noted) at its next step boundary. `restore()` puts the previous handlers back."""
+
+    def __init__(self):
+        self.received = 0
+        self._previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _note(self, signum: int, frame) -> None:
+        self.received = max(self.received, signum)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 class _QuietOnSignal(logging.Filter):
     """Drops torchrun's warnings that it got a signal and passes it to each rank."""
 
@@ -62,6 +78,14 @@ class _QuietOnSignal(logging.Filter):
 
 def torchrun() -> int:
     """torchrun's command line (sys.argv), returning 128 + the signal that stopped it."""
+    try:
+        return _torchrun()
+    except KeyboardInterrupt:  # before torchrun handles signals (importing torch, rendezvous): no rank started
+        print("fourfold: interrupted before the ranks started", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _torchrun() -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
 
@@ -71,8 +95,6 @@ def torchrun() -> int:
         main()
     except SignalException as e:
         return 128 + e.sigval
-    except KeyboardInterrupt:  # before torchrun installed its handlers: no rank has started
-        return 128 + signal.SIGINT
     return 0
 
 

@@ -25,21 +25,22 @@ def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_nod
                   run_dir: str, workdir: str, job_name: str = "fourfold", time: str = "24:00:00", partition: str = "",
                   account: str = "", max_restarts: int = 3) -> str:
     """The script's text: one task per node runs torchrun for its GPUs (c10d rendezvous on the first
-    node, a port derived from the job id). `run_dir` (the job's output and error files) and
-    `workdir` (where the job runs, so relative paths in the config mean what they meant when it was
-    checked) are absolute. Every user value is shell-quoted, and refused if it holds a control character."""
+    node, a port derived from the job id) on `config` (empty: the defaults) with `overrides`.
+    `run_dir` (the job's output and error files) and `workdir` (where the job runs, so relative
+    paths in the config mean what they meant when it was checked) are absolute. Every user value
+    is shell-quoted, and refused if it holds a control character."""
     values = {"--job-name": job_name, "--time": time, "--partition": partition, "--account": account, "config": config,
               "run directory": run_dir, "working directory": workdir}
     values.update({f"override {i}": v for i, v in enumerate(overrides)})
     for name, value in values.items():
         _refuse_control_characters(name, value)
-    q = shlex.quote
+    q, gpus = shlex.quote, int(gpus_per_node)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={q(job_name)}",
         f"#SBATCH --nodes={int(nodes)}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={int(gpus_per_node)}",
+        f"#SBATCH --gpus-per-node={gpus}",
         f"#SBATCH --cpus-per-task={int(cpus_per_task)}",
         "#SBATCH --exclusive",
         f"#SBATCH --time={q(time)}",
@@ -52,19 +53,19 @@ def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_nod
     lines += [f"#SBATCH --account={q(account)}"] if account else []
     # torchrun through fourfold.launch: on a signal it leaves the ranks to stop (and save), quietly
     launcher = [sys.executable, "-m", "fourfold.launch", f"--nnodes={int(nodes)}",
-                f"--nproc-per-node={int(gpus_per_node)}", f"--max-restarts={int(max_restarts)}", "--rdzv-backend=c10d"]
+                f"--nproc-per-node={gpus}", f"--max-restarts={int(max_restarts)}", "--rdzv-backend=c10d"]
     rendezvous = '"--rdzv-id=$SLURM_JOB_ID" "--rdzv-endpoint=$HEAD:$PORT"'  # expanded by the shell, on purpose
-    user = ["-m", "fourfold.cli", "train", config, *overrides]
+    user = ["-m", "fourfold.cli", "train", *([config] if config else []), *overrides]
     quoted = " ".join([*map(q, launcher), rendezvous, *map(q, user)])
     lines += [
         "#",
-        "# Written by `fourfold slurm`. The compute nodes run the Python above: load modules or activate",
-        "# its environment here if they need it. A SIGTERM (scancel, or the --signal above before the time",
-        "# limit) makes every rank finish its step and save a checkpoint; sbatch this script again to resume.",
+        "# Written by `fourfold slurm`. The compute nodes run the Python named on the srun line: load modules",
+        "# or activate its environment here if they need it. A SIGTERM (scancel, or the --signal above before",
+        "# the time limit) makes every rank finish its step and save a checkpoint; sbatch this again to resume.",
         "set -euo pipefail",
         'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "PORT=$((29500 + SLURM_JOB_ID % 10000))  # the rendezvous port: jobs sharing a first node do not collide",
-        f"THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{int(gpus_per_node)}}} / {int(gpus_per_node)} ))  # the task's CPUs over its ranks",
+        f"THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{gpus}}} / {gpus} ))  # the task's CPUs over its ranks",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}",
         "# NCCL: change these here or in the environment sbatch is called from. On nodes with several",
         "# networks name the one between nodes, e.g. NCCL_SOCKET_IFNAME=ib0 (or =^lo,docker0 to exclude",

@@ -256,6 +256,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
         found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
                      "with `fourfold eval --checkpoint` on a grid without pp")
     found += _data_problems(cfg.data, model.vocab)
+    if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
+        found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
     for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every)):
         if value < 1:
             found.append(f"{name} must be >= 1")

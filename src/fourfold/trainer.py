@@ -27,6 +27,7 @@ from fourfold import checkpoint, comm, context, corpus
 from fourfold.dataparallel import GradientSync
 from fourfold.evaluate import evaluate
 from fourfold.grid import Grid
+from fourfold.launch import StopRequest
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
 from fourfold.optimizer import AdamW
@@ -207,40 +208,26 @@ def loss_curve(run_dir: Path) -> Path:
     return path
 
 
-class StopRequest:
-    """SIGINT and SIGTERM noted on this rank, acted on at the next step boundary: `agreed()` is the
-    strongest signal any rank got (SIGTERM > SIGINT, by number), so every rank stops after the same
-    step, whichever ranks the signal reached. `restore()` puts the previous handlers back."""
-
-    def __init__(self):
-        self.received = 0
-        self._previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _note(self, signum: int, frame) -> None:
-        self.received = max(self.received, signum)
-
-    def agreed(self, device: torch.device) -> signal.Signals | None:
-        flag = torch.tensor([self.received], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one small all-reduce per step
-        return signal.Signals(int(flag.item())) if flag.item() else None
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+def _agreed_stop(stop: StopRequest, device: torch.device) -> signal.Signals | None:
+    """The strongest signal any rank got (SIGTERM > SIGINT, by number), so that every rank stops
+    after the same step whichever ranks the signal reached: one small all-reduce per step."""
+    flag = torch.tensor([stop.received], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    agreed = int(flag.item())
+    return signal.Signals(agreed) if agreed else None
 
 
-def _stop_message(cfg: TrainConfig, stopped: signal.Signals, done: int, saved: Path | None) -> str:
-    """Rank 0's one line about a run stopped by a signal: the last checkpoint and how to resume."""
+def _stop_message(cfg: TrainConfig, stopped: signal.Signals, done: int) -> str:
+    """The one line about a run stopped by a signal: the last checkpoint and how to resume."""
+    said = f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps"
+    if stopped == signal.SIGINT:
+        said += " (SIGINT does not save; SIGTERM does)"
     last = checkpoint.latest(cfg.checkpoint_dir)
+    if last is None:
+        return f"{said}; no checkpoint yet: the same command starts over"
     how = (f"resume with --checkpoint.load {last}" if cfg.checkpoint.load or not cfg.checkpoint.resume
            else "run the same command again to resume from it")
-    if saved is not None:
-        return f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps; saved {saved}: {how}"
-    if last is None:
-        return (f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps; no checkpoint was written "
-                f"(SIGTERM saves one): the same command starts over")
-    return (f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps, not saved (SIGTERM saves); the last "
-            f"checkpoint is {last}: {how}")
+    return f"{said}; last checkpoint {last}: {how}"
 
 
 def _maybe_signal(cfg: TrainConfig, step: int) -> None:
@@ -259,9 +246,20 @@ def _maybe_kill(cfg: TrainConfig, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
     """Run (or resume) the configured training on every rank of the default process group
-    (torchrun's, joined by `fourfold train`); returns a summary."""
+    (torchrun's, joined by `fourfold train`); returns a summary. SIGINT and SIGTERM are noted by
+    `stop` (`fourfold train` starts noting them when the rank starts; else from here until the end)."""
+    if stop is not None:
+        return _train(cfg, stop)
+    stop = StopRequest()
+    try:
+        return _train(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     validate(cfg, dist.get_world_size())
     grid = Grid(cfg.layout())
     files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize once; the others find it cached
@@ -273,7 +271,7 @@ def train(cfg: TrainConfig) -> dict:
     sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
     o = cfg.optimizer
     opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
-    start = 0
+    start, saved_config = 0, {}
     source = Path(cfg.checkpoint.load) if cfg.checkpoint.load else (
         checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None)
     if source is None and cfg.model.hf:
@@ -283,20 +281,35 @@ def train(cfg: TrainConfig) -> dict:
             load_hf(part, cfg.model.hf)
     if source is not None:
         meta = checkpoint.load_checkpoint(source, model.module, opt)
-        start = meta["step"]
+        start, saved_config = meta["step"], meta.get("config", {})
     reporter = Reporter(cfg, start, model_flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
                         grid.device)
     if start:
         reporter.message(f"resumed from {source} at step {start}")
+    changed = schedule_changes(saved_config, cfg)
+    if changed:
+        reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): from "
+                         f"step {start} on the rate follows the new one")
     if start >= cfg.train.steps:
         reporter.message(f"the checkpoint is at step {start} of train.steps={cfg.train.steps}: nothing to train; "
                          f"raise --train.steps, or start over with another --log.run_dir")
+
+    def save(done: int) -> Path:
+        meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
+                    model=dataclasses.asdict(model_cfg))
+        return checkpoint.save(cfg.checkpoint_dir, done, model.module, opt, meta, cfg.checkpoint.keep,
+                               files={"tokenizer.json": tokenizer_path})
+
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
     scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
     bad, last_loss, first_loss, t_start = 0, math.nan, None, time.perf_counter()
-    last_eval = None
+    last_eval, stopped, done, saved_at = None, None, start, start
     for step in range(start, cfg.train.steps):
         _maybe_kill(cfg, step)
+        _maybe_signal(cfg, step)
+        stopped = _agreed_stop(stop, grid.device)
+        if stopped:
+            break
         began = time.perf_counter()
         opt.lr = learning_rate(cfg, step)
         inputs, targets = local_batch(cfg, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
@@ -326,15 +339,17 @@ def train(cfg: TrainConfig) -> dict:
             reporter.evaluation(done, held_out)
             last_eval = held_out["loss"]
         if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
-            meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
-                        model=dataclasses.asdict(model_cfg))
-            path = checkpoint.save(cfg.checkpoint_dir, done, model.module, opt, meta, cfg.checkpoint.keep,
-                                   files={"tokenizer.json": tokenizer_path})
-            reporter.message(f"checkpoint {path}")
+            reporter.message(f"checkpoint {save(done)}")
+            saved_at = done
+    if stopped == signal.SIGTERM and saved_at != done:
+        save(done)
+    if stopped:
+        reporter.message(_stop_message(cfg, stopped, done))
     reporter.close()
-    summary = dict(first_loss=first_loss, last_loss=last_loss, eval_loss=last_eval, steps=cfg.train.steps - start,
-                   seconds=time.perf_counter() - t_start, tokens=(cfg.train.steps - start) * cfg.batch.global_batch
-                   * cfg.batch.seq, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)))
+    summary = dict(first_loss=first_loss, last_loss=last_loss, eval_loss=last_eval, steps=done - start,
+                   seconds=time.perf_counter() - t_start, tokens=(done - start) * cfg.batch.global_batch
+                   * cfg.batch.seq, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
+                   stopped=stopped.name if stopped else None)
     if grid.rank == 0:
         summary["loss_curve"] = str(loss_curve(Path(cfg.log.run_dir)))
         (Path(cfg.log.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -14,7 +14,7 @@ from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.hardware import CLUSTERS, GPUS, make_cluster
 from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
-from fourfold.plan.search import as_json, predict, search
+from fourfold.plan.search import HEADROOM, as_json, predict, search
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ def _print_measured(r: dict) -> None:
 def row(r: dict) -> str:
     grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
     memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
-              f" {'yes' if r['fits'] else 'NO ':<4}")
+              f" {('yes*' if r['tight'] else 'yes') if r['fits'] else 'NO ':<4}")
     if "step_seconds" not in r:  # `fourfold memory`
         return f"{memory}  {r['order']}"
     return (f"{memory} {r['step_seconds']:9.3f} {r['tokens_per_second']:12.0f}"
@@ -109,9 +109,15 @@ MEMORY_HEADER = f"{'grid':<28} {'mb':<3} {'recompute':<9} {'GiB/limit':>15} {'fi
 HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':>6}  order"
 
 
+TIGHT_NOTE = (f"* fits with less than {HEADROOM:.0%} of the GPU's memory free: the estimate's error or allocator "
+              f"fragmentation can push it over (the plan ranks these after candidates with headroom)")
+
+
 def _print_one(r: dict, memory_only: bool) -> None:
     print(f"{MEMORY_HEADER}  order" if memory_only else HEADER)
     print(row(r))
+    if r["tight"]:
+        print(TIGHT_NOTE)
     print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["memory_breakdown_gib"].items()))
     if not memory_only:
         print("time (s):     " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_breakdown_seconds"].items()))
@@ -148,8 +154,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{cfg.family} {size} on {args.gpus} x {cluster.gpu.name}, "
                   f"{args.framework} profile: {len(found)} candidates in {time.perf_counter() - start:.1f} s")
             print(HEADER)
-            for r in found[: args.top or 10]:
+            shown = found[: args.top or 10]
+            for r in shown:
                 print(row(r))
+            if any(r["tight"] for r in shown):
+                print(TIGHT_NOTE)
             if not found:
                 print("nothing fits: add GPUs, enable recompute, or lower the micro-batch")
         if args.plot:

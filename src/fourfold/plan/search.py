@@ -10,7 +10,7 @@ from fourfold.job import RECOMPUTE, Job
 from fourfold.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
-from fourfold.plan.memory import estimate_memory
+from fourfold.plan.memory import GIB, estimate_memory
 from fourfold.plan.perf import Calibration, group_bandwidth, step_time
 from fourfold.rules import JobError, Problem, problems
 
@@ -18,6 +18,9 @@ from fourfold.rules import JobError, Problem, problems
 ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp", "dp", "pp"),
           ("x", "y", "cp", "z", "dp", "pp")]
 COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp")]  # every group the perf model times
+# A candidate that fits but leaves less than this fraction of the card free is "tight": the estimate's
+# error, allocator fragmentation or a longer batch can push it over. Shown, and ranked after the others.
+HEADROOM = 0.05
 
 
 def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
@@ -49,6 +52,7 @@ def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule
         "virtual": job.virtual, "order": ",".join(g.order), "micro_batch": job.micro_batch,
         "recompute": job.recompute, "seq_parallel": job.seq_parallel,
         "memory_gib": mem.gib, "memory_limit_gib": mem.limit_bytes / 2**30, "fits": mem.fits,
+        "tight": mem.fits and mem.total > (1 - HEADROOM) * cluster.gpu.memory_gib * GIB,
         "step_seconds": t.total, "tokens_per_second": tokens / t.total, "model_tflops_per_gpu": tflops,
         "mfu": tflops / cluster.gpu.bf16_tflops,
         "memory_breakdown_gib": mem.breakdown_gib(), "time_breakdown_seconds": t.breakdown(),
@@ -96,9 +100,10 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
                 results.append(best)
                 if fits:
                     break  # a lighter recompute fits: heavier ones are only slower
-    # Among equally fast candidates (step times equal to 0.1%), the simpler one first: less
-    # context parallelism, then the smaller model-parallel group, then less memory.
-    results.sort(key=lambda r: (not r["fits"], rounded_seconds(r["step_seconds"]), r["cp"],
+    # Those that fit with headroom first, then the tight ones, then (include_unfit) the rest. Among
+    # equally fast candidates (step times equal to 0.1%), the simpler one first: less context
+    # parallelism, then the smaller model-parallel group, then less memory.
+    results.sort(key=lambda r: (not r["fits"], r["tight"], rounded_seconds(r["step_seconds"]), r["cp"],
                                 r["pp"] * r["x"] * r["y"] * r["z"], r["memory_gib"]))
     return results
 

@@ -1,0 +1,245 @@
+"""A user's first hour (issue 19): data mistakes caught before launch, the SLURM script, a clean stop
+on SIGTERM/SIGINT, a changed schedule on resume, `train --help`, and the README's walk-through from
+a checkpoint to a Hugging Face directory and a fine-tuning run from it."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fourfold import checkpoint, corpus
+from fourfold.cli import main
+from fourfold.trainconfig import TrainConfig
+
+STEPS = 6
+EXAMPLE = Path(__file__).parents[1] / "examples" / "llama3-8b-8gpu.toml"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A slice of the bundled corpus, tokenized once (vocabulary 512): the options and the files."""
+    folder = tmp_path_factory.mktemp("data")
+    text = folder / "genesis.txt"
+    text.write_text(corpus.bundled_text()[:100_000])
+    tokenizer, tokens = corpus.prepare(str(text), 512, str(folder / "cache"))
+    options = ["--data.text", str(text), "--data.vocab", "512", "--data.cache_dir", str(folder / "cache")]
+    return dict(options=options, tokenizer=tokenizer, tokens=tokens, folder=folder)
+
+
+def _options(run_dir, *extra):
+    return ["--log.run_dir", str(run_dir), "--log.progress", "false", "--log.every", "1000", "--train.steps", str(STEPS),
+            "--batch.global_batch", "8", "--batch.micro_batch", "2", "--batch.seq", "32", "--optimizer.warmup", "2",
+            "--checkpoint.every", "100", *extra]
+
+
+def _fourfold(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fourfold.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`fourfold train` must fail before it starts torchrun."""
+    def launched(*args, **kwargs):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr("fourfold.cli.relaunch_with_torchrun", launched)
+
+
+def _error(capsys, argv) -> str:
+    """The one error line of a command that must fail with status 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("fourfold: error:") == 1, err
+    return err
+
+
+# ----- data against the model, before launch -----------------------------------------------------
+
+def test_token_range_reads_a_file_chunk_by_chunk(tmp_path):
+    ids = np.array([7, 3, 9, 0, 4, 12, 5], dtype=np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    assert corpus.token_range(tmp_path / "t.npy", chunk=2) == (0, 12)  # the extremes sit in different chunks
+    np.save(tmp_path / "f.npy", ids.astype(np.float32))
+    with pytest.raises(ValueError, match="not a 1-D array of integer ids"):
+        corpus.token_range(tmp_path / "f.npy")
+
+
+def test_train_checks_tokenizer_and_token_ids_against_the_model_before_launch(data, tmp_path, no_launch, capsys):
+    small = tmp_path / "small-llama.json"  # tiny-llama with a 256-token vocabulary
+    config = json.loads((Path(corpus.__file__).parent / "models/presets/tiny-llama.json").read_text())
+    small.write_text(json.dumps(dict(config, vocab_size=256)))
+    user_files = ["--data.tokens", str(data["tokens"]), "--data.tokenizer", str(data["tokenizer"])]
+    err = _error(capsys, ["train", "--model.preset", str(small), *user_files])
+    assert "has 512 tokens, more than the model's vocabulary of 256; give the model's own tokenizer" in err
+    err = _error(capsys, ["train", "--model.preset", str(small), *data["options"]])
+    assert "data.vocab=512 is larger than the model's vocabulary of 256" in err and "set data.vocab <= 256" in err
+    np.save(tmp_path / "ids.npy", np.array([1, 2, 5000, 3], dtype=np.uint16))
+    err = _error(capsys, ["train", "--data.tokens", str(tmp_path / "ids.npy"), "--data.tokenizer", str(data["tokenizer"])])
+    assert "holds id 5000, outside the model's vocabulary [0, 4096); tokenize the data with the model's tokenizer" in err
+    (tmp_path / "text.npy").write_text("not numpy")
+    err = _error(capsys, ["train", "--data.tokens", str(tmp_path / "text.npy"), "--data.tokenizer", str(data["tokenizer"])])
+    assert "give a .npy file of token ids" in err
+
+
+# ----- fourfold slurm ------------------------------------------------------------------------------
+
+def test_slurm_grid_against_nodes_names_both_fixes(capsys):
+    err = _error(capsys, ["slurm", str(EXAMPLE), "--nodes", "4", "--gpus-per-node", "8"])
+    assert "has 8 ranks, but --nodes 4 x --gpus-per-node 8 give 32 GPUs" in err
+    assert "change the grid so that dp*pp*cp*x*y*z = 32 (e.g. --grid.dp 8)" in err
+    assert "or --nodes/--gpus-per-node so that they give 8 GPUs (--nodes 1)" in err
+    assert "started" not in err
+
+
+def _fake_slurm(folder: Path) -> dict:
+    """`scontrol` and `srun` stand-ins on PATH: srun prints each argument on its own line, and the
+    environment the ranks would get."""
+    folder.mkdir()
+    (folder / "scontrol").write_text('#!/bin/bash\nprintf "gpu-node-17\\ngpu-node-18\\n"\n')
+    (folder / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@"\n'
+                                 'echo "OMP=$OMP_NUM_THREADS NCCL_DEBUG=$NCCL_DEBUG PWD=$PWD"\n')
+    for tool in ("scontrol", "srun"):
+        (folder / tool).chmod(0o755)
+    return dict(os.environ, PATH=f"{folder}:{os.environ['PATH']}", SLURM_JOB_ID="123456",
+                SLURM_JOB_NODELIST="gpu-node-[17-18]", SLURM_CPUS_PER_TASK="64")
+
+
+def test_slurm_script_runs_unchanged_on_a_cluster(tmp_path, monkeypatch):
+    submit = tmp_path / "submit here"
+    submit.mkdir()
+    monkeypatch.chdir(submit)
+    odd = "out/$(whoami) x"
+    assert main(["slurm", str(EXAMPLE), "--nodes", "2", "--gpus-per-node", "8", "--grid.dp", "4", "--output", "job.sbatch",
+                 "--log.run_dir", "my runs/8b", "--checkpoint.dir", odd, "--partition", "gpu"]) == 0
+    script = (submit / "job.sbatch").read_text()
+    run_dir = submit / "my runs" / "8b"
+    assert run_dir.is_dir()  # SLURM opens the output files there before the job starts
+    for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=64", "#SBATCH --exclusive", "#SBATCH --signal=TERM@300",
+                 f"#SBATCH --chdir='{submit}'", f"#SBATCH --output='{run_dir}/slurm-%j.out'",
+                 f"#SBATCH --error='{run_dir}/slurm-%j.err'", "#SBATCH --partition=gpu",
+                 "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}", "# export NCCL_SOCKET_IFNAME=ib0", "# export NCCL_IB_HCA=mlx5"]:
+        assert line in script.splitlines(), line
+    assert subprocess.run(["bash", "-n", "job.sbatch"]).returncode == 0
+    ran = subprocess.run(["bash", str(submit / "job.sbatch")], env=_fake_slurm(tmp_path / "bin"), cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    args = ran.stdout.splitlines()
+    assert args[:2] == ["--kill-on-bad-exit=1", "--cpus-per-task=64"]  # srun asks for the CPUs again
+    assert "--rdzv-endpoint=gpu-node-17:32956" in args  # 29500 + 123456 % 10000
+    assert "--rdzv-id=123456" in args and "--nnodes=2" in args and "--nproc-per-node=8" in args
+    assert args[args.index("--log.run_dir") + 1] == str(run_dir)  # absolute, whatever the cwd of sbatch
+    assert args[args.index("--checkpoint.dir") + 1] == odd  # a user's value arrives as one literal argument
+    assert args[-1] == "OMP=8 NCCL_DEBUG=WARN PWD=" + str(tmp_path)  # (the fake srun runs where bash was started)
+    assert main(["slurm", str(EXAMPLE), "--nodes", "2", "--grid.dp", "4", "--cpus-per-task", "96",
+                 "--output", "job.sbatch"]) == 0
+    assert "#SBATCH --cpus-per-task=96" in (submit / "job.sbatch").read_text()
+
+
+# ----- stopping, resuming ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stopped(data, tmp_path_factory):
+    """Two ranks; rank 1 alone gets SIGTERM at the start of step 3."""
+    run = tmp_path_factory.mktemp("stopped")
+    done = _fourfold("train", "--grid.dp", "2", *data["options"],
+                     *_options(run, "--fault.signal_rank", "1", "--fault.signal_step", "3"))
+    return run, done
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_every_rank_quietly(stopped):
+    run, done = stopped
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (run / ".signal-injected").exists()
+    assert [p.name for p in checkpoint.complete(run / "checkpoints")] == ["step-00000003"]
+    assert checkpoint.read_meta(run / "checkpoints" / "step-00000003")["step"] == 3
+    assert done.stdout.count("stopped by") == 1
+    assert (f"stopped by SIGTERM after 3 of {STEPS} steps; last checkpoint {run / 'checkpoints' / 'step-00000003'}: "
+            f"run the same command again to resume from it") in done.stdout
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+    assert json.loads((run / "summary.json").read_text())["stopped"] == "SIGTERM"
+
+
+def test_resume_with_another_schedule_says_what_changed(data, stopped, tmp_path):
+    run, _ = stopped
+    shutil.copytree(run / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
+    done = _fourfold("train", "--grid.dp", "2", *data["options"], *_options(tmp_path, "--train.steps", "8",
+                                                                           "--optimizer.lr", "1e-3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("train.steps 6 -> 8, optimizer.lr 0.003 -> 0.001") == 1
+    assert "the learning-rate schedule differs from the checkpoint's" in done.stdout
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000008"
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm to the launcher"])
+def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, how):
+    """Ctrl-C: SIGINT to the launching process group, as a terminal sends it; nothing is saved and
+    the command returns 130. SIGTERM to the launching process alone (a scheduler's): it is passed
+    on, every rank saves the step it stopped after, and the command returns 143. Neither prints a
+    traceback."""
+    cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
+           *_options(tmp_path, "--train.steps", "100000")]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log = tmp_path / "log.jsonl"
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "Traceback" not in err and err.strip() == "", err[-3000:]
+    assert out.count("stopped by") == 1, out[-3000:]
+    saved = checkpoint.complete(tmp_path / "checkpoints")
+    if how == "ctrl-c":
+        assert proc.returncode == 130
+        assert "stopped by SIGINT after" in out and "no checkpoint yet: the same command starts over" in out
+        assert not saved
+    else:
+        assert proc.returncode == 143
+        done = json.loads((tmp_path / "summary.json").read_text())["steps"]
+        assert [p.name for p in saved] == [f"step-{done:08d}"]
+        assert f"stopped by SIGTERM after {done} of 100000 steps; last checkpoint {saved[0]}" in out
+
+
+# ----- help, export and fine-tuning from the exported directory --------------------------------------
+
+def test_train_help_shows_the_override_syntax_and_every_section(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--section.key value" in out and "--optimizer.lr 1e-3" in out
+    for section in fields(TrainConfig):
+        assert f"[{section.name}] " in out
+    assert "lr=0.003" in out and "stage_layers=''" in out and "resume=true" in out
+
+
+def test_export_then_fine_tune_from_the_hugging_face_directory(data, stopped, tmp_path, capsys):
+    run, _ = stopped
+    hf = tmp_path / "exported"
+    assert main(["export", str(run / "checkpoints"), str(hf)]) == 0
+    assert f"wrote {hf} from {run / 'checkpoints' / 'step-00000003'}" in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in hf.iterdir()}
+    fine = tmp_path / "fine"
+    done = _fourfold("train", "--model.hf", hf, "--data.tokens", data["tokens"], "--data.tokenizer", hf / "tokenizer.json",
+                     *_options(fine, "--train.steps", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = [json.loads(line)["loss"] for line in (fine / "log.jsonl").read_text().splitlines()][0]
+    from_scratch = json.loads((run / "log.jsonl").read_text().splitlines()[0])["loss"]
+    assert first < from_scratch - 0.1  # the same first batch, scored by the exported (trained) weights
