@@ -128,7 +128,7 @@ def test_non_finite_loss_skips_the_step(ranks, data, tmp_path):
 
 
 def test_too_many_non_finite_losses_stop_the_run(ranks, data, tmp_path):
-    with pytest.raises(AssertionError, match="2 non-finite losses in a row"):
+    with pytest.raises(AssertionError, match="2 non-finite steps in a row"):
         ranks.run(_train, 2, _options(tmp_path, data, "--grid.dp", "2", "--fault.nan_steps", "1,2",
                                       "--train.max_bad_steps", "2"))
 

@@ -61,6 +61,7 @@ class TrainSection:
     precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or bf16, float32, float64
     recompute: str = "none"
     seq_parallel: bool = False
+    keep_gathered_inputs: bool = False  # linears keep their gathered input (more memory, one all-gather less)
     overlap: bool = True
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
     eval_every: int = 0  # score the held-out tail every N steps (0: never; needs pp = 1)
@@ -139,7 +140,8 @@ class TrainConfig:
         b, p, t = self.batch, self.pipeline, self.train
         return Job(self.layout(), global_batch=b.global_batch, micro_batch=b.micro_batch, seq=b.seq,
                    recompute=t.recompute, seq_parallel=t.seq_parallel, schedule=p.schedule, virtual=p.virtual,
-                   stage_layers=tuple(p.stage_layers), precision=t.precision)
+                   stage_layers=tuple(p.stage_layers), precision=t.precision,
+                   keep_gathered_inputs=t.keep_gathered_inputs)
 
     def use_job(self, job: Job) -> None:
         """Take the grid, batch, recompute and sequence parallelism of `job` (the planner's choice)."""

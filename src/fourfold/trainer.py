@@ -82,7 +82,8 @@ class Model:
     def __init__(self, grid: Grid, cfg: TrainConfig, model_cfg: ModelConfig):
         t = cfg.train
         overlap = OverlapOptions() if t.overlap else OverlapOptions(False, False, False)
-        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap, dtype=torch_dtype(t.precision, grid.device))
+        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap, keep_gathered_inputs=t.keep_gathered_inputs,
+                             dtype=torch_dtype(t.precision, grid.device))
         common = dict(seed=cfg.model.seed, std=cfg.model.init_std, recompute=t.recompute)
         self.grid, self.microbatches = grid, cfg.job().microbatches
         self.pipeline = None
@@ -315,22 +316,26 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         inputs, targets = local_batch(cfg, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
         loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
         loss = comm.all_reduce(loss.double().reshape(1), everything).item()
-        if math.isfinite(loss):
-            opt.step()
+        # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
+        if not math.isfinite(loss):
+            opt.skip()
+            updated, why = False, f"loss is {loss}"
+        else:
+            updated, why = opt.step(), "the gradient norm is not finite"
+        if updated:
             bad = 0
         else:
-            opt.skip()
             bad += 1
-            reporter.message(f"step {step}: loss is {loss}; update skipped ({bad} in a row)")
+            reporter.message(f"step {step}: {why}; update skipped ({bad} in a row)")
             if bad >= cfg.train.max_bad_steps:
-                raise TrainingError(f"{bad} non-finite losses in a row (last at step {step}); lower optimizer.lr, "
-                                    f"check the data, or resume from an earlier checkpoint")
+                raise TrainingError(f"{bad} non-finite steps in a row (last at step {step}: {why}); lower "
+                                    f"optimizer.lr, check the data, or resume from an earlier checkpoint")
         if grid.device.type == "cuda":
             torch.cuda.synchronize()
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
         reporter.step(dict(step=step, loss=loss, lr=opt.lr, grad_norm=opt.last_norm if math.isfinite(loss) else None,
-                           seconds=time.perf_counter() - began, skipped=not math.isfinite(loss),
+                           seconds=time.perf_counter() - began, skipped=not updated,
                            peak_memory_gib=peak_memory_gib(grid)))
         done = step + 1
         if cfg.train.eval_every and done % cfg.train.eval_every == 0:
