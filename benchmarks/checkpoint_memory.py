@@ -3,7 +3,8 @@
 A Llama of 63M parameters (hidden 768, 8 layers, vocab 4096) trains 2 steps on x2 y2 z2 and saves;
 a fresh world of dp2 y2 z2 loads it (model and optimizer state) and takes a step. Each phase is
 also run on a tiny model of the same shape family, whose peak is the process overhead (torch,
-gloo, the step itself): the difference is what the model's size adds. Run from the repository root:
+gloo, the step itself): the difference is what the model's size adds; and the 63M model's step on
+dp2 y2 z2 without a load shows what the load itself adds. Run from the repository root:
 
     .venv/bin/python benchmarks/checkpoint_memory.py
 """
@@ -41,7 +42,7 @@ def _rank(sizes: dict, grid_text: str, phase: str, root: str) -> None:
     if phase == "load":
         checkpoint.load_checkpoint(checkpoint.latest(root), model, opt)
     ids = torch.randint(0, cfg.vocab, (2 // grid.size("z"), 129), generator=torch.Generator().manual_seed(0))
-    for _ in range(2 if phase == "save" else 1):
+    for _ in range(2 if phase == "save" else 1):  # "load" and "step": one step
         model(ids[:, :-1], ids[:, 1:]).sum().backward()
         opt.step()
     if phase == "save":
@@ -66,6 +67,10 @@ def main() -> None:
     state = ModelConfig("llama", max_positions=256, tied=False, eps=1e-5, **BIG).parameter_count() * 16 / 2**20
     print(f"model: {ModelConfig('llama', max_positions=256, tied=False, eps=1e-5, **BIG).parameter_count() / 1e6:.0f}M "
           f"parameters; fp32 training state (weights, gradients, Adam m, v) {state:.0f} MiB, {state / 8:.0f} MiB a rank")
+    # the same step on the load grid without loading: what the load itself adds
+    with tempfile.TemporaryDirectory() as root:
+        fresh = _run(BIG, LOAD_GRID, "step", root)
+    print(f"step on {LOAD_GRID} without a load: largest rank's peak RSS {fresh:.0f} MiB")
     for phase, grid_text in (("save", SAVE_GRID), ("load", LOAD_GRID)):
         peaks = {}
         for name, sizes in (("tiny", TINY), ("63M", BIG)):
