@@ -1,8 +1,9 @@
 """Pipeline parallelism over pp on torch.distributed.pipelining schedules.
 
 The layers are cut into pp * virtual stages; pp rank r holds stages r, r + pp, ... (the looped
-placement the interleaved schedule expects). Each stage is a `Transformer` holding only its
-layers (the embedding on the first stage, norm, LM head and loss on the last), so a stage sends
+placement the interleaved schedule expects). Each stage is a plain `Transformer` pruned to its
+layers (`stage_model`: the embedding on the first stage, norm, LM head and loss on the last; built
+on the meta device, so only the stage's parameters are ever allocated), so a stage sends
 its own residual-stream shard [micro/z, seq/cp(/y), hidden/x] to the same tensor-grid position
 of the next stage. Parameter gradients accumulate over the micro-batches into the hooks of
 `fourfold.dataparallel.GradientSync`, which launches each bucket's reduction after the last one.
@@ -18,11 +19,34 @@ from fourfold.comm import Group
 from fourfold.grid import Grid
 from fourfold.job import split_layers
 from fourfold.models.config import ModelConfig
-from fourfold.models.transformer import Stage, Transformer
+from fourfold.models.transformer import Transformer
 from fourfold.tensor.block import TensorOptions
+from fourfold.tensor.params import parallel_layers
 from fourfold.tensor.vocab import vocab_parallel_cross_entropy
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range, *, first: bool, last: bool,
+                seed: int, std: float, recompute: str) -> Transformer:
+    """A plain model pruned to one pipeline stage: built on the meta device (no memory, no
+    initialisation), cut to `layers` (plus the embedding on the first stage, the final norm and
+    head on the last), then only what is left is allocated and given its initial values."""
+    if cfg.tied and not (first and last):
+        raise ValueError("tied input and output embeddings cannot be split across pipeline stages yet; "
+                         "use pp=1 or a model config with tied=false")
+    with torch.device("meta"):
+        model = Transformer(grid, cfg, opts, seed=seed, std=std, recompute=recompute)
+    for index in [i for i in model.layers if int(i) not in layers]:
+        del model.layers[index]
+    if not first:
+        model.embed = model.positions = None
+    if not last:
+        model.norm = model.lm_head = None
+    model.to_empty(device=grid.device)
+    for layer in parallel_layers(model):
+        layer.reset_parameters()
+    return model
 
 
 class _LedgerStage(PipelineStage):
@@ -62,9 +86,8 @@ class Pipeline:
         self.grid, self.microbatches = grid, microbatches
         self.batch_shape = torch.Size([microbatches * micro_batch, seq])
         self.indices = [pp.rank + v * pp.size for v in range(virtual)]
-        self.models = [Transformer(grid, cfg, opts, seed=seed, std=std, recompute=recompute,
-                                   stage=Stage(ranges[i], first=i == 0, last=i == n_stages - 1)).to(grid.device)
-                       for i in self.indices]
+        self.models = [stage_model(grid, cfg, opts, ranges[i], first=i == 0, last=i == n_stages - 1, seed=seed,
+                                   std=std, recompute=recompute) for i in self.indices]
         self.module = nn.ModuleList(self.models)  # every parameter of this rank, for GradientSync
         self.has_first, self.has_last = 0 in self.indices, n_stages - 1 in self.indices
         # Shapes given up front: torch's run-time inference would run an extra forward and backward.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -21,27 +19,22 @@ from fourfold.tensor.params import ParallelModule, ParamLayout, Piece
 from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
 
 
-@dataclass(frozen=True)
-class Stage:
-    """The part of the model one pipeline stage holds: its layers (global indices), and whether it
-    holds the embedding (first) and the final norm, LM head and loss (last)."""
-
-    layers: range
-    first: bool = True
-    last: bool = True
-
-
 class PositionEmbedding(ParallelModule):
     """GPT-2's learned positions [max_positions, hidden], features split over x (small: not z-sharded)."""
 
     def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions, seed: int, std: float):
         super().__init__()
-        self.grid, self.hidden, x = grid, cfg.hidden, grid.group("x")
-        local = cfg.hidden // x.size
-        rows = torch.arange(cfg.max_positions)[:, None]
-        cols = torch.arange(local)[None, :] + x.rank * local
-        self.weight = nn.Parameter(init.normal(seed, "positions", rows * cfg.hidden + cols, std, opts.dtype))
+        self.grid, self.hidden, self.seed, self.std = grid, cfg.hidden, seed, std
+        self.weight = nn.Parameter(torch.empty(cfg.max_positions, cfg.hidden // grid.size("x"), dtype=opts.dtype))
         self.seq_parallel = opts.seq_parallel
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        positions, local = self.weight.shape
+        rows = torch.arange(positions)[:, None]
+        cols = torch.arange(local)[None, :] + self.grid.coords["x"] * local
+        self.weight.copy_(init.normal(self.seed, "positions", rows * self.hidden + cols, self.std, self.weight.dtype))
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         table = self.weight[positions]
@@ -70,9 +63,10 @@ class Transformer(nn.Module):
     """ids [batch/z, seq/cp] -> per-token loss [batch/z, seq/cp]; full logits never exist on a rank.
 
     With context parallelism the ids are this rank's two load-balanced chunks
-    (`context.shard_sequence`). A pipeline stage (`stage`) holds only its layers, the embedding
-    on the first stage and the head on the last; its forward takes and returns the residual
-    stream shard that travels between stages.
+    (`context.shard_sequence`). A plain model holds everything; `fourfold.pipeline.stage_model`
+    prunes one to a pipeline stage (its layers, the embedding on the first stage, the norm and
+    head on the last), whose forward takes and returns the residual stream shard that travels
+    between stages.
 
     Serial parameter names (what `params.full_weights` and `params.load` use): embed, positions (GPT-2),
     layers.{i}.attn.{q,k,v,o}, layers.{i}.mlp.{gate,up,down | fc,down}, layers.{i}.{attn,mlp}_norm.weight
@@ -80,41 +74,32 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions = TensorOptions(), *, seed: int = 0,
-                 std: float = 0.02, recompute: str = "none", stage: Stage | None = None):
+                 std: float = 0.02, recompute: str = "none"):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute {recompute!r} must be one of {', '.join(RECOMPUTE)}")
-        stage = stage or Stage(range(cfg.layers))
-        if cfg.tied and not (stage.first and stage.last):
-            raise ValueError("tied input and output embeddings cannot be split across pipeline stages yet; "
-                             "use pp=1 or a model config with tied=false")
-        self.grid, self.cfg, self.opts, self.recompute, self.stage = grid, cfg, opts, recompute, stage
+        self.grid, self.cfg, self.opts, self.recompute = grid, cfg, opts, recompute
         block = cfg.block
         self.overlap = Overlapper(opts.overlap, grid.group("z"))  # one prefetch order for all layers
         out_std = std / (2 * cfg.layers) ** 0.5  # GPT-2's scaled init of the residual projections
-        self.embed = self.positions = self.norm = self.lm_head = None
-        if stage.first:
-            self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std,
-                                           seq_parallel=opts.seq_parallel, dtype=opts.dtype)
-            if cfg.family == "gpt2":
-                self.positions = PositionEmbedding(grid, cfg, opts, seed, std)
-        # keyed by global index so that parameter names are the serial model's on every stage
+        self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std,
+                                       seq_parallel=opts.seq_parallel, dtype=opts.dtype)
+        self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family == "gpt2" else None
+        # keyed by global index so that parameter names stay the serial model's on a pipeline stage
         self.layers = nn.ModuleDict({
             str(i): ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
                                   recompute_attention=recompute == "selective", overlap=self.overlap)
-            for i in stage.layers
+            for i in range(cfg.layers)
         })
-        if stage.last:
-            self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
-                                     dtype=opts.dtype, name="norm")
-            self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed,
-                                          std=std, input_gather="tokens" if opts.seq_parallel else "none",
-                                          keep_weight=opts.keep_weights, keep_gathered_input=opts.keep_gathered_inputs,
-                                          dtype=opts.dtype,
-                                          name="lm_head", overlap=self.overlap)
-            if cfg.tied:
-                self.lm_head.weight = self.embed.weight
-                self.lm_head.matrix = self.embed.matrix
+        self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
+                                 dtype=opts.dtype, name="norm")
+        self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed,
+                                      std=std, input_gather="tokens" if opts.seq_parallel else "none",
+                                      keep_weight=opts.keep_weights, keep_gathered_input=opts.keep_gathered_inputs,
+                                      dtype=opts.dtype, name="lm_head", overlap=self.overlap)
+        if cfg.tied:
+            self.lm_head.weight = self.embed.weight
+            self.lm_head.matrix = self.embed.matrix
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel logits [batch/z, seq/cp, vocab/y] (replicated over x)."""
@@ -124,12 +109,13 @@ class Transformer(nn.Module):
         """This stage's output for ids (first stage) or the residual stream shard (later stages):
         the residual stream, or on the last stage the logits, or with `targets` (global token ids,
         negative ones ignored) the per-token cross-entropy."""
-        if self.stage.first and self.stage.last:  # a pipeline starts the pass at each schedule step
+        first, last = self.embed is not None, self.lm_head is not None  # a stage may lack either
+        if first and last:  # a pipeline starts the pass at each schedule step
             self.overlap.new_pass()
-        seq = x.shape[1] * (self.grid.size("y") if self.opts.seq_parallel and not self.stage.first else 1)
+        seq = x.shape[1] * (self.grid.size("y") if self.opts.seq_parallel and not first else 1)
         positions = context.positions(seq, self.grid.group("cp"), device=x.device)
         h = x
-        if self.stage.first:
+        if first:
             h = self.embed(x)
             if self.positions is not None:
                 h = h + self.positions(positions)
@@ -138,7 +124,7 @@ class Transformer(nn.Module):
                 h = checkpoint(layer, h, positions, use_reentrant=False)
             else:
                 h = layer(h, positions)
-        if not self.stage.last:
+        if not last:
             return h.contiguous()  # sent to the next stage, whose receive buffer is contiguous
         logits = self.lm_head(self.norm(h))
         return logits if targets is None else vocab_parallel_cross_entropy(logits, targets, self.grid)

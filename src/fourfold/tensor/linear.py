@@ -227,11 +227,19 @@ class ParallelLinear(ParallelModule):
         self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
         # Shared with the model's other layers for prefetching; a layer on its own gets its own.
         self.overlap = overlap or Overlapper(OverlapOptions(), grid.group("z"))
-        self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
+        self.seed, self.std = seed, std
+        self.weight = nn.Parameter(torch.empty(self.matrix.shard_numel, dtype=dtype))
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.matrix.block_shape[0], dtype=dtype))  # GPT-2 starts biases at 0
+            self.bias = nn.Parameter(torch.empty(self.matrix.block_shape[0], dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.copy_(self.matrix.init_shard(self.seed, self.std, self.weight.dtype))
+        if self.bias is not None:
+            self.bias.zero_()  # GPT-2 starts biases at 0
 
     def gather_weight(self, shard: torch.Tensor) -> torch.Tensor:
         return self.overlap.gather(self.matrix, shard)

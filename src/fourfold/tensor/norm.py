@@ -24,11 +24,18 @@ class ParallelNorm(ParallelModule):
         self.grid, self.hidden, self.kind, self.eps, self.name = grid, hidden, kind, eps, name
         self.seq_parallel = seq_parallel
         local = hidden // grid.size("x")
-        self.weight = nn.Parameter(torch.ones(local, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(local, dtype=dtype))
         if kind == "layer":
-            self.bias = nn.Parameter(torch.zeros(local, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(local, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1)
+        if self.bias is not None:
+            self.bias.zero_()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x_group = self.grid.group("x")

@@ -76,15 +76,20 @@ class ParallelModule(nn.Module, ABC):
     def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
         """The layout of each of this layer's parameters on this rank."""
 
+    @abstractmethod
+    def reset_parameters(self) -> None:
+        """Set this rank's elements of the serial model's initial values, in place (a layer built
+        on the meta device and materialised with `to_empty` gets its values here)."""
 
-def _parallel_layers(module: nn.Module) -> list[ParallelModule]:
+
+def parallel_layers(module: nn.Module) -> list[ParallelModule]:
     return [layer for layer in module.modules() if isinstance(layer, ParallelModule)]
 
 
 def layouts(module: nn.Module) -> dict[nn.Parameter, ParamLayout]:
     """Every parallel parameter of `module` (a tied weight once, as its first layer lays it out)."""
     out: dict[nn.Parameter, ParamLayout] = {}
-    for layer in _parallel_layers(module):
+    for layer in parallel_layers(module):
         for p, layout in layer.param_layouts().items():
             out.setdefault(p, layout)
     return out
@@ -108,7 +113,7 @@ def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
 def load(module: nn.Module, read: Read, put: Put = _copy_into) -> None:
     """Set every parallel layer of `module` from serial tensors; with `put`, hand each parameter's
     local value to `put(param, value)` instead (to restore optimizer state the same way)."""
-    for layer in _parallel_layers(module):
+    for layer in parallel_layers(module):
         layer.load(read, put)
 
 
@@ -121,7 +126,7 @@ def full_weights(module: nn.Module, grads: bool = False, pick: Pick | None = Non
     (`grads`), or any tensor laid out like each parameter (`pick(param)`, e.g. optimizer state)."""
     pick = pick or ((lambda p: p.grad) if grads else (lambda p: p))
     out = {}
-    for layer in _parallel_layers(module):
+    for layer in parallel_layers(module):
         out.update(layer.full_weights(pick))
     return out
 

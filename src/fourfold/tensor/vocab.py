@@ -26,7 +26,13 @@ class ParallelEmbedding(ParallelModule):
         super().__init__()
         self.grid, self.seq_parallel, self.name = grid, seq_parallel, name
         self.matrix = ShardedMatrix(grid, [RowSource(name, 0, vocab)], hidden, "x-in", name)
-        self.weight = nn.Parameter(self.matrix.init_shard(seed, std, dtype))
+        self.seed, self.std = seed, std
+        self.weight = nn.Parameter(torch.empty(self.matrix.shard_numel, dtype=dtype))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.copy_(self.matrix.init_shard(self.seed, self.std, self.weight.dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""
