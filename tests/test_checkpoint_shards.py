@@ -90,3 +90,17 @@ def test_a_z_piece_is_at_most_three_rectangles():
     part = rectangles(ParamLayout((), (), (piece,)), flat[5:12], lo=5)
     assert [(r.offsets, r.sizes) for r in part] == [((12, 22), (1, 3)), ((13, 20), (1, 4))]
     assert all(isinstance(r, Rectangle) for r in part)
+
+
+def _saves_after_resuming_from_an_earlier_step(root):
+    grid, model, _ = _model({})
+    for step in (3, 6):  # a first run
+        checkpoint.save(root, step, model, None, {"run": "first"}, keep=2)
+    for step in (4, 5, 6):  # resumed from step 3 in the same directory
+        checkpoint.save(root, step, model, None, {"run": "second"}, keep=2)
+    return [(p.name, checkpoint.read_meta(p)["run"]) for p in checkpoint.complete(root)]
+
+
+def test_a_run_resumed_from_an_earlier_step_replaces_and_prunes_only_up_to_its_step(ranks, tmp_path):
+    kept = ranks.run(_saves_after_resuming_from_an_earlier_step, 1, tmp_path)[0]
+    assert kept == [("step-00000005", "second"), ("step-00000006", "second")]

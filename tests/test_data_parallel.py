@@ -128,3 +128,20 @@ def _overflowing_gradient_step():
 def test_a_non_finite_gradient_norm_skips_the_update(ranks):
     for updated, state_unchanged, weights_unchanged, steps in ranks.run(_overflowing_gradient_step, 4):
         assert updated == [True, False] and state_unchanged and weights_unchanged and steps == 1
+
+
+def _skip_first():
+    grid = Grid(Layout(dp=2))
+    model = Transformer(grid, CFG, TensorOptions(dtype=torch.float64), seed=5)
+    opt = AdamW(GradientSync(model, grid), lr=1e-2)
+    read = []
+    opt.restore(lambda: read.append(True), step_count=7)  # as a resumed run: state read at the first step
+    ids = _batches(CFG)[0].chunk(2)[grid.coords["dp"]]
+    model(ids[:, :-1], ids[:, 1:]).sum().backward()
+    opt.skip()  # a non-finite first loss
+    return bool(opt.state), read, opt.step_count
+
+
+def test_a_skipped_first_step_still_reads_the_resumed_state(ranks):
+    """Else a checkpoint saved right after would hold no optimizer state but claim its steps."""
+    assert ranks.run(_skip_first, 2) == [(True, [True], 7)] * 2

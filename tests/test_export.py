@@ -43,3 +43,13 @@ def test_export_writes_shards_transformers_loads(ranks, tmp_path, name):
     state = model.state_dict()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
+
+
+def test_export_never_deletes_a_directory_that_is_not_a_model(tmp_path):
+    from fourfold.checkpoint import CheckpointError
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="is not a model directory"):
+        export(tmp_path / "run", tmp_path / "notes")
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"

@@ -193,3 +193,9 @@ def test_a_missing_model_directory_is_named_as_missing(tmp_path):
         load_config(str(tmp_path / "my-llama"))
     with pytest.raises(ValueError, match="is neither a config.json nor a preset"):
         load_config("tiny-lama")
+
+
+def test_a_model_config_that_cannot_split_its_heads_is_a_problem_not_a_traceback():
+    bad = ModelConfig("llama", hidden=48, layers=2, heads=5, kv_heads=5, ffn=96, vocab=64, max_positions=64,
+                      tied=False, eps=1e-5)
+    assert "must be divisible by heads=5" in str(problems(bad, Job())[0])

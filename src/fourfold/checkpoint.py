@@ -93,11 +93,16 @@ def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta
         tmp = partial / (META + ".tmp")
         tmp.write_text(json.dumps(dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0), indent=1))
         os.replace(tmp, partial / META)
-        if final.exists():  # the same step saved before a restart: that copy is complete already
-            shutil.rmtree(partial)
+        if final.exists():  # a run resumed from an earlier step reached this one again: the new copy wins
+            stale = root / f".step-{step:08d}.replaced"
+            os.replace(final, stale)
+            os.replace(partial, final)
+            shutil.rmtree(stale)
         else:
             os.replace(partial, final)
-        for old in complete(root)[:-keep] if keep > 0 else []:
+        # keep the last K up to this step; later ones (from a run this one resumed before) are left alone
+        up_to_now = [c for c in complete(root) if c.name <= final.name]
+        for old in up_to_now[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     dist.barrier()
     return final

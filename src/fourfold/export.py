@@ -39,12 +39,16 @@ def _hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
 def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the checkpoint `source` (a step-N directory, or a run's checkpoint directory: its
     latest) to `out_dir`; returns the step-N directory it read."""
+    out = Path(out_dir)
+    if out.exists() and not (out / "config.json").is_file() and any(out.iterdir()):
+        raise checkpoint.CheckpointError(f"{out} exists and is not a model directory; give a new or empty directory")
     path = Path(source)
     if not (path / checkpoint.META).is_file():
         path = checkpoint.latest(path) or path
     cfg = ModelConfig(**checkpoint.read_meta(path)["model"])
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    out = Path(out_dir)
+    if path.resolve().is_relative_to(out.resolve()):
+        raise checkpoint.CheckpointError(f"{out} holds the checkpoint {path}; give another output directory")
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

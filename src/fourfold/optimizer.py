@@ -94,7 +94,10 @@ class AdamW:
     @torch.no_grad()
     def skip(self) -> None:
         """Drop this step's gradients without updating anything (a non-finite loss)."""
-        for bucket in self.sync.finish():
+        buckets = self.sync.finish()
+        if not self.state:  # the state (and a checkpoint's, when resuming) exists from the first step on
+            self._init_state(buckets)
+        for bucket in buckets:
             self.sync.release(bucket)
 
     @torch.no_grad()

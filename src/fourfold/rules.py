@@ -43,7 +43,11 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None) -> list[
     """Everything that stops `model` from training as `job` (on `world` started processes)."""
     out: list[Problem] = []
     add = lambda what, fix: out.append(Problem(what, fix))  # noqa: E731
-    g, b = job.layout, model.block
+    g = job.layout
+    try:
+        b = model.block
+    except ValueError as e:  # heads that do not divide the hidden size, or kv heads the heads
+        return [Problem(f"the model config: {e}", "fix the model's config.json")]
     if world is not None and g.world_size != world:
         add(f"the grid {g} needs {g.world_size} processes, but {world} are asked for",
             f"change the grid so that dp*pp*cp*x*y*z = {world}, or start {g.world_size} processes")

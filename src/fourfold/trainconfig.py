@@ -260,7 +260,8 @@ def validate(cfg: TrainConfig, world: int) -> None:
     found += _data_problems(cfg.data, model.vocab)
     if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
         found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
-    for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every)):
+    for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every),
+                        ("log.every", cfg.log.every)):
         if value < 1:
             found.append(f"{name} must be >= 1")
     if found:
