@@ -114,9 +114,11 @@ def _overflowing_gradient_step():
     results = []
     for step in range(2):
         ids = _batches(CFG)[step].chunk(2)[grid.coords["dp"]].chunk(2)[grid.coords["z"]]
+        # the overflow enters through autograd (the buckets are reduced during backward)
+        overflow = model.norm.weight.register_hook(lambda g: g * float("inf")) if step and grid.rank == 0 else None
         model(ids[:, :-1], ids[:, 1:]).sum().backward()
-        if step == 1 and grid.rank == 0:
-            next(iter(opt.sync.main_grads.values())).view(-1)[0] = float("inf")
+        if overflow is not None:
+            overflow.remove()
         before = [{k: t.clone() for k, t in s.items() if k != "copies"} for s in opt.state]
         weights = [p.detach().clone() for p in model.parameters()]
         results.append(opt.step())
