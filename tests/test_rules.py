@@ -164,7 +164,7 @@ def test_eval_checks_before_it_starts_processes(tmp_path):
     assert no_tokens.returncode == 2 and "give a .npy file of token ids" in no_tokens.stderr
     np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int64) * 100)
     too_big = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8")
-    assert too_big.returncode == 2 and "outside the model's vocabulary of 4096" in too_big.stderr
+    assert too_big.returncode == 2 and "outside the model's vocabulary [0, 4096)" in too_big.stderr
     bad_grid = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--grid", "y=3")
     assert bad_grid.returncode == 2 and "choose y from 1, 2, 4" in bad_grid.stderr
 

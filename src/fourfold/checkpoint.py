@@ -64,13 +64,10 @@ def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True
             out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
     if opt is not None and opt.state:
         for bucket, state in zip(opt.sync.buckets, opt.state):
-            lo, hi = bucket.shard_range(opt.sync.shard)
-            offset = 0
-            for p in bucket.params:  # each parameter's part of this rank's slice of the bucket
-                a, b = max(offset, lo), min(offset + p.numel(), hi)
-                for kind in (AdamW.STATE if a < b else ()):
-                    out += rectangles(layouts[p], state[kind][a - lo : b - lo], lo=a - offset, prefix=f"optim/{kind}/")
-                offset += p.numel()
+            # each parameter's part of this rank's slice of the bucket
+            for p, a, b, at in bucket.segments(*bucket.shard_range(opt.sync.shard)):
+                for kind in AdamW.STATE:
+                    out += rectangles(layouts[p], state[kind][at : at + b - a], lo=a, prefix=f"optim/{kind}/")
     return out
 
 

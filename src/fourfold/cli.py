@@ -47,27 +47,21 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     """Every problem of `fourfold eval`, found before any process starts."""
     import numpy as np
 
-    from fourfold.corpus import token_range
     from fourfold.evaluate import windows
     from fourfold.job import Job
     from fourfold.rules import check
+    from fourfold.trainconfig import check_token_ids
 
     model = _eval_model_config(args)
     # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training
     job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
               seq=args.seq, precision=args.precision)
     check(model, job, world=args.nproc_per_node)
-    try:
-        lo, hi = token_range(args.tokens)  # chunk by chunk: the file is never loaded whole
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--tokens {args.tokens}: {e}; give a .npy file of token ids") from None
+    check_token_ids(args.tokens, model.vocab, "--tokens")
     try:
         windows(np.load(args.tokens, mmap_mode="r")[: args.seq + 1], args.seq)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if lo < 0 or hi >= model.vocab:
-        raise ConfigError(f"--tokens {args.tokens} holds id {hi if hi >= model.vocab else lo}, outside the model's "
-                          f"vocabulary of {model.vocab}; tokenize with the model's own tokenizer")
 
 
 def _eval_model_config(args: argparse.Namespace):

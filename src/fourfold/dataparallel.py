@@ -16,6 +16,7 @@ gradients is ever made.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,16 @@ class Bucket:
             return 0, self.padded()
         n = self.padded() // self.group.size
         return self.group.rank * n, (self.group.rank + 1) * n
+
+    def segments(self, lo: int, hi: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+        """Each parameter's part of the bucket's flat range [lo, hi) (its parameters laid end to
+        end): (parameter, start and end within the parameter, start within the range)."""
+        offset = 0
+        for p in self.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                yield p, a - offset, b - offset, a - lo
+            offset += p.numel()
 
 
 class GradientSync:
@@ -126,12 +137,10 @@ class GradientSync:
         """Move the bucket's accumulators into one flat buffer (after the traced backward)."""
         first = self.main_grads[bucket.params[0]]
         bucket.buffer = torch.zeros(bucket.padded(), dtype=first.dtype, device=first.device)
-        offset = 0
-        for p in bucket.params:
-            view = bucket.buffer[offset : offset + p.numel()].view_as(p)
+        for p, _, numel, at in bucket.segments(0, bucket.numel):  # whole parameters
+            view = bucket.buffer[at : at + numel].view_as(p)
             view.copy_(self.main_grads[p])
             self.main_grads[p] = view  # the old accumulator is freed here, one bucket at a time
-            offset += p.numel()
 
     def finish(self) -> list[Bucket]:
         """Launch what is left and wait for every bucket; `bucket.reduced` is then its reduced

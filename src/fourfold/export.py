@@ -59,7 +59,7 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
         dcp.load({f"model/{name}": t}, checkpoint_id=str(path), no_dist=True)
         return t
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard: dict[str, torch.Tensor] = {}  # the one being filled: number len(files)
     files: list[str] = []
     weight_map: dict[str, int] = {}
     size = total = 0
@@ -68,15 +68,13 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
         pieces = [t.T if conv1d and t.dim() == 2 else t for t, (_, conv1d) in zip(pieces, parts)]
         tensor = (torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:  # write the full shard, start the next
-            files.append(_write(shards[-1], partial, len(files)))
-            shards.append({})
+        if shard and size + nbytes > shard_bytes:  # write the full shard, start the next
+            files.append(_write(shard, partial, len(files)))
             size = 0
-        shards[-1][hf] = tensor
-        weight_map[hf] = len(shards) - 1
+        shard[hf] = tensor
+        weight_map[hf] = len(files)
         size, total = size + nbytes, total + nbytes
-    files.append(_write(shards[-1], partial, len(files)))
-    shards.clear()
+    files.append(_write(shard, partial, len(files)))
     names = _final_names(partial, files)
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {hf: names[i] for hf, i in weight_map.items()}}

@@ -42,12 +42,8 @@ class AdamW:
         fp32 at least; built segment by segment, never the whole bucket."""
         first = bucket.params[0]
         out = torch.zeros(hi - lo, dtype=at_least_fp32(first.dtype), device=first.device)
-        offset = 0
-        for p in bucket.params:
-            a, b = max(offset, lo), min(offset + p.numel(), hi)
-            if a < b:
-                out[a - lo : b - lo] = tensor_of(p).detach().reshape(-1)[a - offset : b - offset]
-            offset += p.numel()
+        for p, a, b, at in bucket.segments(lo, hi):
+            out[at : at + b - a] = tensor_of(p).detach().reshape(-1)[a:b]
         return out
 
     def _copies(self, bucket: Bucket, lo: int, hi: int) -> list[tuple[int, int, float]]:
@@ -57,13 +53,8 @@ class AdamW:
         was summed over) holds it. Padding is counted once (it is zero)."""
         grid = self.sync.grid
         factor = grid.size(("dp", "cp")) / (bucket.group.size if self.sync.shard else 1)
-        segments, offset = [], 0
-        for p in bucket.params:
-            a, b = max(offset, lo), min(offset + p.numel(), hi)
-            if a < b:
-                segments.append((a - lo, b - lo, grid.size(self.sync.layouts[p].replicated) * factor))
-            offset += p.numel()
-        return segments
+        return [(at, at + b - a, grid.size(self.sync.layouts[p].replicated) * factor)
+                for p, a, b, at in bucket.segments(lo, hi)]
 
     def global_norm(self, buckets: list[Bucket]) -> torch.Tensor:
         """Exact global gradient norm: each element counted once over every shard and replica."""
@@ -131,8 +122,6 @@ class AdamW:
             # Gather in the parameters' dtype: half the bytes of fp32 for bf16 parameters.
             dtype = bucket.params[0].dtype
             full = comm.all_gather(s["master"].to(dtype), bucket.group) if self.sync.shard else s["master"]
-            offset = 0
-            for p in bucket.params:
-                p.copy_(full[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, _, numel, at in bucket.segments(0, bucket.numel):  # whole parameters
+                p.copy_(full[at : at + numel].view_as(p))
         return True

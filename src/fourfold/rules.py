@@ -26,13 +26,17 @@ class Problem:
         return f"{self.what}; {self.fix}"
 
 
+def describe(found: list, header: str) -> str:
+    """One problem as its line; several under `header`, one per line."""
+    return "\n  ".join([header, *map(str, found)]) if len(found) > 1 else str(found[0])
+
+
 class JobError(ValueError):
     """A job the runtime cannot run; the message lists every problem with its fix."""
 
     def __init__(self, problems: list[Problem]):
         self.problems = problems
-        super().__init__("\n  ".join(["this job cannot run:", *map(str, problems)]) if len(problems) > 1
-                         else str(problems[0]))
+        super().__init__(describe(problems, "this job cannot run:"))
 
 
 def _divisors(n: int) -> str:

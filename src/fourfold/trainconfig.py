@@ -12,7 +12,7 @@ from pathlib import Path
 from fourfold.job import Job
 from fourfold.layout import DIMS, GridError, Layout
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.rules import problems
+from fourfold.rules import describe, problems
 
 
 @dataclass
@@ -265,7 +265,7 @@ def validate(cfg: TrainConfig, world: int) -> None:
         if value < 1:
             found.append(f"{name} must be >= 1")
     if found:
-        raise ConfigError("\n  ".join(["this run cannot start:", *map(str, found)]) if len(found) > 1 else str(found[0]))
+        raise ConfigError(describe(found, "this run cannot start:"))
 
 
 def _data_problems(d: DataSection, model_vocab: int) -> list[str]:
@@ -286,7 +286,7 @@ def check_data_files(cfg: TrainConfig) -> None:
     """The user's tokenizer and token file (data.tokens) against the model's vocabulary, before any
     process starts; the token file is read once, chunk by chunk (any size). `validate` has checked
     that both files exist; a corpus tokenized here is bounded by data.vocab, which it checked too."""
-    from fourfold.corpus import load_tokenizer, token_range
+    from fourfold.corpus import load_tokenizer
 
     d = cfg.data
     if not d.tokens:
@@ -300,14 +300,21 @@ def check_data_files(cfg: TrainConfig) -> None:
     if size > vocab:
         raise ConfigError(f"data.tokenizer {d.tokenizer} has {size} tokens, more than the model's vocabulary of "
                           f"{vocab}; give the model's own tokenizer (its tokenizer.json) and tokens made with it")
+    check_token_ids(d.tokens, vocab, "data.tokens")
+
+
+def check_token_ids(path: str, vocab: int, option: str) -> None:
+    """A token file (given as `option`) against the model's vocabulary, read chunk by chunk: a file
+    of any size is checked without loading it."""
+    from fourfold.corpus import token_range
+
     try:
-        lo, hi = token_range(d.tokens)
+        lo, hi = token_range(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokens {d.tokens}: {e}; give a .npy file of token ids (numpy.save of a 1-D array)") \
-            from None
+        raise ConfigError(f"{option} {path}: {e}; give a .npy file of token ids (numpy.save of a 1-D array)") from None
     if lo < 0 or hi >= vocab:
-        raise ConfigError(f"data.tokens {d.tokens} holds id {hi if hi >= vocab else lo}, outside the model's "
-                          f"vocabulary [0, {vocab}); tokenize the data with the model's tokenizer")
+        raise ConfigError(f"{option} {path} holds id {hi if hi >= vocab else lo}, outside the model's vocabulary "
+                          f"[0, {vocab}); tokenize the data with the model's tokenizer")
 
 
 def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
