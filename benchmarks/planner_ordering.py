@@ -70,11 +70,12 @@ def measure(text: str, repeat: int = 3) -> float:
     cfg = TrainConfig(grid=GridSection(**{d: getattr(layout, d) for d in DIMS}),
                       batch=BatchSection(global_batch=GLOBAL_BATCH, micro_batch=MICRO, seq=SEQ),
                       train=TrainSection(seq_parallel=layout.y > 1))
-    model = Model(grid, cfg, CFG)
+    job = cfg.job()
+    model = Model(grid, job, CFG, dtype=torch.float32)
     opt = AdamW(GradientSync(model.module, grid), lr=1e-3)
     rows = GLOBAL_BATCH // layout.dp
     ids = np.random.default_rng(0).integers(0, CFG.vocab, (rows, SEQ + 1))
-    inputs, targets = local_batch(cfg, grid, ids)
+    inputs, targets = local_batch(job, grid, ids)
     times = []
     for step in range(repeat + 1):
         dist.barrier()

@@ -62,21 +62,17 @@ def _train_one_step(cases):
     from fourfold.dataparallel import GradientSync
     from fourfold.grid import Grid
     from fourfold.optimizer import AdamW
-    from fourfold.trainconfig import TrainConfig
+    from fourfold.tensor.block import torch_dtype
     from fourfold.trainer import Model, local_batch
 
     losses = []
     for name, job in cases:
-        cfg = TrainConfig()
-        cfg.use_job(job)
-        cfg.batch.global_batch, cfg.batch.seq = job.global_batch, job.seq
-        cfg.pipeline.schedule, cfg.train.precision = job.schedule, job.precision
         grid = Grid(job.layout)
-        model = Model(grid, cfg, MODELS[name])
+        model = Model(grid, job, MODELS[name], dtype=torch_dtype(job.precision, grid.device))
         opt = AdamW(GradientSync(model.module, grid), lr=1e-3)
         rows = job.global_batch // job.layout.dp
         ids = np.random.default_rng(0).integers(0, MODELS[name].vocab, (rows, job.seq + 1))
-        inputs, targets = local_batch(cfg, grid, ids)
+        inputs, targets = local_batch(job, grid, ids)
         loss = model.step(inputs, targets, opt.sync, 1.0 / (job.global_batch * job.seq))
         opt.step()
         total = loss.clone()

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from fourfold.launch import StopRequest, inside_torchrun, relaunch_with_torchrun
-from fourfold.job import PRECISIONS
+from fourfold.job import PRECISIONS, RECOMPUTE
 from fourfold.layout import DEFAULT_ORDER, GridError, Layout
 from fourfold.rules import JobError
 from fourfold.trainconfig import ConfigError, sections_help
@@ -192,6 +192,28 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from fourfold.job import Job
+    from fourfold.models.config import load_config
+    from fourfold.simulate import report, simulate
+
+    cfg = load_config(args.model)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    job = Job(Layout.parse(args.grid, args.order), global_batch=args.global_batch, micro_batch=args.micro_batch,
+              seq=args.seq, recompute=args.recompute, seq_parallel=args.seq_parallel, precision=args.precision,
+              virtual=args.virtual, schedule="interleaved-1f1b" if args.virtual > 1 else "1f1b",
+              keep_gathered_inputs=args.keep_gathered_inputs)
+    try:
+        sim = simulate(cfg, job, rank=args.rank, steps=args.steps)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    print(json.dumps(sim.as_json(), indent=1) if args.json else report(sim))
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from fourfold.checkpoint import CheckpointError
     from fourfold.generate import generate
@@ -322,6 +344,24 @@ def main(argv: list[str] | None = None) -> int:
     sl.add_argument("--account", default="")
     sl.add_argument("--max-restarts", type=int, default=3)
     sl.add_argument("--output", default="", help="write the script here (default: print it)")
+    sim = commands.add_parser("simulate", help="run one rank of a whole job on this machine (fake process group, "
+                                               "FakeTensorMode): start-up, per-step Python time, memory, collectives")
+    sim.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json (or its directory)")
+    sim.add_argument("--grid", required=True, help="the whole job's grid, e.g. dp=128,pp=16,x=2,y=4 (dims left out are 1)")
+    sim.add_argument("--order", default=",".join(DEFAULT_ORDER), help="placement order, innermost first")
+    sim.add_argument("--rank", type=int, default=0, help="the rank to simulate (default 0: the first stage)")
+    sim.add_argument("--steps", type=int, default=2, help="timed training steps after the two counted ones")
+    sim.add_argument("--layers", type=int, help="build this many layers instead of the model's (start-up and "
+                                                "per-layer figures)")
+    sim.add_argument("--seq", type=int, default=4096)
+    sim.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
+    sim.add_argument("--micro-batch", type=int, default=1)
+    sim.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    sim.add_argument("--seq-parallel", action=argparse.BooleanOptionalAction, default=True)
+    sim.add_argument("--keep-gathered-inputs", action="store_true")
+    sim.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    sim.add_argument("--virtual", type=int, default=1, help="pipeline stages per pp rank (interleaved 1F1B)")
+    sim.add_argument("--json", action="store_true")
     from fourfold.plan.cli import add_commands, run as run_planner
 
     add_commands(commands)
@@ -338,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             return _slurm(args, extra)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "simulate":
+            return _simulate(args)
         if args.command == "export":
             return _export(args)
         if args.command == "demo":

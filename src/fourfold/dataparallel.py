@@ -84,12 +84,11 @@ class GradientSync:
         for layer in model.modules():
             if isinstance(layer, ParallelLinear):
                 layer.overlap.on_grad_landed = self._on_grad
-        if grid.size("pp") > 1:
-            # Groups are created collectively by every rank; pipeline stages hold different
-            # parameters, so each rank creates every group a bucket might use, now, in one order.
-            for r in range(4):
-                for dims in itertools.combinations(("x", "y", "z"), r):
-                    grid.group(("dp", "cp", *dims))
+        # Groups are created collectively by every rank; pipeline stages hold different
+        # parameters, so each rank creates every group a bucket might use, now, in one order.
+        for r in range(4):
+            for dims in itertools.combinations(("x", "y", "z"), r):
+                grid.group(("dp", "cp", *dims))
         self.sync = True
         self.buckets: list[Bucket] = []
         self._expected: dict[int, int] = {}  # arrivals per parameter, from the traced backward

@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from fourfold.comm import Group, Ledger
@@ -90,8 +91,13 @@ class Grid:
         if len(dims) == 1:
             process_group = self.mesh.get_group(dims[0])
         else:
-            # Every rank creates every group of these dims, in the same order (a collective call).
-            process_group, _ = dist.new_subgroups_by_enumeration(self.layout.all_groups(dims))
+            # DeviceMesh's own flattening: one split of the parent communicator where the backend
+            # can split (NCCL bound to a device), otherwise one cheap call per group; never a Python
+            # enumeration of every group's ranks. Mesh order is outermost first, so the flattened
+            # rank runs innermost-fastest, as Layout.group_ranks numbers it.
+            outer_first = tuple(d for d in self.layout.mesh_order if d in dims)
+            with unset_fake_temporarily():  # the mesh's rank tensor is real, also under `simulate`'s fake mode
+                process_group = self.mesh[outer_first]._flatten(name).get_group()
         ranks = tuple(dist.get_process_group_ranks(process_group))
         expected = tuple(self.layout.group_ranks(dims, self.rank))
         if ranks != expected:  # the one place the two layouts meet: fail loudly if they ever differ

@@ -136,14 +136,6 @@ class Layout:
             ranks.append(self.rank(coords))
         return ranks
 
-    def all_groups(self, dims: str | Iterable[str]) -> list[list[int]]:
-        """Every group along `dims`, each once, in order of their first rank."""
-        seen: dict[int, list[int]] = {}
-        for rank in range(self.world_size):
-            group = self.group_ranks(dims, rank)
-            seen.setdefault(group[0], group)
-        return [seen[k] for k in sorted(seen)]
-
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise GridError(f"rank {rank} is outside a grid of {self.world_size} ranks")

@@ -61,6 +61,11 @@ class LiveBytes(TorchDispatchMode):
         for t in existing:
             self._add(t, "parameter or accumulator")
 
+    def enter(self, phase: str) -> None:
+        """Count what follows as `phase` (its peak starts at what is alive now)."""
+        self.phase = phase
+        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.current)
+
     def _add(self, t: torch.Tensor, what: str) -> None:
         storage = t.untyped_storage()
         key = id(storage)
@@ -134,11 +139,11 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
             with LiveBytes([*model.parameters(), *opt.sync.main_grads.values()]) as counter:
                 for step in range(2):
                     ids = torch.randint(0, cfg.vocab, tokens)
-                    counter.phase = f"step {step} forward"
+                    counter.enter(f"step {step} forward")
                     loss = model(ids, ids).sum()
-                    counter.phase = f"step {step} backward"
+                    counter.enter(f"step {step} backward")
                     loss.backward()
-                    counter.phase = f"step {step} optimizer"
+                    counter.enter(f"step {step} optimizer")
                     opt.step()
                     del loss
         return Measurement(counter.peak, counter.phase_peaks, counter.largest_at_peak(top))

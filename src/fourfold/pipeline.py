@@ -43,7 +43,11 @@ def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range
         model.embed = model.positions = None
     if not last:
         model.norm = model.lm_head = None
-    model.to_empty(device=grid.device)
+    # What to_empty does, by replacing each parameter (to_empty swaps them in place, which the fake
+    # parameters of `fourfold simulate` do not allow; the layers look theirs up by name).
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            setattr(module, name, nn.Parameter(torch.empty_like(p, device=grid.device), p.requires_grad))
     for layer in parallel_layers(model):
         layer.reset_parameters()
     return model

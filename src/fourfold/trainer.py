@@ -27,6 +27,7 @@ from fourfold import checkpoint, comm, context, corpus
 from fourfold.dataparallel import GradientSync
 from fourfold.evaluate import evaluate
 from fourfold.grid import Grid
+from fourfold.job import Job
 from fourfold.launch import StopRequest
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
@@ -79,22 +80,22 @@ def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
 class Model:
     """This rank's part of the model, run the same way with or without pipeline stages."""
 
-    def __init__(self, grid: Grid, cfg: TrainConfig, model_cfg: ModelConfig):
-        t = cfg.train
-        overlap = OverlapOptions() if t.overlap else OverlapOptions(False, False, False)
-        opts = TensorOptions(seq_parallel=t.seq_parallel, overlap=overlap, keep_gathered_inputs=t.keep_gathered_inputs,
-                             dtype=torch_dtype(t.precision, grid.device))
-        common = dict(seed=cfg.model.seed, std=cfg.model.init_std, recompute=t.recompute)
-        self.grid, self.microbatches = grid, cfg.job().microbatches
+    def __init__(self, grid: Grid, job: Job, model_cfg: ModelConfig, *, dtype: torch.dtype, overlap: bool = True,
+                 seed: int = 0, std: float = 0.02):
+        opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=OverlapOptions(overlap, overlap, overlap),
+                             keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype)
+        common = dict(seed=seed, std=std, recompute=job.recompute)
+        self.grid, self.microbatches = grid, job.microbatches
         self.pipeline = None
-        if grid.size("pp") > 1:
-            self.pipeline = Pipeline(grid, model_cfg, opts, schedule=cfg.pipeline.schedule,
-                                     microbatches=self.microbatches, micro_batch=cfg.batch.micro_batch // grid.size("z"),
-                                     seq=cfg.batch.seq // grid.size("cp"), virtual=cfg.pipeline.virtual,
-                                     stage_layers=cfg.pipeline.stage_layers or None, **common)
+        if job.pp > 1:
+            self.pipeline = Pipeline(grid, model_cfg, opts, schedule=job.schedule, microbatches=self.microbatches,
+                                     micro_batch=job.micro_batch // job.z, seq=job.seq // job.cp,
+                                     virtual=job.virtual, stage_layers=list(job.stage_layers) or None, **common)
             self.module = self.pipeline.module
         else:
-            self.module = Transformer(grid, model_cfg, opts, **common).to(grid.device)
+            self.module = Transformer(grid, model_cfg, opts, **common)  # built in host memory
+            if grid.device.type != "cpu":  # (a no-op move would still swap `simulate`'s fake parameters)
+                self.module.to(grid.device)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; returns its share of the mean loss."""
@@ -109,10 +110,10 @@ class Model:
         return total
 
 
-def local_batch(cfg: TrainConfig, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def local_batch(job: Job, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's inputs and targets: its z part of each micro-batch, its cp chunks of each sequence."""
     c, z = grid.coords, grid.size("z")
-    parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // cfg.batch.micro_batch)]
+    parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // job.micro_batch)]
     ids = torch.cat(parts).to(grid.device)
     cp = grid.group("cp")
     return context.shard_sequence(ids[:, :-1], cp), context.shard_sequence(ids[:, 1:], cp)
@@ -268,7 +269,9 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     tokenizer_path, tokens_path = files or tokens_files(cfg)
     loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed)
     model_cfg = cfg.model_config()  # (the tokenizer and token ids were checked against it before launch)
-    model = Model(grid, cfg, model_cfg)
+    job = cfg.job()
+    model = Model(grid, job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
+                  overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std)
     sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
     o = cfg.optimizer
     opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
@@ -313,7 +316,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
             break
         began = time.perf_counter()
         opt.lr = learning_rate(cfg, step)
-        inputs, targets = local_batch(cfg, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
+        inputs, targets = local_batch(job, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
         loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
         loss = comm.all_reduce(loss.double().reshape(1), everything).item()
         # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.

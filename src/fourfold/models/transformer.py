@@ -27,7 +27,7 @@ class PositionEmbedding(ParallelModule):
         self.grid, self.hidden, self.seed, self.std = grid, cfg.hidden, seed, std
         self.weight = nn.Parameter(torch.empty(cfg.max_positions, cfg.hidden // grid.size("x"), dtype=opts.dtype))
         self.seq_parallel = opts.seq_parallel
-        self.reset_parameters()
+        self.initialise()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -233,7 +233,7 @@ class ParallelLinear(ParallelModule):
             self.bias = nn.Parameter(torch.empty(self.matrix.block_shape[0], dtype=dtype))
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
+        self.initialise()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

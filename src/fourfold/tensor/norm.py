@@ -29,7 +29,7 @@ class ParallelNorm(ParallelModule):
             self.bias = nn.Parameter(torch.empty(local, dtype=dtype))
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters()
+        self.initialise()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -81,6 +81,12 @@ class ParallelModule(nn.Module, ABC):
         """Set this rank's elements of the serial model's initial values, in place (a layer built
         on the meta device and materialised with `to_empty` gets its values here)."""
 
+    def initialise(self) -> None:
+        """The constructor's last step: initial values, unless built on the meta device (nothing to
+        set there; `pipeline.stage_model` initialises what it keeps after pruning)."""
+        if not self.weight.is_meta:
+            self.reset_parameters()
+
 
 def parallel_layers(module: nn.Module) -> list[ParallelModule]:
     return [layer for layer in module.modules() if isinstance(layer, ParallelModule)]

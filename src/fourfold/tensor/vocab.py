@@ -28,7 +28,7 @@ class ParallelEmbedding(ParallelModule):
         self.matrix = ShardedMatrix(grid, [RowSource(name, 0, vocab)], hidden, "x-in", name)
         self.seed, self.std = seed, std
         self.weight = nn.Parameter(torch.empty(self.matrix.shard_numel, dtype=dtype))
-        self.reset_parameters()
+        self.initialise()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

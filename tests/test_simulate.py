@@ -1,0 +1,68 @@
+"""One rank of a large job on this machine: the grid's groups on a fake world of thousands of
+ranks, and `fourfold simulate` against the other measurement of the same runtime (measure_peak)."""
+
+import dataclasses
+import json
+
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fourfold.cli import main
+from fourfold.grid import Grid
+from fourfold.job import Job
+from fourfold.layout import Layout
+from fourfold.measure import measure_peak
+from fourfold.models.config import load_config
+from fourfold.simulate import TRAINER_GROUPS, simulate
+
+
+def test_grid_on_a_fake_world_of_4096_ranks_builds_only_its_own_groups():
+    layout = Layout(dp=64, pp=2, cp=2, x=2, y=4, z=2)
+    rank = 3001  # not rank 0: nothing may assume the first rank
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        grid = Grid(layout)
+        for dims in TRAINER_GROUPS + (("dp", "cp", "x"), ("dp", "cp", "y", "z")):
+            group = grid.group(dims)
+            assert list(group.ranks) == layout.group_ranks(dims, rank)
+            assert group.ranks[group.rank] == rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_simulated_step_peaks_where_the_measured_one_does():
+    """Two routes through the same runtime: with one micro-batch per step, simulate's step peak is
+    measure_peak's, up to the trainer's loss scaling and accumulator (a few scalars)."""
+    cfg = load_config("tiny-llama")
+    job = Job(Layout(dp=2, x=2, y=2, z=2), global_batch=4, micro_batch=2, seq=64, seq_parallel=True,
+              precision="bf16")
+    sim = simulate(cfg, job, rank=0, steps=1)
+    measured = measure_peak(cfg, job)
+    step_peak = max(v for k, v in sim.device_peak_bytes.items() if k.startswith("step"))
+    assert abs(step_peak - measured.peak_bytes) <= 256
+    assert sim.device_peak_bytes["checkpoint save"] < measured.peak_bytes  # the save adds nothing over the step
+    assert sim.save["chunks"] > 0 and sim.save["bytes_written"] > 0
+    ops = {(c["group"], c["op"]) for c in sim.collectives_per_step}
+    assert ("cp_dp", "reduce_scatter") in ops  # ZeRO-1: the weight gradients reduced over the replicas
+
+
+def test_simulate_cli_reports_a_later_pipeline_stage(capsys):
+    code = main(["simulate", "--model", "tiny-llama", "--grid", "dp=4,pp=2,x=2,y=2", "--rank", "31", "--seq", "64",
+                 "--global-batch", "8", "--steps", "1", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world"] == 32 and out["coords"]["pp"] == 1 and out["coords"]["dp"] == 3
+    assert out["layers"] == 2 and len(out["step_seconds"]) == 1
+    assert set(out["startup_seconds"]) == {"process group", "grid and groups", "model", "optimizer"}
+
+
+def test_simulate_names_a_rank_outside_the_job(capsys):
+    code = main(["simulate", "--model", "tiny-llama", "--grid", "dp=2", "--rank", "2", "--seq", "64"])
+    assert code == 2
+    assert "--rank 2 is outside a job of 2 ranks" in capsys.readouterr().err
+
+
+def test_simulate_refuses_a_job_the_rules_reject(capsys):
+    code = main(["simulate", "--model", "tiny-llama", "--grid", "y=3,dp=1", "--seq", "64"])
+    assert code == 2
+    assert "y=3" in capsys.readouterr().err
