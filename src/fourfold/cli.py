@@ -205,7 +205,8 @@ def _simulate(args: argparse.Namespace) -> int:
     job = Job(Layout.parse(args.grid, args.order), global_batch=args.global_batch, micro_batch=args.micro_batch,
               seq=args.seq, recompute=args.recompute, seq_parallel=args.seq_parallel, precision=args.precision,
               virtual=args.virtual, schedule="interleaved-1f1b" if args.virtual > 1 else "1f1b",
-              keep_gathered_inputs=args.keep_gathered_inputs)
+              keep_gathered_inputs=args.keep_gathered_inputs,
+              stage_layers=tuple(int(n) for n in args.stage_layers.split(",") if n.strip()))
     try:
         sim = simulate(cfg, job, rank=args.rank, steps=args.steps)
     except ValueError as err:
@@ -361,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--keep-gathered-inputs", action="store_true")
     sim.add_argument("--precision", choices=PRECISIONS, default="bf16")
     sim.add_argument("--virtual", type=int, default=1, help="pipeline stages per pp rank (interleaved 1F1B)")
+    sim.add_argument("--stage-layers", default="", help="layers per pipeline stage, e.g. 7,8,8,...,7 (default even)")
     sim.add_argument("--json", action="store_true")
     from fourfold.plan.cli import add_commands, run as run_planner
 
