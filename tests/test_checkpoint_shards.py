@@ -104,3 +104,34 @@ def _saves_after_resuming_from_an_earlier_step(root):
 def test_a_run_resumed_from_an_earlier_step_replaces_and_prunes_only_up_to_its_step(ranks, tmp_path):
     kept = ranks.run(_saves_after_resuming_from_an_earlier_step, 1, tmp_path)[0]
     assert kept == [("step-00000005", "second"), ("step-00000006", "second")]
+
+
+def _train_and_save_async(sizes, root, asynchronous):
+    """Save after two steps; with `asynchronous`, the live tensors change while the write is in flight."""
+    grid, model, opt = _model(sizes)
+    for _ in range(2):
+        _backward(grid, model)
+        opt.step()
+    if asynchronous:
+        saver = checkpoint.AsyncSaver()
+        path = saver.save(root, 2, model, opt, {}, keep=1)
+        with torch.no_grad():  # spoil the live state at once: the staged copy is what gets written
+            for t in [*model.parameters(), *(state[kind] for state in opt.state for kind in AdamW.STATE)]:
+                t.fill_(float("nan"))
+        saver.wait()
+    else:
+        path = checkpoint.save(root, 2, model, opt, {}, keep=1)
+    return str(path)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_async_save_writes_its_steps_state_while_the_live_tensors_change(ranks, tmp_path):
+    sizes = dict(dp=2, y=2)
+    sync = ranks.run(_train_and_save_async, 4, sizes, tmp_path / "sync", False)[0]
+    background = ranks.run(_train_and_save_async, 4, sizes, tmp_path / "async", True)[0]
+    assert checkpoint.latest(tmp_path / "async") == checkpoint.latest(tmp_path / "async").parent / "step-00000002"
+    a, b = _read_whole(sync), _read_whole(background)
+    assert a.keys() == b.keys() and any(k.startswith("optim/v/") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert checkpoint.read_meta(background)["optimizer_steps"] == 2

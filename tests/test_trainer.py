@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from fourfold import checkpoint, corpus
 from fourfold.slurm import sbatch_script
@@ -78,14 +80,26 @@ def test_run_learns_and_writes_everything(reference):
     assert list(held_out) == [3, 6] and held_out[6] < held_out[3] and summary["eval_loss"] == held_out[6]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_resume_is_bitwise_equal(ranks, data, reference, tmp_path):
-    """Continue from the step-3 checkpoint: steps 3..5 give exactly the uninterrupted losses."""
+    """Continue from the step-3 checkpoint: steps 3..5 give exactly the uninterrupted losses, and
+    the step-6 checkpoint, written in the background (checkpoint.async_save), is the reference's."""
     shutil.copytree(reference / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
-    ranks.run(_train, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2"))
+    ranks.run(_train, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2", "--checkpoint.async_save", "true"))
     expected, _ = _losses(reference)
     got, _ = _losses(tmp_path)
     assert list(got) == [3, 4, 5]
     assert all(got[s] == expected[s] for s in got), (got, expected)
+    mine, theirs = (_read_whole(run / "checkpoints" / "step-00000006") for run in (tmp_path, reference))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def _read_whole(path):
+    """Every serial tensor of a checkpoint, whole, on one process."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
 
 
 @pytest.mark.parametrize("grid", [["--grid.pp", "2", "--grid.y", "2", "--train.seq_parallel", "true"],

@@ -14,9 +14,14 @@ removed after that. A crash during a save therefore leaves the previous checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import shutil
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -24,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
 from fourfold.optimizer import AdamW
 from fourfold.sharded_io import Rectangle, RectangleLoadPlanner, RectangleSavePlanner, ShardError, rectangles
@@ -71,38 +77,147 @@ def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True
     return out
 
 
+def _prepare(root: Path, step: int) -> tuple[Path, Path]:
+    """(final, partial) directories of checkpoint `step`; the partial one cleared (collective)."""
+    final, partial = _step_dir(root, step), root / f".step-{step:08d}.partial"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+    dist.barrier()
+    return final, partial
+
+
+def _publish(root: Path, final: Path, partial: Path, meta: dict, keep: int, files: dict[str, Path]) -> None:
+    """Rank 0, once every rank's tensors are written: the extra files and meta.json, the rename
+    to step-N (which makes it a checkpoint), and the pruning of older ones."""
+    for name, source in files.items():
+        shutil.copyfile(source, partial / name)
+    tmp = partial / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, partial / META)
+    if final.exists():  # a run resumed from an earlier step reached this one again: the new copy wins
+        stale = root / f".{final.name}.replaced"
+        os.replace(final, stale)
+        os.replace(partial, final)
+        shutil.rmtree(stale)
+    else:
+        os.replace(partial, final)
+    # keep the last K up to this step; later ones (from a run this one resumed before) are left alone
+    up_to_now = [c for c in complete(root) if c.name <= final.name]
+    for old in up_to_now[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+
+
 def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
          files: dict[str, Path] | None = None) -> Path:
     """Write checkpoint `step` (collective: every rank calls it) and return its directory; `files`
     (name -> path, e.g. the tokenizer) are copied in so that the checkpoint stands alone."""
     root = Path(root)
-    final, partial = _step_dir(root, step), root / f".step-{step:08d}.partial"
-    rank = dist.get_rank()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-    dist.barrier()
+    final, partial = _prepare(root, step)
     dcp.save({}, checkpoint_id=partial, planner=RectangleSavePlanner(local_rectangles(module, opt)))
     dist.barrier()
-    if rank == 0:
-        for name, source in (files or {}).items():
-            shutil.copyfile(source, partial / name)
-        tmp = partial / (META + ".tmp")
-        tmp.write_text(json.dumps(dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0), indent=1))
-        os.replace(tmp, partial / META)
-        if final.exists():  # a run resumed from an earlier step reached this one again: the new copy wins
-            stale = root / f".step-{step:08d}.replaced"
-            os.replace(final, stale)
-            os.replace(partial, final)
-            shutil.rmtree(stale)
-        else:
-            os.replace(partial, final)
-        # keep the last K up to this step; later ones (from a run this one resumed before) are left alone
-        up_to_now = [c for c in complete(root) if c.name <= final.name]
-        for old in up_to_now[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
+    if dist.get_rank() == 0:
+        _publish(root, final, partial, dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0), keep,
+                 files or {})
     dist.barrier()
     return final
+
+
+class AsyncSaver:
+    """Checkpoints written while training goes on (DCP's async_save).
+
+    A save copies this rank's rectangles into a host buffer (pinned on GPUs; allocated at the first
+    save and reused: one rank's share of the model and optimizer state, the staging memory) and
+    returns; a background thread writes them, exchanging DCP's plans over a gloo group of its own
+    (not the training communicator, which the main thread keeps using). When rank 0's write ends,
+    every rank's has (DCP's coordinator gathers their results first), and rank 0 publishes the
+    checkpoint there and then. One save is in flight at a time: the next waits for it."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self.buffer: torch.Tensor | None = None
+        self.pending: Future | None = None
+        self.published = threading.Event()
+        self.error: BaseException | None = None
+
+    def staging_bytes(self, rects: list[Rectangle]) -> int:
+        return sum(_aligned(r.data.numel() * r.data.element_size()) for r in rects)
+
+    def _stage(self, rects: list[Rectangle]) -> list[Rectangle]:
+        size = self.staging_bytes(rects)
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        staged, at = [], 0
+        for r in rects:
+            n = r.data.numel() * r.data.element_size()
+            copy = self.buffer[at : at + n].view(r.data.dtype).view(r.data.shape)
+            copy.copy_(r.data.detach(), non_blocking=True)
+            staged.append(dataclasses.replace(r, data=copy))
+            at += _aligned(n)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies are in host memory before training changes the tensors
+        return staged
+
+    def save(self, root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
+             files: dict[str, Path] | None = None) -> Path:
+        """Start writing checkpoint `step` (collective) and return its directory-to-be."""
+        self.wait()
+        root = Path(root)
+        final, partial = _prepare(root, step)
+        staged = self._stage(local_rectangles(module, opt))
+        meta = dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0)
+        self.published.clear()
+        future = dcp.async_save({}, checkpoint_id=partial, planner=RectangleSavePlanner(staged),
+                                process_group=self.group)
+
+        def publish(done: Future) -> None:
+            try:
+                if done.exception() is None and dist.get_rank() == 0:
+                    _publish(root, final, partial, meta, keep, files or {})
+            except BaseException as e:  # reported by the next wait()
+                self.error = e
+            finally:
+                self.published.set()
+
+        future.add_done_callback(publish)
+        self.pending = future
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight is written and published; raise what it failed with."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.result()
+        self.published.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16  # every staged tensor starts at a multiple of any element size
+
+
+def dry_run(module: nn.Module, opt: AdamW) -> tuple[dict, dict]:
+    """Plan this rank's part of a save and of a same-grid load of it, as `save` and
+    `load_checkpoint` do, without files (`fourfold simulate`, `memory --measure`): the rectangles
+    offered, the size of the plan DCP's coordinator gathers from this rank, and the local views the
+    reads land in (a load allocates nothing: a memory counter running meanwhile shows it)."""
+    start = time.perf_counter()
+    rects = local_rectangles(module, opt)
+    plan = RectangleSavePlanner(rects).create_local_plan()
+    save = dict(seconds=time.perf_counter() - start, chunks=len(plan.items),
+                bytes_written=sum(r.data.numel() * r.data.element_size() for r in rects),
+                plan_bytes=len(pickle.dumps(plan)))
+    start = time.perf_counter()
+    _, metadata = create_default_global_save_plan([plan])  # this rank's chunks only: what it reads back
+    loader = RectangleLoadPlanner(local_rectangles(module, opt))
+    loader.set_up_planner({}, metadata, is_coordinator=True)
+    reads = loader.create_local_plan().items
+    views = [loader.resolve_tensor(item) for item in reads]
+    return save, dict(seconds=time.perf_counter() - start, reads=len(reads),
+                      bytes_read=sum(v.numel() * v.element_size() for v in views))
 
 
 def read_meta(path: str | Path) -> dict:

@@ -29,6 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fourfold import checkpoint
 from fourfold.dataparallel import GradientSync
 from fourfold.grid import Grid
 from fourfold.models.config import ModelConfig
@@ -119,8 +120,8 @@ def check_measurable(cfg: ModelConfig, job: Job) -> None:
 
 
 def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, top: int = 12) -> Measurement:
-    """Peak bytes alive on rank 0 over two training steps of `job` (one micro-batch each);
-    `flash_attention` False measures CPU's math path."""
+    """Peak bytes alive on rank 0 over two training steps of `job` (one micro-batch each), then a
+    checkpoint save and load (planned without files); `flash_attention` False measures CPU's math path."""
     check_measurable(cfg, job)
     if dist.is_initialized():
         raise RuntimeError("measure_peak builds its own fake process group: call it in a process without one")
@@ -146,6 +147,8 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
                     counter.enter(f"step {step} optimizer")
                     opt.step()
                     del loss
+                counter.enter("checkpoint save and load")
+                checkpoint.dry_run(model, opt)  # a save and a load read and write the live tensors
         return Measurement(counter.peak, counter.phase_peaks, counter.largest_at_peak(top))
     finally:
         with contextlib.suppress(Exception):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import pickle
 import resource
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ from fourfold.models.config import ModelConfig
 from fourfold.optimizer import AdamW
 from fourfold.pipeline import Pipeline
 from fourfold.rules import check
-from fourfold.sharded_io import RectangleSavePlanner
 from fourfold.tensor.block import torch_dtype
 from fourfold.tensor.vocab import vocab_parallel_cross_entropy
 from fourfold.trainer import Model
@@ -60,6 +58,7 @@ class Simulation:
     host_peak_bytes: int  # this process's peak RSS
     collectives_per_step: list[dict] = field(default_factory=list)  # {group, op, calls, bytes}
     save: dict = field(default_factory=dict)  # the checkpoint save's plan on this rank
+    load: dict = field(default_factory=dict)  # a same-grid load of that checkpoint: its reads on this rank
 
     @property
     def startup_total(self) -> float:
@@ -77,17 +76,6 @@ def _timed(seconds: dict[str, float], phase: str):
         seconds[phase] = time.perf_counter() - start
 
     return clock()
-
-
-def _save_plan(model: Model, opt: AdamW) -> dict:
-    """Plan this rank's part of a checkpoint save as `checkpoint.save` does, without writing: the
-    rectangles it offers and the size of the plan the coordinator gathers from it."""
-    start = time.perf_counter()
-    rects = checkpoint.local_rectangles(model.module, opt)
-    plan = RectangleSavePlanner(rects).create_local_plan()
-    return dict(seconds=time.perf_counter() - start, chunks=len(plan.items),
-                bytes_written=sum(r.data.numel() * r.data.element_size() for r in rects),
-                plan_bytes=len(pickle.dumps(plan)))
 
 
 def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float) -> None:
@@ -156,7 +144,8 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
                     counter.enter(f"step {n}")
                     step()
                 counter.enter("checkpoint save")
-                save = _save_plan(model, opt)
+                save, load = checkpoint.dry_run(model.module, opt)
+                counter.enter("checkpoint load")
             grid.ledger.reset()
             seconds = []
             for _ in range(steps):
@@ -169,7 +158,7 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
         return Simulation(world=job.world_size, rank=rank, coords=grid.coords, layers=cfg.layers,
                           startup_seconds=startup, step_seconds=seconds, device_peak_bytes=counter.phase_peaks,
                           host_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                          collectives_per_step=collectives, save=save)
+                          collectives_per_step=collectives, save=save, load=load)
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -189,9 +178,12 @@ def report(sim: Simulation) -> str:
                  + ", ".join(f"{k} {v / gib:.2f}" for k, v in sim.device_peak_bytes.items()))
     lines.append(f"host memory peak (RSS): {sim.host_peak_bytes / gib:.2f} GiB")
     save = sim.save
-    lines.append(f"checkpoint save: {save['chunks']} chunks, {save['bytes_written'] / gib:.2f} GiB offered, plan "
+    lines.append(f"checkpoint save: {save['chunks']} chunks, {save['bytes_written'] / gib:.2f} GiB offered (an async "
+                 f"save stages as much in host memory), plan "
                  f"{save['plan_bytes'] / 1024:.1f} KiB (the coordinator gathers one from each of {sim.world} ranks), "
                  f"planned in {save['seconds']:.2f} s")
+    lines.append(f"checkpoint load (same grid): {sim.load['reads']} reads, {sim.load['bytes_read'] / gib:.2f} GiB "
+                 f"into this rank's own tensors, planned in {sim.load['seconds']:.2f} s")
     lines.append(f"collectives per step: {'group':<16} {'op':<15} {'calls':>6} {'MiB sent':>10}")
     for c in sim.collectives_per_step:
         lines.append(f"{'':21}{c['group']:<16} {c['op']:<15} {c['calls']:>6} {c['bytes'] / mib:>10.1f}")

@@ -84,6 +84,7 @@ class CheckpointSection:
     keep: int = 2
     resume: bool = True  # continue from the latest complete checkpoint in `dir`
     load: str = ""  # start from this checkpoint (any grid), ignoring `resume`
+    async_save: bool = False  # write in the background (host memory: one rank's share of the state)
 
 
 @dataclass
@@ -144,12 +145,13 @@ class TrainConfig:
                    keep_gathered_inputs=t.keep_gathered_inputs)
 
     def use_job(self, job: Job) -> None:
-        """Take the grid, batch, recompute and sequence parallelism of `job` (the planner's choice)."""
+        """Take the grid, micro-batch, recompute, sequence parallelism and kept inputs of `job` (the
+        planner's choice)."""
         for d in DIMS:
             setattr(self.grid, d, getattr(job.layout, d))
         self.grid.order, self.grid.auto = ",".join(job.layout.order), False
         self.batch.micro_batch, self.train.recompute = job.micro_batch, job.recompute
-        self.train.seq_parallel = job.seq_parallel
+        self.train.seq_parallel, self.train.keep_gathered_inputs = job.seq_parallel, job.keep_gathered_inputs
 
     @property
     def checkpoint_dir(self) -> Path:

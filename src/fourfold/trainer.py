@@ -298,11 +298,14 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         reporter.message(f"the checkpoint is at step {start} of train.steps={cfg.train.steps}: nothing to train; "
                          f"raise --train.steps, or start over with another --log.run_dir")
 
-    def save(done: int) -> Path:
+    saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
+
+    def save(done: int) -> str:
         meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
                     model=dataclasses.asdict(model_cfg))
-        return checkpoint.save(cfg.checkpoint_dir, done, model.module, opt, meta, cfg.checkpoint.keep,
-                               files={"tokenizer.json": tokenizer_path})
+        path = (saver.save if saver else checkpoint.save)(cfg.checkpoint_dir, done, model.module, opt, meta,
+                                                          cfg.checkpoint.keep, files={"tokenizer.json": tokenizer_path})
+        return f"{path} (being written in the background)" if saver else str(path)
 
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
     scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
@@ -351,6 +354,8 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
             saved_at = done
     if stopped == signal.SIGTERM and saved_at != done:
         save(done)
+    if saver:
+        saver.wait()
     if stopped:
         reporter.message(_stop_message(cfg, stopped, done))
     reporter.close()

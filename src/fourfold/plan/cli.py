@@ -97,7 +97,8 @@ def _print_measured(r: dict) -> None:
 
 def row(r: dict) -> str:
     grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
-    memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
+    kept = "yes" if r["keep_gathered_inputs"] else "no"
+    memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
               f" {('yes*' if r['tight'] else 'yes') if r['fits'] else 'NO ':<4}")
     if "step_seconds" not in r:  # `fourfold memory`
         return f"{memory}  {r['order']}"
@@ -105,7 +106,7 @@ def row(r: dict) -> str:
             f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
 
 
-MEMORY_HEADER = f"{'grid':<28} {'mb':<3} {'recompute':<9} {'GiB/limit':>15} {'fits':<4}"
+MEMORY_HEADER = f"{'grid':<28} {'mb':<3} {'recompute':<9} {'keep':<4} {'GiB/limit':>15} {'fits':<4}"
 HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':>6}  order"
 
 
@@ -119,6 +120,8 @@ def _print_one(r: dict, memory_only: bool) -> None:
     if r["tight"]:
         print(TIGHT_NOTE)
     print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["memory_breakdown_gib"].items()))
+    print(f"checkpoints: a save or load adds nothing on the GPU (it reads and writes the rank's own tensors); "
+          f"an async save stages {r['async_checkpoint_host_gib']:.2f} GiB in host memory")
     if not memory_only:
         print("time (s):     " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_breakdown_seconds"].items()))
 

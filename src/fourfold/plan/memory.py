@@ -44,6 +44,12 @@ class Memory:
     def fits(self) -> bool:
         return self.total <= self.limit_bytes
 
+    @property
+    def checkpoint_host_bytes(self) -> float:
+        """Host memory an async checkpoint save stages: the rank's weights and its optimizer share
+        (what it writes). A save or load adds nothing on the GPU: both use the rank's own tensors."""
+        return self.terms.get("weights", self.terms.get("weights_and_grads", 0.0) / 3) + self.terms["optimizer"]
+
     def breakdown_gib(self) -> dict[str, float]:
         return {k: v / GIB for k, v in self.terms.items()}
 

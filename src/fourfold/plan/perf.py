@@ -95,10 +95,11 @@ def _group_figures(layout, cluster: Cluster, group: str) -> tuple[int, float]:
 
 
 @functools.lru_cache(maxsize=65536)  # independent of the placement order and of recompute
-def _layer_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int, seq_parallel: bool):
+def _layer_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int, seq_parallel: bool,
+                  keep_inputs: bool):
     """One layer's collectives, summed: (activations outside cp and z, the input-gradient
     all-reduces, the z weight traffic)."""
-    passes = block_passes(block, dict(sizes), batch, seq, seq_parallel=seq_parallel)
+    passes = block_passes(block, dict(sizes), batch, seq, seq_parallel=seq_parallel, keep_inputs=keep_inputs)
     every = passes.all()
     return (_totals([c for c in every if c.group not in ("cp", "z")]),  # ring attention: separately
             _totals([c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]),
@@ -189,7 +190,7 @@ def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, f
         sublayer = [Collective("y", "all_gather", T * cfg.hidden), Collective("y", "reduce_scatter", T * cfg.hidden)]
         return comm_seconds(sublayer * 4, s, cluster, b, cal)
     activations, input_grad, weights = _layer_totals(cfg.block, tuple(sizes.items()), int(s.micro_batch / s.z),
-                                                     int(s.seq / s.cp), s.seq_parallel)
+                                                     int(s.seq / s.cp), s.seq_parallel, s.keep_gathered_inputs)
     total = _totals_seconds(activations, s, cluster, b, cal)
     # The input-gradient all-reduce hides behind the dW GEMM of the same layer (the runtime's overlap).
     exposed = total - min(dw_seconds, _totals_seconds(input_grad, s, cluster, b, cal))

@@ -50,12 +50,13 @@ def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule
     return {
         "job": job, "framework": framework, "dp": g.dp, "pp": g.pp, "cp": g.cp, "x": g.x, "y": g.y, "z": g.z,
         "virtual": job.virtual, "order": ",".join(g.order), "micro_batch": job.micro_batch,
-        "recompute": job.recompute, "seq_parallel": job.seq_parallel,
+        "recompute": job.recompute, "seq_parallel": job.seq_parallel, "keep_gathered_inputs": job.keep_gathered_inputs,
         "memory_gib": mem.gib, "memory_limit_gib": mem.limit_bytes / 2**30, "fits": mem.fits,
         "tight": mem.fits and mem.total > (1 - HEADROOM) * cluster.gpu.memory_gib * GIB,
         "step_seconds": t.total, "tokens_per_second": tokens / t.total, "model_tflops_per_gpu": tflops,
         "mfu": tflops / cluster.gpu.bf16_tflops,
         "memory_breakdown_gib": mem.breakdown_gib(), "time_breakdown_seconds": t.breakdown(),
+        "async_checkpoint_host_gib": mem.checkpoint_host_bytes / GIB,
     }
 
 
@@ -67,6 +68,18 @@ def as_json(result: dict) -> dict:
 def rounded_seconds(seconds: float) -> float:
     """A step time to four significant digits: closer candidates count as equally fast."""
     return round(seconds, 3 - math.floor(math.log10(seconds))) if seconds > 0 else seconds
+
+
+def _best_placement(cfg: ModelConfig, job: Job, orders, cluster: Cluster, cal: Calibration, rule80: bool,
+                    framework: str) -> dict:
+    """The fastest placement order of `job`. The order changes time only through the bandwidth each
+    group gets: one order is evaluated per distinct set of bandwidths."""
+    placements = {}
+    for o in orders:
+        placed = job.with_layout(order=o)
+        placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
+    return min((_result(cfg, placed, cluster, cal, rule80, framework) for placed in placements.values()),
+               key=lambda r: r["step_seconds"])
 
 
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
@@ -89,14 +102,13 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
                 fits = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework).fits
                 if not (fits or include_unfit):
                     continue
-                # The order changes time only through the bandwidth each group gets: evaluate one
-                # order per distinct set of bandwidths, keep the fastest.
-                placements = {}
-                for o in orders:
-                    placed = job.with_layout(order=o)
-                    placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
-                best = min((_result(cfg, placed, cluster, cal, rule80, framework) for placed in placements.values()),
-                           key=lambda r: r["step_seconds"])
+                best = _best_placement(cfg, job, orders, cluster, cal, rule80, framework)
+                keep = replace(job, keep_gathered_inputs=True)
+                memory = estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework)
+                if framework == "fourfold" and fits and keep != job and memory.fits:
+                    # Memory allows keeping the linears' gathered inputs: no all-gather again in backward.
+                    best = min(best, _best_placement(cfg, keep, orders, cluster, cal, rule80, framework),
+                               key=lambda r: r["step_seconds"])
                 results.append(best)
                 if fits:
                     break  # a lighter recompute fits: heavier ones are only slower
