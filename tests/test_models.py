@@ -14,6 +14,7 @@ from fourfold.models.hf import load_hf, save_hf, to_hf_tensors
 from fourfold.models.transformer import Transformer
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import full_weights, sum_replicated_grads
+from fourfold.tensor.vocab import batch_order
 from fourfold.volumes import ledger_bytes, model_collectives
 
 transformers = pytest.importorskip("transformers")
@@ -83,7 +84,9 @@ def _compare(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, tol, reco
     for p in model.parameters():
         comm.all_reduce(p.grad, grid.group("dp"))
     total = comm.all_reduce(per_token.detach().sum(), grid.group(("dp", "z"))) / ids[:, 1:].numel()
-    full_logits = comm.all_gather(logits.detach(), grid.group("y"), dim=-1)
+    # the head keeps this x rank's tokens (flattened, in its order) and y's part of the vocabulary
+    full_logits = comm.all_gather(comm.all_gather(logits.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)
+    full_logits = batch_order(full_logits, len(local), grid, seq_parallel)
     ref_local = logits_ref.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
     errors = {"loss": abs(total.item() - loss_ref) / loss_ref,
               "logits": ((full_logits - ref_local.to(dtype)).abs().max() / ref_local.abs().max()).item()}

@@ -214,3 +214,31 @@ def test_ring_attention_equals_causal_attention(ranks, cp):
 def test_sequence_chunks_name_the_fix():
     with pytest.raises(ValueError, match="divisible by 2\\*cp = 4"):
         context.check_sequence(6, 2)
+
+
+def test_flash_kernel_contract_is_checked_on_every_device():
+    """The CUDA flash backward misreads a strided log-sum-exp (a later rank's block is seen by the
+    second half of the rows): the contract refuses one on CPU too, so the ring attention test
+    above runs the GPU's contract."""
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    out, lse, extra = context.attend_block(q, k, v, True, 0.25)
+    rows = slice(4, None)
+    with pytest.raises(RuntimeError, match="log-sum-exp as a contiguous"):
+        context.attend_block_backward(out[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows],
+                                      False, 0.25, extra)
+    dq, dk, dv = context.attend_block_backward(out[:, :, rows], q[:, :, rows], k, v, out[:, :, rows],
+                                               lse[:, :, rows].contiguous(), False, 0.25, extra)
+    assert dq.shape == q[:, :, rows].shape
+    with pytest.raises(RuntimeError, match="unit stride"):
+        context.attend_block(q.transpose(-1, -2), k, v, True, 0.25)
+
+
+def test_rules_refuse_ring_attention_in_float32_on_gpus():
+    from fourfold.job import Job
+    from fourfold.models.config import load_config
+    from fourfold.rules import problems
+
+    job = Job(Layout(cp=2), global_batch=1, seq=64, precision="float32")
+    found = problems(load_config("tiny-llama"), job, gpu=True)
+    assert [p.fix for p in found] == ["use precision bf16 (or auto), or cp=1"]
+    assert problems(load_config("tiny-llama"), job) == []  # CPU's flash kernel takes float32

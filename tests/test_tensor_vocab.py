@@ -7,10 +7,9 @@ import torch.nn.functional as F
 from fourfold import comm
 from fourfold.grid import Grid
 from fourfold.layout import GridError, Layout
-from fourfold.tensor.linear import ParallelLinear, RowSource
 from fourfold.tensor.params import full_weights, load_full, sum_replicated_grads
 from fourfold.tensor.regions import all_gather
-from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
+from fourfold.tensor.vocab import LMHead, ParallelEmbedding, vocab_parallel_cross_entropy
 
 VOCAB, HIDDEN, SEQ = 40, 24, 8
 GRIDS = [dict(x=1), dict(y=2), dict(x=2, y=2), dict(y=4, z=2), dict(x=2, y=2, z=2), dict(x=2, z=4), dict(y=8), dict(dp=2, y=2, z=2)]
@@ -23,11 +22,11 @@ def _check_lm(sizes, tied, seq_parallel):
     batch = 2 * layout.dp * layout.z
     ids = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
     table = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
-    head = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    serial_head = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
     mix = torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) / HIDDEN**0.5  # so hidden features interact
     # serial: embed, a fixed feature mix, head, mean cross-entropy over every token
     t = table.clone().requires_grad_()
-    hd = t if tied else head.clone().requires_grad_()
+    hd = t if tied else serial_head.clone().requires_grad_()
     logits = (F.embedding(ids[:, :-1], t) @ mix) @ hd.T
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
@@ -35,15 +34,15 @@ def _check_lm(sizes, tied, seq_parallel):
     c = grid.coords
     opts = dict(seed=0, std=0.02, dtype=torch.float64)
     embed = ParallelEmbedding(grid, VOCAB, HIDDEN, seq_parallel=seq_parallel, **opts)
-    lm_head = ParallelLinear(grid, HIDDEN, [RowSource("lm_head", 0, VOCAB)], "x-in", name="lm_head",
-                             input_gather="tokens" if seq_parallel else "none", **opts)
+    head = LMHead(grid, HIDDEN, VOCAB, input_gather="tokens" if seq_parallel else "none", **opts)
     if tied:
-        lm_head.weight = embed.weight
-    modules = torch.nn.ModuleList([embed, lm_head])
-    load_full(modules, {"embed": table, "lm_head": table if tied else head})
+        head.weight = embed.weight
+    modules = torch.nn.ModuleList([embed, head])
+    load_full(modules, {"embed": table, "lm_head": table if tied else serial_head})
     local_ids = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
     h = _mix(embed(local_ids[:, :-1]), mix, grid)
-    per_token = vocab_parallel_cross_entropy(lm_head(h), local_ids[:, 1:], grid)
+    logits = head(h)
+    per_token = vocab_parallel_cross_entropy(logits, local_ids[:, 1:], grid, seq_parallel)
     local_loss = per_token.sum() / (batch * SEQ)
     local_loss.backward()
     total = comm.all_reduce(local_loss.detach().clone(), grid.group(("dp", "z")))
@@ -55,7 +54,8 @@ def _check_lm(sizes, tied, seq_parallel):
     assert (grads["embed"] - t.grad).abs().max() < 1e-10 * t.grad.abs().max()
     if not tied:
         assert (grads["lm_head"] - hd.grad).abs().max() < 1e-10 * hd.grad.abs().max()
-    assert per_token.shape[-1] == SEQ and lm_head(h).shape[-1] == VOCAB // layout.y  # never the full vocab
+    assert per_token.shape == local_ids[:, 1:].shape  # every token's loss on every rank
+    assert logits.shape == (1, local_ids[:, 1:].numel() // layout.x, VOCAB // layout.y)  # 1/(x*y) of the logits
     return True
 
 

@@ -56,7 +56,9 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training
     job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
               seq=args.seq, precision=args.precision)
-    check(model, job, world=args.nproc_per_node)
+    import torch
+
+    check(model, job, world=args.nproc_per_node, gpu=torch.cuda.is_available())
     check_token_ids(args.tokens, model.vocab, "--tokens")
     try:
         windows(np.load(args.tokens, mmap_mode="r")[: args.seq + 1], args.seq)
@@ -143,7 +145,9 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
             chosen = resolve_auto_grid(cfg, world)
             print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}")
             argv = _resolved(argv, cfg)
-        validate(cfg, world)
+        import torch
+
+        validate(cfg, world, gpu=torch.cuda.is_available())
         check_data_files(cfg)
         from fourfold.trainer import tokens_files
 
@@ -238,7 +242,7 @@ def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = _resolved(overrides, cfg)
     else:
         _check_slurm_world(cfg.layout(), args.nodes, args.gpus_per_node)
-    validate(cfg, world)
+    validate(cfg, world, gpu=True)  # an sbatch script runs on GPU nodes
     check_data_files(cfg)
     # The run directory absolute, so that the job writes to the same place wherever sbatch is called;
     # it must exist before the job starts, since SLURM opens the job's output files in it.

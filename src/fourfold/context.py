@@ -38,9 +38,26 @@ def positions(local_seq: int, cp: Group, device=None) -> torch.Tensor:
     return shard_sequence(torch.arange(local_seq * cp.size, device=device), cp, dim=0)
 
 
-def _attend(q, k, v, causal: bool, scale: float):
+def check_flash_inputs(q, k, v, lse=None) -> None:
+    """What torch's flash kernels assume, checked on every device so that CPU runs go through the
+    GPU's contract: q, k, v with unit stride on the last dim (row slices of [b, h, s, d] are
+    fine), a contiguous log-sum-exp (the CUDA backward indexes it as (batch*heads + head)*seq +
+    row, whatever its strides), and on CUDA bf16 or fp16 only (`rules` refuses cp > 1 in fp32)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise RuntimeError(f"flash attention reads {name} by rows: its last dim needs unit stride, got "
+                               f"strides {t.stride()}")
+    if lse is not None and not lse.is_contiguous():
+        raise RuntimeError(f"the flash backward indexes the log-sum-exp as a contiguous [batch, heads, rows] "
+                           f"tensor; got shape {tuple(lse.shape)} with strides {lse.stride()} (make it contiguous)")
+    if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(f"CUDA's flash attention takes bf16 or fp16, not {q.dtype}; use precision bf16")
+
+
+def attend_block(q, k, v, causal: bool, scale: float):
     """One block with torch's fused flash kernel: (output in q's dtype, log-sum-exp per query row,
     what the CUDA backward needs). Grouped-query attention is native (k, v have fewer heads)."""
+    check_flash_inputs(q, k, v)
     if q.is_cuda:
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
@@ -49,9 +66,10 @@ def _attend(q, k, v, causal: bool, scale: float):
     return out, lse, None
 
 
-def _attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float, extra):
+def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, extra):
     """(dq, dk, dv) of one block, given the rows' *final* output and log-sum-exp (the kernel forms
     P = exp(S - lse) and the row sums of dout * out from them, as ring attention needs)."""
+    check_flash_inputs(q, k, v, lse)
     if q.is_cuda:
         seed, offset = extra
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -101,7 +119,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             pending = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            o_b, lse_b, extra = _attend(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal, scale)
+            o_b, lse_b, extra = attend_block(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal, scale)
             if out is None:  # step 0, the own block: its diagonal makes every row's lse finite
                 out, lse = o_b.to(acc), lse_b.to(acc)
             else:
@@ -126,9 +144,11 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             pending_kv = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            dq_b, dk_b, dv_b = _attend_backward(grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys],
-                                                block_v[:, :, keys], out[:, :, rows], lse[:, :, rows], causal,
-                                                scale, ctx.extra)
+            # a later rank's block is seen by the second half of the rows: that lse slice is a strided
+            # view, which the CUDA backward would misread
+            dq_b, dk_b, dv_b = attend_block_backward(grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys],
+                                                     block_v[:, :, keys], out[:, :, rows],
+                                                     lse[:, :, rows].contiguous(), causal, scale, ctx.extra)
             dq[:, :, rows] += dq_b
             dk = torch.zeros_like(block_k, dtype=acc)
             dv = torch.zeros_like(block_v, dtype=acc)

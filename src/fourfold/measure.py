@@ -111,7 +111,7 @@ def _fourfold_line() -> str:
 
 def check_measurable(cfg: ModelConfig, job: Job) -> None:
     """The rule function's problems, and what this measurement cannot take (JobError)."""
-    found = problems(cfg, job)
+    found = problems(cfg, job, gpu=True)
     if job.pp > 1:
         found.append(Problem("--measure runs one model without pipeline sends",
                              "use pp 1 (to measure a stage, give the layers it holds with --layers)"))

@@ -87,7 +87,7 @@ class Pipeline:
         pp = grid.group("pp")
         n_stages = pp.size * virtual  # the job was checked by fourfold.rules
         ranges = split_layers(cfg.layers, n_stages, stage_layers or ())
-        self.grid, self.microbatches = grid, microbatches
+        self.grid, self.microbatches, self.seq_parallel = grid, microbatches, opts.seq_parallel
         self.batch_shape = torch.Size([microbatches * micro_batch, seq])
         self.indices = [pp.rank + v * pp.size for v in range(virtual)]
         self.models = [stage_model(grid, cfg, opts, ranges[i], first=i == 0, last=i == n_stages - 1, seed=seed,
@@ -99,8 +99,8 @@ class Pipeline:
                              cfg.hidden // grid.size("x"), dtype=opts.dtype, device="meta",
                              requires_grad=True)  # a stage's input gradient goes back to the previous one
         ids = torch.empty(micro_batch, seq, dtype=torch.long, device="meta")
-        logits = torch.empty(micro_batch, seq, cfg.vocab // grid.size("y"), dtype=opts.dtype, device="meta",
-                             requires_grad=True)
+        logits = torch.empty(1, micro_batch * seq // grid.size("x"), cfg.vocab // grid.size("y"), dtype=opts.dtype,
+                             device="meta", requires_grad=True)  # the head keeps this x rank's tokens
         stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=ids if i == 0 else stream,
                                output_args=logits if i == n_stages - 1 else stream, group=pp.process_group, pp=pp)
                   for m, i in zip(self.models, self.indices)]
@@ -110,7 +110,7 @@ class Pipeline:
         self._scale = 1.0
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.grid).sum() * self._scale
+        return vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
         if targets.shape != self.batch_shape:

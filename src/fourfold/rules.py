@@ -43,8 +43,9 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
 
 
-def problems(model: ModelConfig, job: Job, *, world: int | None = None) -> list[Problem]:
-    """Everything that stops `model` from training as `job` (on `world` started processes)."""
+def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False) -> list[Problem]:
+    """Everything that stops `model` from training as `job` (on `world` started processes; on
+    GPUs with `gpu`, whose kernels have preconditions of their own)."""
     out: list[Problem] = []
     add = lambda what, fix: out.append(Problem(what, fix))  # noqa: E731
     g = job.layout
@@ -100,12 +101,18 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None) -> list[
     elif job.seq_parallel and (job.seq // g.cp) % g.y:
         add(f"sequence parallelism splits each rank's {job.seq // g.cp} tokens over y={g.y}",
             f"use a sequence length that is a multiple of cp*y = {g.cp * g.y}, or turn seq_parallel off")
+    if job.seq % g.cp == 0 and (job.seq // g.cp) % g.x:
+        add(f"the LM head splits each rank's {job.seq // g.cp} tokens over x={g.x} (each x rank scores 1/x of them)",
+            f"use a sequence length that is a multiple of cp*x = {g.cp * g.x}")
 
     # ----- options ---------------------------------------------------------------------------
     if job.recompute not in RECOMPUTE:
         add(f"recompute {job.recompute!r} is unknown", f"use one of {', '.join(RECOMPUTE)}")
     if job.precision not in PRECISIONS:
         add(f"precision {job.precision!r} is unknown", f"use one of {', '.join(PRECISIONS)}")
+    elif gpu and g.cp > 1 and job.precision in ("float32", "float64"):
+        add(f"ring attention (cp={g.cp}) runs CUDA's flash kernel, which takes bf16 or fp16, not {job.precision}",
+            "use precision bf16 (or auto), or cp=1")
     if job.schedule not in SCHEDULES:
         add(f"pipeline.schedule {job.schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
     elif g.pp > 1:
@@ -138,8 +145,8 @@ def _pipeline_problems(model: ModelConfig, job: Job) -> list[Problem]:
     return out
 
 
-def check(model: ModelConfig, job: Job, *, world: int | None = None) -> None:
+def check(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False) -> None:
     """Raise JobError listing every problem of `problems`."""
-    found = problems(model, job, world=world)
+    found = problems(model, job, world=world, gpu=gpu)
     if found:
         raise JobError(found)

@@ -97,7 +97,7 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
         for model in pipeline.models:
             h = model(h)
         if pipeline.has_last:
-            h = vocab_parallel_cross_entropy(h, chunk, grid).sum() * scale
+            h = vocab_parallel_cross_entropy(h, chunk, grid, job.seq_parallel).sum() * scale
         in_flight.append(h)
         if len(in_flight) == depth:
             backward(in_flight.pop(0))
@@ -108,7 +108,7 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
 def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Simulation:
     """Run rank `rank` of `job` alone (see the module's doc); `steps` timed steps follow two
     counted ones (the second has the optimizer state of every later step)."""
-    check(cfg, job)
+    check(cfg, job, gpu=True)
     if not 0 <= rank < job.world_size:
         raise ValueError(f"--rank {rank} is outside a job of {job.world_size} ranks; give 0..{job.world_size - 1}")
     if dist.is_initialized():

@@ -244,14 +244,15 @@ def load_train_config(path: str | None, overrides: list[str] = ()) -> TrainConfi
     return cfg
 
 
-def validate(cfg: TrainConfig, world: int) -> None:
-    """Every check that needs no process group: raises ConfigError listing each problem with its fix."""
+def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
+    """Every check that needs no process group, for a run on `gpu`s or CPU processes: raises
+    ConfigError listing each problem with its fix."""
     try:
         model = cfg.model_config()
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"model: {e}") from None
     try:
-        found = problems(model, cfg.job(), world=world)
+        found = problems(model, cfg.job(), world=world, gpu=gpu)
     except GridError as e:  # the placement order or a dim size
         raise ConfigError(f"grid: {e}") from None
     if cfg.train.eval_every < 0:

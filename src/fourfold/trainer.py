@@ -262,7 +262,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
 
 
 def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
-    validate(cfg, dist.get_world_size())
+    validate(cfg, dist.get_world_size(), gpu=torch.cuda.is_available())
     grid = Grid(cfg.layout())
     files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize once; the others find it cached
     dist.barrier()

@@ -148,6 +148,17 @@ def embedding_passes(sizes: dict, vocab: int, hidden: int, tokens: int, *, seq_p
                    backward + [Collective("z", "reduce_scatter", table)])
 
 
+def head_passes(sizes: dict, hidden: int, vocab: int, tokens: int, *, seq_parallel: bool = False,
+                keep_weight: bool = False, keep_input: bool = False) -> Passes:
+    """The LM head and the loss on `tokens` local tokens: logits reduce-scattered over x by tokens,
+    the cross-entropy's three all-reduces over y on this x rank's tokens (max, sum of exponentials,
+    target logit), and the per-token losses gathered over x."""
+    scored = tokens // sizes["x"]
+    loss = _passes(sizes, [Collective("y", "all_reduce", scored)] * 3 + [Collective("x", "all_gather", tokens)], [])
+    return linear_passes(sizes, "x-in", hidden, vocab, tokens, reduction="scatter_tokens", keep_weight=keep_weight,
+                         keep_input=keep_input, input_gather="tokens" if seq_parallel else "none") + loss
+
+
 def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
                       keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
                       recompute: str = "none", layers: int | None = None, first: bool = True,
@@ -168,10 +179,9 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
     if first:
         total = embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel) + total
     if last:
-        loss = _passes(sizes, [Collective("y", "all_reduce", tokens)] * 3, [])  # max, sum of exp, target logit
         total = (total + norm_passes(sizes, cfg.block.norm, stream)
-                 + linear_passes(sizes, "x-in", cfg.hidden, cfg.vocab, tokens, keep_weight=keep_weights,
-                                 keep_input=keep_inputs, input_gather="tokens" if seq_parallel else "none") + loss)
+                 + head_passes(sizes, cfg.hidden, cfg.vocab, tokens, seq_parallel=seq_parallel,
+                               keep_weight=keep_weights, keep_input=keep_inputs))
     return total.all()
 
 

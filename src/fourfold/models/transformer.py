@@ -13,10 +13,9 @@ from fourfold.models.config import ModelConfig
 from fourfold.overlap import Overlapper
 from fourfold.tensor import init
 from fourfold.tensor.block import ParallelBlock, TensorOptions
-from fourfold.tensor.linear import ParallelLinear, RowSource
 from fourfold.tensor.norm import ParallelNorm
 from fourfold.tensor.params import ParallelModule, ParamLayout, Piece
-from fourfold.tensor.vocab import ParallelEmbedding, vocab_parallel_cross_entropy
+from fourfold.tensor.vocab import LMHead, ParallelEmbedding, vocab_parallel_cross_entropy
 
 
 class PositionEmbedding(ParallelModule):
@@ -93,16 +92,16 @@ class Transformer(nn.Module):
         })
         self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
                                  dtype=opts.dtype, name="norm")
-        self.lm_head = ParallelLinear(grid, cfg.hidden, [RowSource("lm_head", 0, cfg.vocab)], "x-in", seed=seed,
-                                      std=std, input_gather="tokens" if opts.seq_parallel else "none",
-                                      keep_weight=opts.keep_weights, keep_gathered_input=opts.keep_gathered_inputs,
-                                      dtype=opts.dtype, name="lm_head", overlap=self.overlap)
+        self.lm_head = LMHead(grid, cfg.hidden, cfg.vocab, seed=seed, std=std,
+                              input_gather="tokens" if opts.seq_parallel else "none", keep_weight=opts.keep_weights,
+                              keep_gathered_input=opts.keep_gathered_inputs, dtype=opts.dtype, overlap=self.overlap)
         if cfg.tied:
             self.lm_head.weight = self.embed.weight
             self.lm_head.matrix = self.embed.matrix
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-parallel logits [batch/z, seq/cp, vocab/y] (replicated over x)."""
+        """Vocabulary-parallel logits [1, tokens/x, vocab/y]: this x rank's share of the batch's
+        tokens in the head's order (`vocab.batch_order` restores [batch, seq])."""
         return self(ids)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,4 +126,5 @@ class Transformer(nn.Module):
         if not last:
             return h.contiguous()  # sent to the next stage, whose receive buffer is contiguous
         logits = self.lm_head(self.norm(h))
-        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets, self.grid)
+        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets, self.grid,
+                                                                           self.opts.seq_parallel)

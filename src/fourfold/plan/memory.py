@@ -90,8 +90,10 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     return Memory(terms, limit)
 
 
-def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention: bool = True) -> Memory:
-    """fourfold's runtime on the most loaded pipeline stage, bytes, against the whole card."""
+def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention: bool = True,
+                    gloo: bool = False) -> Memory:
+    """fourfold's runtime on the most loaded pipeline stage, bytes, against the whole card; `gloo`:
+    on CPU processes, whose reduce-scatter (an all-to-all) receives into a second buffer."""
     h, v, L = cfg.hidden, cfg.vocab, cfg.layers
     x, y, z, c, p = s.x, s.y, s.z, s.cp, s.pp
     blk = cfg.block
@@ -147,18 +149,26 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     activations = layers_here * per_layer_kept * in_flight
     # The largest weight block of one matrix on this rank (before the z split): with z > 1 it is
     # gathered (bf16) while its layer runs, and its gradient block exists before the z reduce-scatter.
-    largest_block = max(*(layer.in_features * layer.out_features for layer in plan.linears), h * v) / (x * y)
+    layer_block = max(layer.in_features * layer.out_features for layer in plan.linears) / (x * y)
+    largest_block = max(layer_block, h * v / (x * y))
     head_block = h * v / (x * y)
     gathered = e * largest_block if z > 1 else 0.0
-    # Forward, at the loss: every layer's saved tensors, the logits (bf16 GEMM output, its fp32
-    # copy, the fp32 shifted copy of the softmax being formed), the final norm's tensors, the
-    # head's gathered weight.
-    logits = T * v / y * (e + 4 + (4 if e < 4 else 0)) + 3 * e * Ts * h / x
+    # Forward, at the loss: every layer's saved tensors, the final norm's tensors, the head's
+    # gathered weight and the larger of: the head GEMM's partial logits [T, V/y] with this x rank's
+    # reduce-scattered 1/x of them, and the loss on those (their fp32 copy and the fp32 shifted
+    # copy of the softmax being formed).
+    scored = T / x  # the head keeps this x rank's tokens
+    scatter = e * T * v / y * (1 + 1 / x + (1 if gloo else 0)) if x > 1 else 0.0
+    logits = max(scatter, scored * v / y * (e + 4 + (4 if e < 4 else 0))) + 3 * e * Ts * h / x
     forward = activations + logits + gathered
-    # Backward, the larger of: the head's (fp32 softmax gradient and its bf16 cast, the gathered
-    # weight and the weight-gradient block) and a recomputed layer. Ring attention runs the flash
-    # kernel per block: no [T x T] scores.
-    head_backward = T * v / y * (e + 4) + e * head_block * (2 if z > 1 else 1)
+    # Backward, the larger of: the head's (the fp32 softmax gradient with its cast, or the cast
+    # with its gather over x for the head's GEMMs; the gathered weight and the weight-gradient
+    # block) and a recomputed layer. Ring attention runs the flash kernel per block: no [T x T] scores.
+    # With z > 1 the head's weight is gathered, its gradient block reduce-scattered, and the next
+    # layer's weight already prefetched.
+    head_weights = e * head_block * (2 + 1 / z) + e * layer_block if z > 1 else e * head_block
+    head_backward = max(scored * v / y * (e + 4) + (e * head_block if z > 1 else 0.0),  # at the cast
+                        e * T * v / y * (1 + 1 / x if x > 1 else 1) + head_weights)  # at the GEMMs
     backward = activations + max(head_backward, working)
     # Optimizer step: the largest bucket's updated parameters gathered in their dtype (ZeRO-1).
     largest_bucket = max(largest_block / z, BUCKET_BYTES / 4)

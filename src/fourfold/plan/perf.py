@@ -20,7 +20,7 @@ from fourfold.volumes import (
     ring_attention_passes,
     bytes_sent,
     embedding_passes,
-    linear_passes,
+    head_passes,
 )
 
 EFFICIENCY_MAX = 0.8  # best fraction of peak a large bf16 GEMM reaches
@@ -170,8 +170,7 @@ def _layer_compute_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Cali
 def _head_totals(sizes: tuple[tuple[str, int], ...], vocab: int, hidden: int, tokens: int):
     """The embedding's and the LM head's collectives for one micro-batch, summed."""
     grid = dict(sizes)
-    return _totals(embedding_passes(grid, vocab, hidden, tokens).all()
-                   + linear_passes(grid, "x-in", hidden, vocab, tokens).all())
+    return _totals(embedding_passes(grid, vocab, hidden, tokens).all() + head_passes(grid, hidden, vocab, tokens).all())
 
 
 @functools.lru_cache(maxsize=65536)

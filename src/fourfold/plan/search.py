@@ -25,7 +25,7 @@ HEADROOM = 0.05
 
 def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
     """Raise JobError naming each fix when the runtime (or the profile) cannot run `job`."""
-    found = problems(cfg, job)
+    found = problems(cfg, job, gpu=True)
     if framework == "megatron" and (job.x != 1 or job.z != 1):
         found.append(Problem("the megatron profile has 1D tensor parallelism",
                              "give --tp (y) and leave x = z = 1"))
@@ -94,7 +94,7 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
             continue
         for mb in micro_batches:
             job = replace(base, layout=Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z), micro_batch=mb)
-            if problems(cfg, job):
+            if problems(cfg, job, gpu=True):
                 continue
             for recompute in recomputes:
                 job = replace(job, recompute=recompute)

@@ -59,6 +59,21 @@ class _AllGather(torch.autograd.Function):
         return comm.reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None
 
 
+class _AllGatherReplicated(torch.autograd.Function):
+    """Each rank's part gathered into a tensor every rank then uses whole and identically (the
+    per-token losses of the tokens each x rank scored): the gradient of a rank's part is its own
+    part of the gradient, not a sum over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.all_gather(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size, ctx.dim)[ctx.group.rank].contiguous(), None, None
+
+
 def all_reduce_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _AllReduceReplicated.apply(x, group)
 
@@ -73,3 +88,7 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return x if group.size == 1 else _AllGather.apply(x, group, dim % x.dim())
+
+
+def all_gather_replicated(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _AllGatherReplicated.apply(x, group, dim % x.dim())

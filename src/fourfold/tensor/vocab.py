@@ -1,8 +1,11 @@
 """Vocabulary-parallel embedding, LM head and cross-entropy: no rank ever holds the full logits.
 
 The table [V, H] is laid out like an x-in weight (H over x, V over y, flat over z), so a tied LM
-head is the same parameter. The cross-entropy over V/y logits all-reduces three [tokens] vectors
-over y: the max, the sum of exponentials and the target's logit.
+head is the same parameter. The head reduce-scatters its partial logits over x by tokens, so each
+rank holds and scores 1/(x*y) of the [tokens, V] logits (an all-reduce would leave every x rank
+the same [tokens, V/y] and the same fp32 softmax). The cross-entropy over V/y logits all-reduces
+three vectors over y (the max, the sum of exponentials, the target's logit); the per-token losses
+of the x ranks are then gathered.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from torch import nn
 from fourfold import comm
 from fourfold.comm import Group
 from fourfold.grid import Grid
-from fourfold.tensor.linear import SEQ_DIM, RowSource, ShardedMatrix
+from fourfold.tensor.linear import SEQ_DIM, ParallelLinear, RowSource, ShardedMatrix
 from fourfold.tensor.params import ParallelModule, ParamLayout
-from fourfold.tensor.regions import all_gather, all_reduce_replicated, reduce_scatter
+from fourfold.tensor.regions import all_gather, all_gather_replicated, all_reduce_replicated, reduce_scatter
 
 
 class ParallelEmbedding(ParallelModule):
@@ -83,10 +86,43 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(grad_loss.unsqueeze(-1)), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """Per-token loss from logits [..., V/y] (vocab split over y) and global target ids [...];
-    a negative target marks padding: its loss is 0."""
+class LMHead(ParallelLinear):
+    """The LM head [V, H]: an x-in linear on the tokens flattened into one row ([1, tokens, H/x];
+    its input gathered over y with sequence parallelism), whose logits are reduce-scattered over x
+    by tokens: [1, tokens/x, V/y]. Flattened, this x rank's share is a contiguous range of the
+    GEMM's output, so the reduce-scatter copies nothing whatever the batch."""
+
+    def __init__(self, grid: Grid, hidden: int, vocab: int, **options):
+        super().__init__(grid, hidden, [RowSource("lm_head", 0, vocab)], "x-in", reduction="scatter_tokens",
+                         name="lm_head", **options)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(h.reshape(1, -1, h.shape[-1]))
+
+
+def head_order(t: torch.Tensor, grid: Grid, seq_parallel: bool) -> torch.Tensor:
+    """[batch, seq, ...] in the LM head's token order, [1, batch*seq, ...]: with sequence
+    parallelism each y rank flattens its seq/y tokens of every sequence and the gather over y
+    puts them y-rank-major."""
+    b, s, y = t.shape[0], t.shape[1], grid.size("y") if seq_parallel else 1
+    return t.reshape(b, y, s // y, *t.shape[2:]).transpose(0, 1).reshape(1, b * s, *t.shape[2:])
+
+
+def batch_order(t: torch.Tensor, batch: int, grid: Grid, seq_parallel: bool) -> torch.Tensor:
+    """The inverse of `head_order`: [1, batch*seq, ...] back to [batch, seq, ...]."""
+    y = grid.size("y") if seq_parallel else 1
+    s = t.shape[1] // batch
+    return t.reshape(y, batch, s // y, *t.shape[2:]).transpose(0, 1).reshape(batch, s, *t.shape[2:])
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid,
+                                 seq_parallel: bool = False) -> torch.Tensor:
+    """Per-token loss [batch, seq] from the head's logits [1, tokens/x, V/y] (this x rank's tokens,
+    the vocabulary split over y) and global target ids [batch, seq]; a negative target marks
+    padding: its loss is 0. Every x rank returns every token's loss."""
+    x = grid.group("x")
+    mine = head_order(targets, grid, seq_parallel).chunk(x.size, dim=SEQ_DIM)[x.rank]
     # bf16 logits are scored in fp32 (as Megatron does); float64 stays float64
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return _VocabParallelCrossEntropy.apply(logits, targets, grid.group("y"))
-
+    scored = _VocabParallelCrossEntropy.apply(logits, mine, grid.group("y"))
+    return batch_order(all_gather_replicated(scored, x, SEQ_DIM), targets.shape[0], grid, seq_parallel)
