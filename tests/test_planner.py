@@ -109,8 +109,8 @@ def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
 
 
 def test_invalid_configurations_name_the_fix():
-    with pytest.raises(ValueError, match="32 layers do not divide into 3 pipeline stages; choose pp\\*virtual"):
-        check(SMALL, job(pp=3))
+    with pytest.raises(ValueError, match="32 layers cannot fill 40 pipeline stages; use pp\\*virtual of at most 32"):
+        check(SMALL, job(pp=40))
     with pytest.raises(ValueError, match="micro_batch=1 must be divisible by z=2"):
         check(SMALL, job(z=2, micro_batch=1))
     with pytest.raises(ValueError, match="batch.seq=4097 does not divide; use a sequence length that is a multiple of 4"):
@@ -181,9 +181,9 @@ def test_a_candidate_without_headroom_is_marked_and_ranked_after_the_others(caps
 
 
 def test_cli_error_is_clear():
-    out = subprocess.run([sys.executable, "-m", "fourfold.cli", "estimate", "--model", "llama-2-7b", "--pp", "3"],
+    out = subprocess.run([sys.executable, "-m", "fourfold.cli", "estimate", "--model", "llama-2-7b", "--pp", "40"],
                          capture_output=True, text=True)
-    assert out.returncode == 2 and "32 layers do not divide into 3 pipeline stages; choose pp*virtual" in out.stderr
+    assert out.returncode == 2 and "32 layers cannot fill 40 pipeline stages; use pp*virtual of at most 32" in out.stderr
 
 
 def test_cli_memory_measured_under_fake_tensors(capsys):

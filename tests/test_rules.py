@@ -1,6 +1,7 @@
 """The one rule function (fourfold.rules): every job it accepts on up to 8 ranks builds and trains a
 step; every refusal names its fix; the commands check before they start processes."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -121,15 +122,16 @@ def test_refusals_of_the_old_validation_gaps():
     assert found and "at least pp=2 micro-batches" in str(found[0]) and "raise batch.global_batch to 4" in str(found[0])
     assert not problems(tiny, Job(Layout(pp=2), micro_batch=2, global_batch=2, schedule="gpipe"))
     found = problems(tiny, Job(Layout(pp=2), micro_batch=1, global_batch=3, schedule="interleaved-1f1b", virtual=2))
-    assert "multiple of pp=2" in str(found[0]) and "2 layers do not divide into 4 pipeline stages" in str(found[1])
+    assert "multiple of pp=2" in str(found[0]) and "2 layers cannot fill 4 pipeline stages" in str(found[1])
     assert "virtual=1 does not go with" in str(problems(tiny, Job(Layout(pp=2), global_batch=4,
                                                                    schedule="interleaved-1f1b"))[0])
     assert "unknown" in str(problems(tiny, Job(schedule="zero-bubble"))[0])
 
 
 def test_split_layers():
-    with pytest.raises(ValueError, match="stage_layers"):
-        split_layers(4, 3)
+    assert [len(r) for r in split_layers(4, 3)] == [1, 2, 1]  # the extra layer on a middle stage
+    with pytest.raises(ValueError, match="2 layers cannot fill 3 pipeline stages"):
+        split_layers(2, 3)
     assert [len(r) for r in split_layers(4, 3, [2, 1, 1])] == [2, 1, 1]
     with pytest.raises(ValueError, match="sum to the model's 4 layers"):
         split_layers(4, 2, [1, 1])
@@ -195,3 +197,22 @@ def test_a_model_config_that_cannot_split_its_heads_is_a_problem_not_a_traceback
     bad = ModelConfig("llama", hidden=48, layers=2, heads=5, kv_heads=5, ffn=96, vocab=64, max_positions=64,
                       tied=False, eps=1e-5)
     assert "must be divisible by heads=5" in str(problems(bad, Job())[0])
+
+
+def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_largest_stage():
+    from fourfold.job import default_stage_layers, most_layers_on_a_rank
+    from fourfold.plan.hardware import make_cluster
+    from fourfold.plan.memory import estimate_memory
+    from fourfold.plan.search import predict
+
+    assert default_stage_layers(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B's own split
+    assert default_stage_layers(32, 3) == [11, 11, 10]
+    job = Job(Layout(dp=128, pp=16, y=8), global_batch=2048, seq=8192, recompute="full", precision="bf16")
+    assert most_layers_on_a_rank(126, job) == 8
+    assert most_layers_on_a_rank(126, Job(Layout(pp=8), virtual=2, schedule="interleaved-1f1b")) == 16
+    model = load_config("llama-3.1-405b")
+    assert problems(model, job, gpu=True) == []
+    assert predict(model, job, make_cluster("dgx-h100"), framework="megatron")["fits"]
+    # the estimate follows the most loaded stage: 8 layers, as 128 layers on 16 stages would give
+    as_128 = estimate_memory(dataclasses.replace(model, layers=128), job, 80, framework="megatron")
+    assert estimate_memory(model, job, 80, framework="megatron").terms == as_128.terms

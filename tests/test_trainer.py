@@ -206,7 +206,7 @@ def test_config_errors_name_the_fix(tmp_path):
         (["--grid.cp", "3"], 3, "cut into 2\\*cp=6"),
         (["--grid.pp", "2", "--train.eval_every", "5"], 2, "train.eval_every scores a whole model"),
         (["--grid.pp", "2", "--model.preset", "tiny-gpt"], 2, "tied input and output embeddings"),
-        (["--grid.pp", "3"], 3, "layers do not divide into 3 pipeline stages"),
+        (["--grid.pp", "3"], 3, "2 layers cannot fill 3 pipeline stages"),
         (["--grid.pp", "2", "--batch.global_batch", "2"], 2, "at least pp=2 micro-batches"),
         (["--model.preset", "no-such-model"], 1, "model:"),
         (["--train.recompute", "some"], 1, "recompute 'some' is unknown; use one of"),

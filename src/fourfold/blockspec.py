@@ -17,6 +17,28 @@ LINEAR_KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 
 
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """transformers' rope_scaling / rope_parameters beyond the default frequencies: "linear"
+    (every frequency divided by `factor`) or "llama3" (Llama 3.1's: low frequencies divided by
+    `factor`, high ones kept, a smooth blend between, set by the two factors and the context the
+    model was pretrained on)."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"rope scaling {self.kind!r} is not supported; fourfold computes "
+                             f"{', '.join(ROPE_SCALINGS)} (and the default)")
+
+
 @dataclass(frozen=True)
 class BlockConfig:
     hidden: int
@@ -25,14 +47,18 @@ class BlockConfig:
     ffn: int
     norm: str = "rms"
     activation: str = "swiglu"
-    bias: bool = False
+    qkv_bias: bool = False  # q, k, v projections (GPT-2, Qwen2, Llama with attention_bias)
+    out_bias: bool = False  # the output projection (GPT-2, Llama with attention_bias)
+    mlp_bias: bool = False  # the MLP's projections (GPT-2, Llama with mlp_bias)
     rope: bool = True
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    head_size: int = 0  # an explicit head dim (config.json's head_dim); 0: hidden / heads
     eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        if not self.head_size and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads} (or give head_dim)")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
         if self.norm not in NORMS:
@@ -42,7 +68,7 @@ class BlockConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @property
     def gated(self) -> bool:
@@ -156,11 +182,11 @@ def block_plan(cfg: BlockConfig, x: int, y: int, *, seq_parallel: bool, non_redu
     return BlockPlan(
         cfg, heads_chunks, ffn_chunks,
         qkv=LinearPlan("attn.qkv", "x-in", cfg.hidden, qkv_rows, "scatter_features" if own_heads else "all_reduce",
-                       gather_in, cfg.bias),
-        out=LinearPlan("attn.o", "y-in", cfg.hidden, (RowSource("attn.o", 0, cfg.hidden),), scatter_out,
-                       "features" if own_heads else "none", cfg.bias),
+                       gather_in, cfg.qkv_bias),
+        out=LinearPlan("attn.o", "y-in", cfg.heads * d, (RowSource("attn.o", 0, cfg.hidden),), scatter_out,
+                       "features" if own_heads else "none", cfg.out_bias),
         up=LinearPlan("mlp.up", "x-in", cfg.hidden, up_rows, "scatter_features" if own_ffn else "all_reduce",
-                      gather_in, cfg.bias),
+                      gather_in, cfg.mlp_bias),
         down=LinearPlan("mlp.down", "y-in", cfg.ffn, (RowSource("mlp.down", 0, cfg.hidden),), scatter_out,
-                        "features" if own_ffn else "none", cfg.bias),
+                        "features" if own_ffn else "none", cfg.mlp_bias),
     )

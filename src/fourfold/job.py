@@ -61,16 +61,32 @@ for _dim in DIMS:
     setattr(Job, _dim, property(lambda self, d=_dim: getattr(self.layout, d), doc=f"layout.{_dim}"))
 
 
+def default_stage_layers(layers: int, stages: int) -> list[int]:
+    """Layers per pipeline stage when none are given: as even as can be, the extra layers of an
+    uneven count on the middle stages first (the first and last also hold the embedding and the
+    LM head; Llama 3 405B's 126 layers on 16 stages: 7, 8 x 14, 7)."""
+    if layers < stages:
+        raise ValueError(f"{layers} layers cannot fill {stages} pipeline stages; use pp*virtual of at most {layers}")
+    base, extra = divmod(layers, stages)
+    counts = [base] * stages
+    for stage in (list(range(1, stages - 1)) + [0, stages - 1])[:extra]:
+        counts[stage] += 1
+    return counts
+
+
 def split_layers(layers: int, stages: int, stage_layers: tuple[int, ...] | list[int] = ()) -> list[range]:
-    """The global layer indices of each pipeline stage: an even split, or the counts given
-    (ValueError naming the fix when neither works)."""
-    if not stage_layers:
-        if layers % stages:
-            raise ValueError(f"{layers} layers do not divide into {stages} pipeline stages; choose pp*virtual "
-                             f"dividing {layers}, or give pipeline.stage_layers (layers per stage, uneven allowed)")
-        stage_layers = [layers // stages] * stages
+    """The global layer indices of each pipeline stage: the counts given, or the default split
+    (ValueError naming the fix when they do not work)."""
+    stage_layers = list(stage_layers) or default_stage_layers(layers, stages)
     if len(stage_layers) != stages or sum(stage_layers) != layers or min(stage_layers) < 1:
-        raise ValueError(f"pipeline.stage_layers {list(stage_layers)} must give each of the {stages} stages at least "
+        raise ValueError(f"pipeline.stage_layers {stage_layers} must give each of the {stages} stages at least "
                          f"one layer and sum to the model's {layers} layers")
     starts = [sum(stage_layers[:i]) for i in range(stages)]
     return [range(start, start + n) for start, n in zip(starts, stage_layers)]
+
+
+def most_layers_on_a_rank(layers: int, job: "Job") -> int:
+    """The layers of the most loaded pipeline rank (its virtual stages together): what bounds a
+    stage's memory and the pipeline's pace."""
+    stages = split_layers(layers, job.pp * job.virtual, job.stage_layers)
+    return max(sum(len(stages[r + v * job.pp]) for v in range(job.virtual)) for r in range(job.pp))

@@ -27,10 +27,15 @@ def llama_names(cfg: ModelConfig) -> dict[str, str]:
         names["lm_head"] = "lm_head.weight"
     for i in range(cfg.layers):
         p, h = f"layers.{i}", f"model.layers.{i}"
+        b = cfg.block
         for n in "qkvo":
             names[f"{p}.attn.{n}"] = f"{h}.self_attn.{n}_proj.weight"
+            if b.out_bias if n == "o" else b.qkv_bias:
+                names[f"{p}.attn.{n}.bias"] = f"{h}.self_attn.{n}_proj.bias"
         for n in ("gate", "up", "down"):
             names[f"{p}.mlp.{n}"] = f"{h}.mlp.{n}_proj.weight"
+            if b.mlp_bias:
+                names[f"{p}.mlp.{n}.bias"] = f"{h}.mlp.{n}_proj.bias"
         names[f"{p}.attn_norm.weight"] = f"{h}.input_layernorm.weight"
         names[f"{p}.mlp_norm.weight"] = f"{h}.post_attention_layernorm.weight"
     return names

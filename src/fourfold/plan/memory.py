@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fourfold.blockspec import block_plan
-from fourfold.job import Job
+from fourfold.job import Job, most_layers_on_a_rank
 from fourfold.models.config import ModelConfig
 
 GIB = 2**30
@@ -58,11 +58,12 @@ def layer_params(cfg: ModelConfig) -> tuple[int, int]:
     """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama."""
     b = cfg.block
     d = b.head_dim
-    matrices = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.hidden * cfg.hidden
+    matrices = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.heads * d * cfg.hidden
     matrices += (3 if b.gated else 2) * cfg.hidden * cfg.ffn
     vectors = (2 if b.norm == "rms" else 4) * cfg.hidden
-    if b.bias:
-        vectors += (cfg.heads + 2 * cfg.kv_heads) * d + 2 * cfg.hidden + cfg.ffn
+    vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
+    vectors += cfg.hidden if b.out_bias else 0
+    vectors += ((2 if b.gated else 1) * cfg.ffn + cfg.hidden) if b.mlp_bias else 0
     return matrices, vectors
 
 
@@ -71,7 +72,8 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     h, F, a, k, v, L = cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.layers
     t, c, p, d, b, seq = s.y, s.cp, s.pp, s.dp, s.micro_batch, s.seq
     matrices, vectors = layer_params(cfg)
-    params = L / p * (matrices / t + vectors) + h * v / t  # embedding on the first stage
+    stage = most_layers_on_a_rank(L, s)  # L / p when the layers divide evenly
+    params = stage * (matrices / t + vectors) + h * v / t  # embedding on the first stage
     if p == 1:
         params += (0 if cfg.tied else h * v / t) + h  # LM head and final norm on the same stage
     if s.recompute == "full":  # our extension: each layer keeps its bf16 input, sequence-parallel
@@ -81,7 +83,7 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     terms = {
         "weights_and_grads": params * (2 + 4),
         "optimizer": params * 12 / (d * c),
-        "activations": L * per_layer,  # 1F1B: p micro-batches of L/p layers in flight
+        "activations": p * stage * per_layer,  # 1F1B: p micro-batches of a stage's layers in flight
         "first_stage_inputs": 8 * (seq / c) * b * h * p / t,
     }
     if p == 1:
@@ -99,7 +101,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     blk = cfg.block
     d = blk.head_dim
     matrices, vectors = layer_params(cfg)
-    layers_here = L / p
+    layers_here = most_layers_on_a_rank(L, s)
     params = layers_here * (matrices / (x * y * z) + vectors / x)
     embed = h * v / (x * y * z)
     head = 0 if cfg.tied else embed
@@ -124,8 +126,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     attention = ({"attention probabilities": (s.micro_batch / z) * heads * (s.seq / c) ** 2} if math_path else
                  {"attention output and stats": T * heads * d + T * heads / d})
     saved = {
-        "norm inputs": 2 * Ts * h / x,
-        "normalized (norm weight gradients)": 2 * Ts * h / x,
+        "norm inputs": 2 * Ts * h / x,  # (and a [tokens] fp32 statistic: the rest is recomputed in backward)
         "qkv input": saved_input(plan.qkv),
         "q, k, v": T * (heads + 2 * kv) * d,
         **attention,
@@ -153,13 +154,13 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     largest_block = max(layer_block, h * v / (x * y))
     head_block = h * v / (x * y)
     gathered = e * largest_block if z > 1 else 0.0
-    # Forward, at the loss: every layer's saved tensors, the final norm's tensors, the head's
+    # Forward, at the loss: every layer's saved tensors, the final norm's input and output, the head's
     # gathered weight and the larger of: the head GEMM's partial logits [T, V/y] with this x rank's
     # reduce-scattered 1/x of them, and the loss on those (their fp32 copy and the fp32 shifted
     # copy of the softmax being formed).
     scored = T / x  # the head keeps this x rank's tokens
     scatter = e * T * v / y * (1 + 1 / x + (1 if gloo else 0)) if x > 1 else 0.0
-    logits = max(scatter, scored * v / y * (e + 4 + (4 if e < 4 else 0))) + 3 * e * Ts * h / x
+    logits = max(scatter, scored * v / y * (e + 4 + (4 if e < 4 else 0))) + 2 * e * Ts * h / x
     forward = activations + logits + gathered
     # Backward, the larger of: the head's (the fp32 softmax gradient with its cast, or the cast
     # with its gather over x for the head's GEMMs; the gathered weight and the weight-gradient

@@ -11,6 +11,7 @@ path, and every linear layer's shape and collectives, come from the block plan
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fourfold.blockspec import BlockConfig, BlockPlan, LinearPlan, block_plan
+from fourfold.blockspec import BlockConfig, BlockPlan, LinearPlan, RopeScaling, block_plan
 from fourfold.context import ring_attention
 from fourfold.grid import Grid
 from fourfold.overlap import Overlapper, OverlapOptions
@@ -44,13 +45,33 @@ def torch_dtype(precision: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[precision]
 
 
-def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope_frequencies(d: int, theta: float, scaling: RopeScaling | None, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies [d/2], float32, with transformers' arithmetic step for step
+    (its _compute_default/linear/llama3 parameters), so that runs match it to rounding."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    low_freq_wavelen = scaling.original_max_positions / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_positions / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_positions / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] at the given positions [seq].
 
     The angles are computed in float32 whatever the model's dtype, exactly as Hugging Face does,
     so that float64 runs match transformers to rounding."""
     d = q.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    inv_freq = rope_frequencies(d, theta, scaling, q.device)
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
@@ -89,7 +110,8 @@ class ParallelAttention(nn.Module):
         k = k.view(b, s, self.kv_heads, d).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.cfg.rope:
-            q, k = rotary(q, positions, self.cfg.rope_theta), rotary(k, positions, self.cfg.rope_theta)
+            q = rotary(q, positions, self.cfg.rope_theta, self.cfg.rope_scaling)
+            k = rotary(k, positions, self.cfg.rope_theta, self.cfg.rope_scaling)
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
         if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring

@@ -2,6 +2,9 @@
 
 The published implementation normalised each rank's feature slice on its own (not the serial
 model when x > 1); here the per-token sums are all-reduced over x ([tokens, 1]: negligible).
+The arithmetic is fp32 whatever the input's dtype (as transformers and Megatron do: bf16 sums of
+squares over thousands of features lose most of their bits), and backward keeps only the input
+and the per-token statistics.
 """
 
 from __future__ import annotations
@@ -10,10 +13,44 @@ import torch
 from torch import nn
 
 from fourfold import comm
+from fourfold.comm import Group
 from fourfold.grid import Grid
 from fourfold.layout import GridError
 from fourfold.tensor.params import ParallelModule, ParamLayout, vector_piece
-from fourfold.tensor.regions import all_reduce_partial
+
+
+class _Normalise(torch.autograd.Function):
+    """(h - mean) / rms (LayerNorm, `centred`) or h / rms (RMSNorm) over the features of all x
+    ranks, times weight (plus bias), in fp32 at least."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool):
+        acc = torch.promote_types(h.dtype, torch.float32)
+        f = h.to(acc)
+        mean = comm.all_reduce(f.sum(-1, keepdim=True), x) / hidden if centred else None
+        if centred:
+            f = f - mean
+        rstd = torch.rsqrt(comm.all_reduce(f.square().sum(-1, keepdim=True), x) / hidden + eps)
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.x, ctx.hidden, ctx.has_bias = x, hidden, bias is not None
+        out = (f * rstd).to(h.dtype) * weight
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, mean, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        n = (h.to(acc) - mean if mean is not None else h.to(acc)) * rstd  # the normalised input
+        tokens = tuple(range(grad.dim() - 1))
+        g = grad.to(acc)
+        grad_weight = (g * n).sum(tokens).to(weight.dtype)
+        grad_bias = g.sum(tokens).to(weight.dtype) if ctx.has_bias else None
+        gn = g * weight.to(acc)
+        # d/dh of n = (h - mean) * rstd: the projections on 1 (LayerNorm) and on n, over all features
+        dh = gn - n * comm.all_reduce((gn * n).sum(-1, keepdim=True), ctx.x) / ctx.hidden
+        if mean is not None:
+            dh = dh - comm.all_reduce(gn.sum(-1, keepdim=True), ctx.x) / ctx.hidden
+        return (dh * rstd).to(h.dtype), grad_weight, grad_bias, None, None, None, None
 
 
 class ParallelNorm(ParallelModule):
@@ -38,14 +75,8 @@ class ParallelNorm(ParallelModule):
             self.bias.zero_()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x_group = self.grid.group("x")
-        if self.kind == "layer":
-            mean = all_reduce_partial(h.sum(-1, keepdim=True), x_group) / self.hidden
-            centred = h - mean
-            var = all_reduce_partial((centred * centred).sum(-1, keepdim=True), x_group) / self.hidden
-            return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
-        mean_square = all_reduce_partial((h * h).sum(-1, keepdim=True), x_group) / self.hidden
-        return h * torch.rsqrt(mean_square + self.eps) * self.weight
+        return _Normalise.apply(h, self.weight, self.bias, self.grid.group("x"), self.eps, self.hidden,
+                                self.kind == "layer")
 
     def load(self, read, put) -> None:
         local = self.weight.numel()

@@ -3,9 +3,11 @@
 Which pair is right depends on how the ranks of the group use the result:
 - `all_reduce_replicated`: the sum is used identically on every rank (the rest of the
   computation is replicated), so the backward is the identity.
-- `all_reduce_partial`: the sum is used by different partial computations (e.g. norm statistics
-  used by each rank's feature slice), so the backward sums the gradients too.
 - `reduce_scatter` (backward all-gather) and `all_gather` (backward reduce-scatter) along a dim.
+- `all_gather_replicated`: parts gathered into a tensor every rank uses whole, so the backward
+  keeps each rank's own part.
+(The norms' statistics, summed over x and used by each rank's feature slice, have their own
+autograd function in `norm.py`.)
 """
 
 from __future__ import annotations
@@ -24,17 +26,6 @@ class _AllReduceReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class _AllReducePartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -76,10 +67,6 @@ class _AllGatherReplicated(torch.autograd.Function):
 
 def all_reduce_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _AllReduceReplicated.apply(x, group)
-
-
-def all_reduce_partial(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _AllReducePartial.apply(x, group)
 
 
 def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
