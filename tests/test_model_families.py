@@ -3,6 +3,7 @@ head_dim, attention and MLP biases), linear rope scaling, Mistral and Qwen2 (QKV
 to transformers (float64) on 3D and data-parallel grids; every field of their config classes is
 read or refused by name."""
 
+import dataclasses
 import json
 
 import pytest
@@ -100,8 +101,8 @@ def test_sliding_windows():
     assert found and "sliding window of 32 tokens" in found[0].what
 
 
-def test_export_writes_each_family_back(family):
+def test_export_and_checkpoints_write_each_family_back(family):
     path, *_ = family
     cfg = ModelConfig.from_hf(json.loads(open(f"{path}/config.json").read()))
-    again = ModelConfig.from_hf(cfg.to_hf())
-    assert again == cfg
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg  # `fourfold export`
+    assert ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg  # a checkpoint's meta.json

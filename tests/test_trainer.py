@@ -258,7 +258,7 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
     parallel = json.loads(done.stdout.strip().splitlines()[-1])
     path = checkpoint.latest(reference / "checkpoints")
     _single_process_group()
-    model = Transformer(Grid(Layout()), ModelConfig(**checkpoint.read_meta(path)["model"]))
+    model = Transformer(Grid(Layout()), ModelConfig.from_dict(checkpoint.read_meta(path)["model"]))
     checkpoint.load_checkpoint(path, model)
     serial = evaluate(model, Grid(Layout()), tokens, 32, 4)
     dist.destroy_process_group()

@@ -79,7 +79,7 @@ def _eval_model_config(args: argparse.Namespace):
     from fourfold import checkpoint
 
     try:
-        return ModelConfig(**checkpoint.read_meta(checkpoint.latest(args.checkpoint) or args.checkpoint)["model"])
+        return ModelConfig.from_dict(checkpoint.read_meta(checkpoint.latest(args.checkpoint) or args.checkpoint)["model"])
     except ValueError as e:  # CheckpointError
         raise ConfigError(str(e)) from None
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(known)
     if extra and args.command not in ("train", "slurm", "demo"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command in ("memory", "estimate", "plan"):
+    if args.command in ("memory", "estimate", "plan", "calibrate"):
         return run_planner(args)
     try:
         if args.command == "train":

@@ -45,7 +45,7 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
     path = Path(source)
     if not (path / checkpoint.META).is_file():
         path = checkpoint.latest(path) or path
-    cfg = ModelConfig(**checkpoint.read_meta(path)["model"])
+    cfg = ModelConfig.from_dict(checkpoint.read_meta(path)["model"])
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     if path.resolve().is_relative_to(out.resolve()):
         raise checkpoint.CheckpointError(f"{out} holds the checkpoint {path}; give another output directory")

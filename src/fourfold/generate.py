@@ -40,7 +40,7 @@ def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperatur
             f"{path} is a Hugging Face model directory; generate samples from a fourfold training checkpoint: "
             f"train from it first (`fourfold train --model.hf {path}`), or score it with `fourfold eval --hf`")
     meta = checkpoint.read_meta(path)
-    cfg = ModelConfig(**meta["model"])
+    cfg = ModelConfig.from_dict(meta["model"])
     # one process, windows of up to the model's positions
     check(cfg, Job(micro_batch=1, global_batch=1, seq=cfg.max_positions, precision="float32"), world=1)
     tokenizer = corpus.load_tokenizer(path / "tokenizer.json")

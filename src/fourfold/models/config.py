@@ -85,6 +85,12 @@ class ModelConfig:
                        d["vocab_size"], d["n_positions"], d.get("tie_word_embeddings", True), d.get("layer_norm_epsilon", 1e-5))
         raise ValueError(f"config.json has model_type {kind!r}; fourfold reads {', '.join(LLAMA_TYPES)} and 'gpt2'")
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """From the form a checkpoint's meta.json keeps (`dataclasses.asdict`)."""
+        scaling = d.get("rope_scaling")
+        return cls(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+
     def to_hf(self) -> dict:
         if self.family == "llama":
             kind = self.hf_type or "llama"
