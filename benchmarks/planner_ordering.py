@@ -9,6 +9,7 @@ the most collectives, x2 y2 z2) and checked on the other seven.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 benchmarks/planner_ordering.py
 """
 
+import dataclasses
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ from fourfold.models.config import ModelConfig
 from fourfold.optimizer import AdamW
 from fourfold.plan.hardware import GPU, Cluster
 from fourfold.job import Job
-from fourfold.plan.perf import Calibration, step_time
+from fourfold.plan.perf import UNCALIBRATED, step_time
 from fourfold.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
 from fourfold.trainer import Model, local_batch
 
@@ -91,7 +92,9 @@ def predict(text: str, cluster: Cluster) -> float:
     layout = Layout.parse(text)
     s = Job(layout, micro_batch=MICRO, seq=SEQ, global_batch=GLOBAL_BATCH, seq_parallel=layout.y > 1,
             precision="float32")
-    return step_time(CFG, s, cluster, Calibration(efficiency_max=1.0, efficiency_half=16)).total
+    # the GPU-fitted constants (overheads, bus efficiencies) do not describe CPU processes: the
+    # guesses with a CPU's GEMM curve
+    return step_time(CFG, s, cluster, dataclasses.replace(UNCALIBRATED, efficiency_max=1.0, efficiency_half=16)).total
 
 
 def fitted_latency(grid: str, measured: float, cluster: Cluster) -> Cluster:

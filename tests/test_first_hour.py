@@ -243,3 +243,23 @@ def test_export_then_fine_tune_from_the_hugging_face_directory(data, stopped, tm
     first = [json.loads(line)["loss"] for line in (fine / "log.jsonl").read_text().splitlines()][0]
     from_scratch = json.loads((run / "log.jsonl").read_text().splitlines()[0])["loss"]
     assert first < from_scratch - 0.1  # the same first batch, scored by the exported (trained) weights
+
+
+def test_fine_tuning_a_hugging_face_directory_on_jsonl_uses_its_tokenizer(data, stopped, tmp_path, capsys):
+    """--model.hf DIR with a JSONL corpus and no data.tokenizer: DIR's tokenizer.json tokenizes the
+    corpus (not a BPE trained on it), and the checkpoint carries that tokenizer on to export."""
+    run, _ = stopped
+    hf = tmp_path / "exported"
+    assert main(["export", str(run / "checkpoints"), str(hf)]) == 0
+    capsys.readouterr()
+    documents = tmp_path / "corpus.jsonl"
+    text = corpus.bundled_text()[100_000:160_000]
+    documents.write_text("".join(json.dumps({"text": p}) + "\n" for p in text.split("\n\n") if p.strip()))
+    fine = tmp_path / "fine"
+    done = _fourfold("train", "--model.hf", hf, "--data.files", documents, "--data.cache_dir", tmp_path / "cache",
+                     *_options(fine, "--train.steps", "2", "--checkpoint.every", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = fine / "checkpoints" / "step-00000002" / "tokenizer.json"
+    assert saved.read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert main(["export", str(fine / "checkpoints"), str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()

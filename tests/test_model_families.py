@@ -86,10 +86,17 @@ def test_every_field_of_the_config_classes_is_read_or_refused(config, fields):
     (dict(attention_dropout=0.1), "attention_dropout=0.1"),
     (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope scaling 'yarn' is not implemented"),
     (dict(some_new_field=1), "fields fourfold does not implement: some_new_field"),
+    (dict(attention_bias=True), "attention_bias=True; fourfold implements False only"),  # transformers ignores it here
 ])
 def test_unimplemented_settings_are_refused_by_name(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf({**FAMILIES["mistral"], **change})
+
+
+def test_the_published_gpt2_config_reads():
+    published = dict(json.loads(transformers.GPT2Config().to_json_string()),
+                     task_specific_params={"text-generation": {"do_sample": True, "max_length": 50}})
+    assert ModelConfig.from_hf(published).family == "gpt2"
 
 
 def test_sliding_windows():
@@ -106,3 +113,6 @@ def test_export_and_checkpoints_write_each_family_back(family):
     cfg = ModelConfig.from_hf(json.loads(open(f"{path}/config.json").read()))
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg  # `fourfold export`
     assert ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg  # a checkpoint's meta.json
+    exported = transformers.AutoConfig.for_model(**cfg.to_hf())
+    assert getattr(exported, "sliding_window", None) == getattr(transformers.AutoConfig.from_pretrained(path),
+                                                                "sliding_window", None)  # null stays null

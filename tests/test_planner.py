@@ -160,19 +160,21 @@ def test_cli_json_objects(tmp_path):
 
 
 def test_a_candidate_without_headroom_is_marked_and_ranked_after_the_others(capsys):
-    """dp4 z2 with micro-batch 4 is one of the fast jobs here, at 77.6 of 80 GiB: under 5% of the
-    card free. It keeps `fits`, is marked in the table with a footnote, and comes after every
-    candidate that leaves room."""
+    """Some of the fast jobs here fit with under 5% of the card free. They keep `fits`, are marked in
+    the table with a footnote, and come after every candidate that leaves room."""
     from fourfold.cli import main
 
-    tight = job(dp=4, z=2, micro_batch=4, global_batch=16)
     found = search(SMALL, 8, CLUSTER, job(global_batch=16))
     flags = [r["tight"] for r in found if r["fits"]]
     assert any(flags) and flags == sorted(flags)  # every tight candidate after every roomy one
-    ranked = next(r for r in found if r["job"].layout.sizes == tight.layout.sizes and r["micro_batch"] == 4)
-    assert ranked["fits"] and ranked["tight"] and ranked["memory_gib"] > 0.95 * 80
+    ranked = min((r for r in found if r["tight"]), key=lambda r: r["step_seconds"])  # the fastest tight one
+    assert ranked["fits"] and ranked["memory_gib"] > 0.95 * 80
     assert any(not r["tight"] and r["step_seconds"] > ranked["step_seconds"] for r in found)  # slower, ranked before
-    args = ["estimate", "--model", "llama-2-7b", "--dp", "4", "--z", "2", "--micro-batch", "4", "--global-batch", "16"]
+    grid = [arg for d in ("dp", "pp", "cp", "x", "y", "z") for arg in (f"--{d}", str(ranked[d]))]
+    args = ["estimate", "--model", "llama-2-7b", *grid, "--micro-batch", str(ranked["micro_batch"]),
+            "--recompute", ranked["recompute"], "--global-batch", "16"]
+    if ranked["keep_gathered_inputs"]:
+        args.append("--keep-gathered-inputs")
     assert main(args) == 0
     table = capsys.readouterr().out
     assert " yes* " in table and "* fits with less than 5% of the GPU's memory free" in table

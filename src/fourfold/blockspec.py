@@ -7,6 +7,7 @@ made in one place.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fourfold.layout import GridError
@@ -123,7 +124,7 @@ class LinearPlan:
     input_gather: str  # over the out-dim, before the GEMM: "none", "tokens" or "features"
     bias: bool
 
-    @property
+    @functools.cached_property  # (a fused QKV has three rows per head group: the planner asks often)
     def out_features(self) -> int:
         return sum(r.count for r in self.rows)
 
@@ -164,6 +165,7 @@ class BlockPlan:
         return self.cfg.ffn // self.mlp_chunks
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same few plans for every candidate
 def block_plan(cfg: BlockConfig, x: int, y: int, *, seq_parallel: bool, non_redundant: bool = True) -> BlockPlan:
     """The layers of one block on an (x, y) grid (z splits every weight block evenly, padded)."""
     heads_chunks = attention_chunks(cfg, x, y, non_redundant)

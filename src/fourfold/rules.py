@@ -40,7 +40,7 @@ class JobError(ValueError):
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
+    return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)  # (the search meets many)
 
 
 def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False) -> list[Problem]:

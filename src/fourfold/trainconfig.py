@@ -69,10 +69,13 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    text: str = ""  # a UTF-8 text file; empty = the bundled King James Bible
+    text: str = ""  # a UTF-8 text file; empty (and no `files`) = the bundled King James Bible
+    files: str = ""  # or: text, .jsonl and .parquet files, paths or globs, comma-separated
+    field: str = "text"  # the JSONL field or Parquet column that holds each document
     tokens: str = ""  # an already tokenized .npy file (then `tokenizer` names its tokenizer.json)
-    tokenizer: str = ""
+    tokenizer: str = ""  # a tokenizer.json, used as it is; empty = train a byte-level BPE of `vocab` tokens
     vocab: int = 4096
+    workers: int = 0  # processes that tokenize the corpus; 0 = one per CPU core
     cache_dir: str = "~/.cache/fourfold"
     seed: int = 0
 
@@ -152,6 +155,15 @@ class TrainConfig:
         self.grid.order, self.grid.auto = ",".join(job.layout.order), False
         self.batch.micro_batch, self.train.recompute = job.micro_batch, job.recompute
         self.train.seq_parallel, self.train.keep_gathered_inputs = job.seq_parallel, job.keep_gathered_inputs
+
+    @property
+    def tokenizer(self) -> str:
+        """data.tokenizer, else model.hf's own tokenizer.json (fine-tuning a Hub model on text feeds
+        it ids of its own vocabulary), else "" (a byte-level BPE is trained on the corpus)."""
+        if self.data.tokenizer or not self.model.hf:
+            return self.data.tokenizer
+        own = Path(self.model.hf).expanduser() / "tokenizer.json"
+        return str(own) if own.is_file() else ""
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -260,7 +272,7 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     if cfg.train.eval_every and cfg.grid.pp > 1:
         found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
                      "with `fourfold eval --checkpoint` on a grid without pp")
-    found += _data_problems(cfg.data, model.vocab)
+    found += _data_problems(cfg.data, cfg.tokenizer, model.vocab)
     if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
         found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
     for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every),
@@ -271,16 +283,27 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         raise ConfigError(describe(found, "this run cannot start:"))
 
 
-def _data_problems(d: DataSection, model_vocab: int) -> list[str]:
+def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str]:
     """The data files named, checked before any process starts (`check_data_files` reads them)."""
+    from fourfold.corpus import input_files
+
     found = []
-    if not d.tokens and d.vocab > model_vocab:  # the tokenizer trained on the corpus has up to data.vocab ids
+    if not tokenizer and d.vocab > model_vocab:  # the tokenizer trained on the corpus has up to data.vocab ids
         found.append(f"data.vocab={d.vocab} is larger than the model's vocabulary of {model_vocab}: the corpus' "
                      f"tokenizer would make ids the model has no embedding for; set data.vocab <= {model_vocab}")
     for key, path in (("data.text", d.text), ("data.tokens", d.tokens), ("data.tokenizer", d.tokenizer)):
         if path and not Path(path).expanduser().is_file():
             found.append(f"{key} names {path}, which is not a file; give an existing file's path")
-    if d.tokens and not d.tokenizer:
+    if d.text and d.files:
+        found.append("data.text and data.files both name a corpus; give one (data.files takes text files too)")
+    if d.files:
+        try:
+            input_files(d.files)
+        except ValueError as e:
+            found.append(f"data.files: {e}")
+    if d.workers < 0:
+        found.append("data.workers must be >= 0 (0: one per CPU core)")
+    if d.tokens and not tokenizer:
         found.append("data.tokens needs data.tokenizer; give the tokenizer.json that made the token file")
     return found
 
@@ -288,22 +311,23 @@ def _data_problems(d: DataSection, model_vocab: int) -> list[str]:
 def check_data_files(cfg: TrainConfig) -> None:
     """The user's tokenizer and token file (data.tokens) against the model's vocabulary, before any
     process starts; the token file is read once, chunk by chunk (any size). `validate` has checked
-    that both files exist; a corpus tokenized here is bounded by data.vocab, which it checked too."""
+    that both files exist; a tokenizer trained here is bounded by data.vocab, which it checked too."""
     from fourfold.corpus import load_tokenizer
 
-    d = cfg.data
-    if not d.tokens:
+    d, tokenizer = cfg.data, cfg.tokenizer
+    if not tokenizer:
         return
     vocab = cfg.model_config().vocab
     try:
-        size = load_tokenizer(d.tokenizer).get_vocab_size()
+        size = load_tokenizer(tokenizer).get_vocab_size()
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
-        raise ConfigError(f"data.tokenizer {d.tokenizer} is not a tokenizer.json the tokenizers library reads ({e}); "
-                          f"give the tokenizer.json that made data.tokens") from None
+        raise ConfigError(f"tokenizer {tokenizer} is not a tokenizer.json the tokenizers library reads ({e}); "
+                          f"give a tokenizer.json (the one that made data.tokens, if given)") from None
     if size > vocab:
-        raise ConfigError(f"data.tokenizer {d.tokenizer} has {size} tokens, more than the model's vocabulary of "
+        raise ConfigError(f"tokenizer {tokenizer} has {size} tokens, more than the model's vocabulary of "
                           f"{vocab}; give the model's own tokenizer (its tokenizer.json) and tokens made with it")
-    check_token_ids(d.tokens, vocab, "data.tokens")
+    if d.tokens:
+        check_token_ids(d.tokens, vocab, "data.tokens")
 
 
 def check_token_ids(path: str, vocab: int, option: str) -> None:

@@ -37,7 +37,7 @@ from fourfold.pipeline import Pipeline
 from fourfold.plan.hardware import GPUS
 from fourfold.plan.perf import model_flops_per_token
 from fourfold.tensor.block import TensorOptions, torch_dtype
-from fourfold.trainconfig import TrainConfig, validate
+from fourfold.trainconfig import ConfigError, TrainConfig, validate
 
 
 class TrainingError(RuntimeError):
@@ -70,11 +70,16 @@ def schedule_changes(saved: dict, cfg: TrainConfig) -> list[str]:
 
 def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
     """(tokenizer.json, tokens.npy): the user's, or the corpus prepared (and cached) now."""
-    if cfg.data.tokens:
-        if not cfg.data.tokenizer:
+    d = cfg.data
+    if d.tokens:
+        if not cfg.tokenizer:
             raise ValueError("data.tokens needs data.tokenizer (the tokenizer.json that made it)")
-        return Path(cfg.data.tokenizer), Path(cfg.data.tokens)
-    return corpus.prepare(cfg.data.text or None, cfg.data.vocab, os.path.expanduser(cfg.data.cache_dir))
+        return Path(cfg.tokenizer), Path(d.tokens)
+    try:
+        return corpus.prepare(d.text or None, d.vocab, os.path.expanduser(d.cache_dir), files=d.files,
+                              tokenizer=cfg.tokenizer, field=d.field, workers=d.workers)
+    except ValueError as e:  # a corpus file the checks before launch could not see into
+        raise ConfigError(f"data: {e}") from None
 
 
 class Model:
@@ -93,9 +98,8 @@ class Model:
                                      virtual=job.virtual, stage_layers=list(job.stage_layers) or None, **common)
             self.module = self.pipeline.module
         else:
-            self.module = Transformer(grid, model_cfg, opts, **common)  # built in host memory
-            if grid.device.type != "cpu":  # (a no-op move would still swap `simulate`'s fake parameters)
-                self.module.to(grid.device)
+            with torch.device(grid.device):  # initialised where it lives (a pipeline stage is too)
+                self.module = Transformer(grid, model_cfg, opts, **common)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; returns its share of the mean loss."""
@@ -311,51 +315,53 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
     bad, last_loss, first_loss, t_start = 0, math.nan, None, time.perf_counter()
     last_eval, stopped, done, saved_at = None, None, start, start
-    for step in range(start, cfg.train.steps):
-        _maybe_kill(cfg, step)
-        _maybe_signal(cfg, step)
-        stopped = _agreed_stop(stop, grid.device)
-        if stopped:
-            break
-        began = time.perf_counter()
-        opt.lr = learning_rate(cfg, step)
-        inputs, targets = local_batch(job, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
-        loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
-        loss = comm.all_reduce(loss.double().reshape(1), everything).item()
-        # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
-        if not math.isfinite(loss):
-            opt.skip()
-            updated, why = False, f"loss is {loss}"
-        else:
-            updated, why = opt.step(), "the gradient norm is not finite"
-        if updated:
-            bad = 0
-        else:
-            bad += 1
-            reporter.message(f"step {step}: {why}; update skipped ({bad} in a row)")
-            if bad >= cfg.train.max_bad_steps:
-                raise TrainingError(f"{bad} non-finite steps in a row (last at step {step}: {why}); lower "
-                                    f"optimizer.lr, check the data, or resume from an earlier checkpoint")
-        if grid.device.type == "cuda":
-            torch.cuda.synchronize()
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss
-        reporter.step(dict(step=step, loss=loss, lr=opt.lr, grad_norm=opt.last_norm if math.isfinite(loss) else None,
-                           seconds=time.perf_counter() - began, skipped=not updated,
-                           peak_memory_gib=peak_memory_gib(grid)))
-        done = step + 1
-        if cfg.train.eval_every and done % cfg.train.eval_every == 0:
-            held_out = evaluate(model.module, grid, loader.held_out(), cfg.batch.seq,
-                                max(1, cfg.batch.micro_batch // grid.size("z")))
-            reporter.evaluation(done, held_out)
-            last_eval = held_out["loss"]
-        if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
-            reporter.message(f"checkpoint {save(done)}")
-            saved_at = done
-    if stopped == signal.SIGTERM and saved_at != done:
-        save(done)
-    if saver:
-        saver.wait()
+    try:
+        for step in range(start, cfg.train.steps):
+            _maybe_kill(cfg, step)
+            _maybe_signal(cfg, step)
+            stopped = _agreed_stop(stop, grid.device)
+            if stopped:
+                break
+            began = time.perf_counter()
+            opt.lr = learning_rate(cfg, step)
+            inputs, targets = local_batch(job, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
+            loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
+            loss = comm.all_reduce(loss.double().reshape(1), everything).item()
+            # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
+            if not math.isfinite(loss):
+                opt.skip()
+                updated, why = False, f"loss is {loss}"
+            else:
+                updated, why = opt.step(), "the gradient norm is not finite"
+            if updated:
+                bad = 0
+            else:
+                bad += 1
+                reporter.message(f"step {step}: {why}; update skipped ({bad} in a row)")
+                if bad >= cfg.train.max_bad_steps:
+                    raise TrainingError(f"{bad} non-finite steps in a row (last at step {step}: {why}); lower "
+                                        f"optimizer.lr, check the data, or resume from an earlier checkpoint")
+            if grid.device.type == "cuda":
+                torch.cuda.synchronize()
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            reporter.step(dict(step=step, loss=loss, lr=opt.lr, grad_norm=opt.last_norm if math.isfinite(loss) else None,
+                               seconds=time.perf_counter() - began, skipped=not updated,
+                               peak_memory_gib=peak_memory_gib(grid)))
+            done = step + 1
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0:
+                held_out = evaluate(model.module, grid, loader.held_out(), cfg.batch.seq,
+                                    max(1, cfg.batch.micro_batch // grid.size("z")))
+                reporter.evaluation(done, held_out)
+                last_eval = held_out["loss"]
+            if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+                reporter.message(f"checkpoint {save(done)}")
+                saved_at = done
+        if stopped == signal.SIGTERM and saved_at != done:
+            save(done)
+    finally:
+        if saver:  # a save in flight ends (or fails) before the process group goes away
+            saver.wait()
     if stopped:
         reporter.message(_stop_message(cfg, stopped, done))
     reporter.close()

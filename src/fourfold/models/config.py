@@ -19,7 +19,8 @@ LLAMA_TYPES = ("llama", "mistral", "qwen2")
 METADATA = {"_name_or_path", "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype",
             "transformers_version", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
             "id2label", "label2id", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
-            "initializer_range", "model_type", "tie_word_embeddings", "max_position_embeddings", "vocab_size"}
+            "initializer_range", "model_type", "tie_word_embeddings", "max_position_embeddings", "vocab_size",
+            "task_specific_params", "finetuning_task", "_num_labels", "tokenizer_class", "prefix", "torchscript"}
 LLAMA_FIELDS = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                 "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "head_dim", "attention_bias",
                 "mlp_bias", "hidden_act", "attention_dropout", "pretraining_tp", "sliding_window",
@@ -108,8 +109,8 @@ class ModelConfig:
                 out["rope_scaling"] = {"rope_type": r.kind, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
                                        "high_freq_factor": r.high_freq_factor,
                                        "original_max_position_embeddings": r.original_max_positions}
-            if self.sliding_window:
-                out["sliding_window"] = self.sliding_window
+            if kind == "mistral":  # a missing key is 4096 to transformers: none is written as null
+                out["sliding_window"] = self.sliding_window or None
             return out
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": self.hidden, "n_layer": self.layers,
                 "n_head": self.heads, "n_inner": self.ffn, "vocab_size": self.vocab, "n_positions": self.max_positions,
@@ -149,6 +150,8 @@ def _require(d: dict, kind: str, **allowed) -> None:
 
 def _llama_from_hf(cls, d: dict, kind: str) -> "ModelConfig":
     _require(d, kind, hidden_act=("silu",), attention_dropout=(0, 0.0), pretraining_tp=(1,))
+    if kind != "llama":  # transformers fixes these families' biases whatever the flags say
+        _require(d, kind, attention_bias=(False,), mlp_bias=(False,))
     if kind == "qwen2" and (d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or [])):
         raise ValueError("config.json (qwen2) uses sliding-window layers (use_sliding_window / layer_types); fourfold's "
                          "attention is full causal: use a config with use_sliding_window false")

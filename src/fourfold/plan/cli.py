@@ -1,4 +1,4 @@
-"""`fourfold memory | estimate | plan`: argument parsing and printing (table or JSON)."""
+"""`fourfold memory | estimate | plan | calibrate`: argument parsing and printing (table or JSON)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,7 @@ from fourfold.plan.search import HEADROOM, as_json, predict, search
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json (or its directory)")
-    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default: the cluster's)")
-    p.add_argument("--cluster", choices=sorted(CLUSTERS), default="dgx-h100")
-    p.add_argument("--gpus-per-node", type=int)
-    p.add_argument("--intra-node-gbs", type=float, help="intra-node bandwidth per GPU, GB/s")
-    p.add_argument("--inter-node-gbs", type=float, help="inter-node bandwidth per GPU, GB/s")
+    add_machine(p, "dgx-h100")
     p.add_argument("--latency-us", type=float, help="cost per collective step, microseconds (default 10; "
                                                     "benchmarks/planner_ordering.py fits it on a measured run)")
     p.add_argument("--seq", type=int, default=4096)
@@ -36,8 +32,17 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="parameters and activations (default bf16)")
     p.add_argument("--framework", choices=FRAMEWORKS, default="fourfold")
     p.add_argument("--no-80-rule", action="store_true", help="megatron profile: compare with the whole card")
-    p.add_argument("--calibrate", help="JSON with efficiency_max, efficiency_half, bandwidth_factor")
+    p.add_argument("--calibrate", help="JSON of the step-time model's constants (`fourfold calibrate` writes one)")
     p.add_argument("--json", action="store_true")
+
+
+def add_machine(p: argparse.ArgumentParser, cluster: str | None) -> None:
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), default=cluster,
+                   help=f"cluster preset (default: {cluster or 'what each run records'})")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default: the cluster's)")
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--intra-node-gbs", type=float, help="intra-node bandwidth per GPU, GB/s")
+    p.add_argument("--inter-node-gbs", type=float, help="inter-node bandwidth per GPU, GB/s")
 
 
 def add_config(p: argparse.ArgumentParser) -> None:
@@ -46,18 +51,23 @@ def add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual", type=int, default=1, help="pipeline stages per pp rank (interleaved 1F1B when > 1)")
     p.add_argument("--tp", type=int, help="Megatron's 1D tensor parallelism: y=TP (x = z = 1)")
     p.add_argument("--order", default=None, help="placement order, innermost first")
+    p.add_argument("--keep-gathered-inputs", action="store_true",
+                   help="linears keep their gathered input for backward (a plan row's `keep` column)")
 
 
 def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
     return Job(layout, global_batch=args.global_batch, micro_batch=args.micro_batch or 1, seq=args.seq,
                recompute=args.recompute or "none", seq_parallel=args.seq_parallel, precision=args.precision,
-               virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
+               virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b",
+               keep_gathered_inputs=getattr(args, "keep_gathered_inputs", False))
 
 
 def _context(args):
     cluster = make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs,
                            args.latency_us)
-    cal = Calibration(**json.load(open(args.calibrate))) if args.calibrate else Calibration()
+    cal = Calibration.load(args.calibrate) if args.calibrate else Calibration()
+    if args.latency_us is not None:  # the flag wins over a calibrated latency
+        cal = dataclasses.replace(cal, latency_us=None)
     cfg = load_config(args.model)
     if getattr(args, "layers", None):
         cfg = dataclasses.replace(cfg, layers=args.layers)
@@ -95,14 +105,14 @@ def _print_measured(r: dict) -> None:
         print(f"  {t['gib']:8.3f} GiB  {t['tensor']}")
 
 
-def row(r: dict) -> str:
+def row(r: dict, tie: bool = False) -> str:
     grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
     kept = "yes" if r["keep_gathered_inputs"] else "no"
     memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
               f" {('yes*' if r['tight'] else 'yes') if r['fits'] else 'NO ':<4}")
     if "step_seconds" not in r:  # `fourfold memory`
         return f"{memory}  {r['order']}"
-    return (f"{memory} {r['step_seconds']:9.3f} {r['tokens_per_second']:12.0f}"
+    return (f"{memory} {TIE if tie else ' '}{r['step_seconds']:8.3f} {r['tokens_per_second']:12.0f}"
             f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
 
 
@@ -112,6 +122,24 @@ HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':
 
 TIGHT_NOTE = (f"* fits with less than {HEADROOM:.0%} of the GPU's memory free: the estimate's error or allocator "
               f"fragmentation can push it over (the plan ranks these after candidates with headroom)")
+TIE = "~"
+
+
+def ties(found: list[dict], cal: Calibration) -> list[bool]:
+    """Which candidates the model cannot tell from the first: their step time within its
+    cross-validated error of the first's (none when the error is unknown)."""
+    if not found or cal.cv_error is None:
+        return [False] * len(found)
+    best = found[0]["step_seconds"]
+    return [i > 0 and r["step_seconds"] <= best * (1 + cal.cv_error) for i, r in enumerate(found)]
+
+
+def error_note(cal: Calibration) -> str:
+    if cal.cv_error is None:
+        return ("step times: the model's error is unknown with these constants (no cross-validation: "
+                "`fourfold calibrate` measures it)")
+    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error); {TIE} within it of the first: "
+            f"as fast as far as the model can tell, measure them before choosing")
 
 
 def _print_one(r: dict, memory_only: bool) -> None:
@@ -128,6 +156,8 @@ def _print_one(r: dict, memory_only: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command in ("memory", "estimate"):
             cfg, job, r = _one(args)
             r = as_json(r)
@@ -149,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
         recomputes = (args.recompute,) if args.recompute else RECOMPUTE
         found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
                        rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework)
+        tied = ties(found, cal)
         if args.json:
-            print(json.dumps({"candidates": [as_json(r) for r in (found[: args.top] if args.top else found)]}))
+            shown = found[: args.top] if args.top else found
+            print(json.dumps({"cv_error": cal.cv_error,
+                              "candidates": [dict(as_json(r), tie=t) for r, t in zip(shown, tied)]}))
         else:
             n = cfg.parameter_count()
             size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
@@ -158,20 +191,48 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.framework} profile: {len(found)} candidates in {time.perf_counter() - start:.1f} s")
             print(HEADER)
             shown = found[: args.top or 10]
-            for r in shown:
-                print(row(r))
+            for r, t in zip(shown, tied):
+                print(row(r, t))
             if any(r["tight"] for r in shown):
                 print(TIGHT_NOTE)
             if not found:
                 print("nothing fits: add GPUs, enable recompute, or lower the micro-batch")
+            else:
+                print(error_note(cal))
         if args.plot:
             from fourfold.plan.plots import plot_candidates
 
             plot_candidates(found, args.plot, f"{args.model} on {args.gpus} GPUs")
         return 0
-    except (ValueError, GridError) as err:
+    except (ValueError, GridError, OSError) as err:
         print(f"fourfold: error: {err}", file=sys.stderr)
         return 2
+
+
+def _calibrate(args) -> int:
+    """`fourfold calibrate`: fit the constants to the runs given, cross-validate, write the JSON."""
+    from fourfold.plan.calibrate import KNOBS, calibrate, comparison, read_csv, read_run_dir
+
+    machine = (args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
+    cluster = make_cluster(*machine) if any(v is not None for v in machine) else None
+    runs = [read_run_dir(d, cluster) for d in args.runs] + [r for f in args.csv for r in read_csv(f, cluster)]
+    if not runs:
+        raise ValueError("no runs: give `fourfold train` run directories and/or --csv files")
+    cal, cross = calibrate(runs)
+    n_groups = len({r.group for r in runs})
+    fit = {"runs": len(runs), "groups": n_groups, "sources": sorted({r.source for r in runs}),
+           "cross_validated": dataclasses.asdict(cross)}
+    with open(args.output, "w") as f:
+        json.dump(dict(dataclasses.asdict(cal), fit=fit), f, indent=1)
+    print(f"{len(runs)} runs in {n_groups} groups (one model, cluster, GPU count, sequence and batch each)")
+    print("constants: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(cal).items()
+                                     if k != "cv_error" and v is not None))
+    print(comparison(runs, cross))
+    if len(runs) <= len(KNOBS):
+        print(f"{len(runs)} runs for {len(KNOBS)} constants: the fit is underdetermined; add runs (other grids, "
+              f"micro-batches, GPU counts)")
+    print(f"wrote {args.output}: use it with plan/estimate --calibrate {args.output}")
+    return 0
 
 
 def add_commands(commands) -> None:
@@ -191,3 +252,12 @@ def add_commands(commands) -> None:
     plan.add_argument("--all", action="store_true", help="also list candidates that do not fit")
     plan.add_argument("--top", type=int, default=0, help="how many to print (table default 10, JSON default all)")
     plan.add_argument("--plot", help="write a PNG: throughput against memory, and the top time breakdowns")
+    calibrate = commands.add_parser("calibrate", help="fit the step-time model's constants to measured runs",
+                                    description="Fit the step-time model's constants to measured runs (`fourfold "
+                                                "train` run directories and CSV files in the calibration format, "
+                                                "docs/planner.md), report their leave-one-group-out error, and "
+                                                "write them for plan/estimate --calibrate.")
+    calibrate.add_argument("runs", nargs="*", metavar="RUN_DIR", help="`fourfold train` run directories")
+    calibrate.add_argument("--csv", action="append", default=[], help="a CSV in the calibration format (repeatable)")
+    calibrate.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    add_machine(calibrate, None)  # the machine the runs ran on (default: each run's own record)

@@ -50,7 +50,13 @@ def make_cluster(cluster: str | None = None, gpu: str | None = None, gpus_per_no
     name = cluster or "dgx-h100"
     if name not in CLUSTERS:
         raise ValueError(f"unknown cluster {name!r}; presets: {', '.join(CLUSTERS)}")
-    c = CLUSTERS[name]
+    return overridden(CLUSTERS[name], gpu, gpus_per_node, intra_node_gbs, inter_node_gbs, latency_us)
+
+
+def overridden(c: Cluster, gpu: str | None = None, gpus_per_node: int | None = None,
+               intra_node_gbs: float | None = None, inter_node_gbs: float | None = None,
+               latency_us: float | None = None) -> Cluster:
+    """`c` with the fields given (None: kept)."""
     if gpu is not None:
         if gpu not in GPUS:
             raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")

@@ -6,13 +6,16 @@ tested against; each collective runs at the bandwidth its group gets under the p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from fourfold.blockspec import attention_chunks, block_plan
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
-from fourfold.job import Job
+from fourfold.job import Job, split_layers
 from fourfold.plan.memory import layer_params
 from fourfold.volumes import (
     Collective,
@@ -23,17 +26,46 @@ from fourfold.volumes import (
     head_passes,
 )
 
-EFFICIENCY_MAX = 0.8  # best fraction of peak a large bf16 GEMM reaches
-EFFICIENCY_HALF = 128  # GEMM dimension at which efficiency is half of the best
-
 
 @dataclass(frozen=True)
 class Calibration:
-    """What a user can measure on their machine and feed back (`--calibrate FILE`, JSON)."""
+    """The step-time model's constants: what a fit to measured runs sets (`fourfold calibrate`,
+    `--calibrate FILE.json`). Each means something physical, so that a fit on some machines and
+    models carries over to others."""
 
-    efficiency_max: float = EFFICIENCY_MAX
-    efficiency_half: float = EFFICIENCY_HALF
-    bandwidth_factor: float = 1.0  # measured / modelled bandwidth
+    # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
+    # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
+    efficiency_max: float = 0.698  # best fraction of peak a large bf16 GEMM reaches
+    efficiency_half: float = 22.1  # GEMM dimension at which efficiency is half of the best
+    attention_half: float = 8130  # keys per attention block at which attention runs at half its GEMM rate
+    intra_node_efficiency: float = 1.0  # collective bus bandwidth / the preset's, inside a node
+    inter_node_efficiency: float = 0.3  # the same across nodes
+    ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
+    dp_overlap: float = 0.0  # fraction of the data-parallel reduce-scatter that can hide behind backward
+    layer_overhead_us: float = 525  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
+    cv_error: float | None = 0.0822  # cross-validated mean error of a step time (fraction), from the fit
+
+    @classmethod
+    def load(cls, path: str) -> "Calibration":
+        """From a JSON file of constants (`fourfold calibrate` writes one; its "fit" record is left
+        aside); constants it leaves out keep their defaults."""
+        data = json.loads(Path(path).read_text())
+        data.pop("fit", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if "bandwidth_factor" in unknown:
+            raise ValueError(f"{path}: bandwidth_factor is now two constants: give its value as intra_node_efficiency "
+                             f"and inter_node_efficiency, or write the file again with `fourfold calibrate`")
+        if unknown:
+            raise ValueError(f"{path}: unknown constants {', '.join(unknown)}; the constants are "
+                             f"{', '.join(sorted(known))} (`fourfold calibrate` writes them)")
+        return cls(**data)
+
+
+# The guesses the model had before any fit: docs/planner.md's "uncalibrated" model.
+UNCALIBRATED = Calibration(efficiency_max=0.8, efficiency_half=128, attention_half=0, intra_node_efficiency=1.0,
+                           inter_node_efficiency=1.0, ring_overlap=1.0, dp_overlap=1.0, layer_overhead_us=0.0)
 
 
 def gemm_efficiency(m: float, n: float, k: float, cal: Calibration) -> float:
@@ -42,22 +74,33 @@ def gemm_efficiency(m: float, n: float, k: float, cal: Calibration) -> float:
     return cal.efficiency_max * smallest / (smallest + cal.efficiency_half)
 
 
-def group_bandwidth(s: Job, cluster: Cluster, dims: tuple[str, ...]) -> float:
+def attention_efficiency(queries: float, keys: float, head_dim: int, cal: Calibration) -> float:
+    """Flash attention: its GEMMs' efficiency, lowered on short key blocks (each block of keys pays
+    the softmax rescaling and the causal diagonal; context parallelism cuts the keys into blocks)."""
+    return gemm_efficiency(queries, head_dim, keys, cal) * keys / (keys + cal.attention_half)
+
+
+def group_bandwidth(s: Job, cluster: Cluster, dims: tuple[str, ...], cal: Calibration | None = None) -> float:
     """Bytes/s per GPU for a collective over `dims`: intra-node if the group fits in a node, else
-    the node's NICs shared by the groups of this dim that cross the node boundary together."""
-    return _bandwidth(s.layout, cluster, dims)
+    the node's NICs shared by the groups of this dim that cross the node boundary together; each
+    at the calibrated fraction of the preset's figure (`cal`; None: the preset's own)."""
+    if cal is None:
+        return _bandwidth(s.layout, cluster, dims, 1.0, 1.0)
+    return _bandwidth(s.layout, cluster, dims, cal.intra_node_efficiency, cal.inter_node_efficiency)
 
 
 @functools.lru_cache(maxsize=65536)  # the search asks the same question for many candidates
-def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...]) -> float:
+def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...], intra_efficiency: float,
+               inter_efficiency: float) -> float:
     inner = min(dims, key=layout.order.index)
     stride = layout.stride(inner)
     span = stride * layout.size(dims) if len(dims) == 1 else max(layout.stride(d) * layout.size(d) for d in dims)
+    intra = cluster.intra_node_gbs * intra_efficiency
     if span <= cluster.gpus_per_node:
-        gbs = cluster.intra_node_gbs
+        gbs = intra
     else:
-        gbs = cluster.inter_node_gbs * cluster.gpus_per_node / min(stride, cluster.gpus_per_node)
-        gbs = min(gbs, cluster.intra_node_gbs)
+        gbs = cluster.inter_node_gbs * inter_efficiency * cluster.gpus_per_node / min(stride, cluster.gpus_per_node)
+        gbs = min(gbs, intra)
     return gbs * 1e9
 
 
@@ -79,19 +122,27 @@ def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, int, int], .
 
 def _totals_seconds(totals, s: Job, cluster: Cluster, element_size: int, cal: Calibration) -> float:
     seconds = 0.0
+    latency = (cluster.latency_us if cal.latency_us is None else cal.latency_us) * 1e-6
     for group, op, numel, count in totals:
-        g, bandwidth = _group_figures(s.layout, cluster, group)
-        steps = 2 * (g - 1) if op == "all_reduce" else (g - 1)
-        seconds += (_per_byte(op, g) * numel * element_size / (bandwidth * cal.bandwidth_factor)
-                    + count * steps * cluster.latency_us * 1e-6)
+        g, bandwidth = _group_figures(s.layout, cluster, group, cal.intra_node_efficiency, cal.inter_node_efficiency)
+        steps = 1 if op == "send" else 2 * (g - 1) if op == "all_reduce" else (g - 1)
+        seconds += (_per_byte(op, g) * numel * element_size / bandwidth
+                    + count * steps * latency)
     return seconds
 
 
 @functools.lru_cache(maxsize=262144)
-def _group_figures(layout, cluster: Cluster, group: str) -> tuple[int, float]:
+def _group_figures(layout, cluster: Cluster, group: str, intra_efficiency: float,
+                   inter_efficiency: float) -> tuple[int, float]:
     """(size, bytes/s per GPU) of a group named like a ledger entry ("x", "dp_cp")."""
     dims = tuple(group.split("_"))
-    return layout.size(dims), _bandwidth(layout, cluster, dims)
+    return layout.size(dims), _bandwidth(layout, cluster, dims, intra_efficiency, inter_efficiency)
+
+
+def _within_replica(s: Job) -> tuple[tuple[str, int], ...]:
+    """The grid sizes a layer's, the head's and the ring's collectives depend on (dp and pp set to
+    1: they only shape the groups of other collectives), as the caches below are keyed."""
+    return tuple((d, 1 if d in ("dp", "pp") else n) for d, n in s.layout.sizes.items())
 
 
 @functools.lru_cache(maxsize=65536)  # independent of the placement order and of recompute
@@ -162,7 +213,7 @@ def _layer_compute_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Cali
     # QK^T and PV of the local queries against the whole sequence (ring attention brings the
     # other chunks' keys), causal: half of it
     attention = 2 * 2 * T * s.seq * d * heads / 2
-    attention_seconds = attention / (peak * gemm_efficiency(T, d, s.seq / s.cp, cal))
+    attention_seconds = attention / (peak * attention_efficiency(T, s.seq / s.cp, d, cal))
     return forward + attention_seconds, forward
 
 
@@ -181,14 +232,12 @@ def _ring_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int
 
 def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, forward_seconds: float,
                  dw_seconds: float, framework: str) -> float:
-    """Exposed tensor-parallel communication of one layer for one micro-batch (forward and backward)."""
+    """Exposed tensor-parallel communication of one layer for one micro-batch (forward, backward,
+    and the forward again under full recompute)."""
     b = s.element_bytes  # bf16 on GPUs
-    sizes = s.layout.sizes
-    T = int(s.seq / s.cp * s.micro_batch / s.z)
-    if framework == "megatron":  # 1D TP with sequence parallelism: AG + RS per sublayer, both passes
-        sublayer = [Collective("y", "all_gather", T * cfg.hidden), Collective("y", "reduce_scatter", T * cfg.hidden)]
-        return comm_seconds(sublayer * 4, s, cluster, b, cal)
-    activations, input_grad, weights = _layer_totals(cfg.block, tuple(sizes.items()), int(s.micro_batch / s.z),
+    if framework == "megatron":
+        return _megatron_tensor_comm(cfg, s, cluster, cal, dw_seconds)
+    activations, input_grad, weights = _layer_totals(cfg.block, _within_replica(s), int(s.micro_batch / s.z),
                                                      int(s.seq / s.cp), s.seq_parallel, s.keep_gathered_inputs)
     total = _totals_seconds(activations, s, cluster, b, cal)
     # The input-gradient all-reduce hides behind the dW GEMM of the same layer (the runtime's overlap).
@@ -196,23 +245,65 @@ def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, f
     # z: the weight all-gathers are prefetched one GEMM ahead and the dW reduce-scatters deferred
     # to the next one, so they hide behind the layer's compute (3x forward) up to its length.
     weights = _totals_seconds(weights, s, cluster, b, cal)
-    return exposed + max(0.0, weights - 3 * forward_seconds)
+    exposed += max(0.0, weights - 3 * forward_seconds)
+    return 1.5 * exposed if s.recompute == "full" else exposed  # the forward's collectives again
+
+
+def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, dw_seconds: float) -> float:
+    """Megatron-LM's 1D tensor parallelism. With sequence parallelism each sublayer all-gathers its
+    input and reduce-scatters its output in forward, and all-gathers the output gradient in
+    backward, all exposed; the column-parallel linear's backward re-gathers its input (for the
+    weight gradient) and reduce-scatters the input gradient while the backward GEMMs run. Without
+    sequence parallelism: an all-reduce in forward, and one in backward behind the weight-gradient
+    GEMM. Both hide up to the layer's weight-gradient GEMM time."""
+    forward, backward, hidden = (_totals_seconds(t, s, cluster, s.element_bytes, cal) for t in
+                                 _megatron_totals(int(s.seq / s.cp * s.micro_batch / s.z) * cfg.hidden, s.seq_parallel))
+    passes = 2 if s.recompute == "full" else 1
+    return passes * forward + backward + max(0.0, hidden - dw_seconds)
+
+
+@functools.lru_cache(maxsize=4096)
+def _megatron_totals(elements: int, seq_parallel: bool):
+    """Megatron's tensor-parallel collectives of one layer on activations of `elements`: (forward,
+    exposed backward, backward hidden behind GEMMs), summed."""
+    if seq_parallel:
+        gather, scatter = Collective("y", "all_gather", elements), Collective("y", "reduce_scatter", elements)
+        return _totals([gather, scatter] * 2), _totals([gather] * 2), _totals([gather, scatter] * 2)
+    reduce = Collective("y", "all_reduce", elements)
+    return _totals([reduce] * 2), (), _totals([reduce] * 2)
 
 
 def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, framework: str) -> float:
-    """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
-    K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs)."""
-    T = s.seq / s.cp * s.micro_batch / s.z
-    ring_forward, ring_backward = _ring_totals(cfg.block, tuple(s.layout.sizes.items()), int(s.micro_batch / s.z),
+    """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps can hide its
+    K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs); only
+    the fraction `cal.ring_overlap` of the traffic hides (the rest waits for its transfer)."""
+    block = s.seq / s.cp  # local queries of one sequence, and the keys of one ring block
+    T = block * s.micro_batch / s.z
+    ring_forward, ring_backward = _ring_totals(cfg.block, _within_replica(s), int(s.micro_batch / s.z),
                                                int(s.seq / s.cp))
     tp_heads = s.y if framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
     peak = cluster.gpu.bf16_tflops * 1e12
     heads = cfg.heads / tp_heads
     # each ring step attends half a block (the other half is masked and skipped)
-    block_attention = 2 * T * T * cfg.block.head_dim * heads / (peak * gemm_efficiency(T, cfg.block.head_dim, T, cal))
-    forward = max(0.0, _totals_seconds(ring_forward, s, cluster, s.element_bytes, cal) - (s.cp - 1) * block_attention)
-    backward = max(0.0, _totals_seconds(ring_backward, s, cluster, s.element_bytes, cal) - 2 * (s.cp - 1) * block_attention)
+    d = cfg.block.head_dim
+    block_attention = 2 * T * block * d * heads / (peak * attention_efficiency(T, block, d, cal))
+    forward = _exposed(_totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
+                       cal.ring_overlap)
+    backward = _exposed(_totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
+                        2 * (s.cp - 1) * block_attention, cal.ring_overlap)
     return forward + backward
+
+
+def _exposed(traffic: float, compute: float, overlap: float) -> float:
+    """Seconds of `traffic` left after the fraction `overlap` of it hides behind `compute`."""
+    return (1 - overlap) * traffic + max(0.0, overlap * traffic - compute)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_layers(layers: int, pp: int, virtual: int, stage_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Layers of each pipeline rank (its virtual stages together)."""
+    stages = split_layers(layers, pp * virtual, stage_layers)
+    return tuple(sum(len(stages[r + v * pp]) for v in range(virtual)) for r in range(pp))
 
 
 def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
@@ -221,45 +312,47 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     per_layer = 3 * forward  # forward, then dX and dW GEMMs in backward
     if s.recompute == "full":
         per_layer += forward
-    layers_per_stage = cfg.layers / s.pp
-    comm_layer = _tensor_comm(cfg, s, cluster, cal, forward, dw, framework)
-    if s.recompute == "full":
-        comm_layer *= 1.5  # the forward's collectives again
-    micro_compute = layers_per_stage * per_layer
-    micro_comm = layers_per_stage * comm_layer
-    # Embedding, LM head and loss: on the first and last stage, counted once per micro-batch.
+    layer_compute = per_layer + cal.layer_overhead_us * 1e-6
+    layer_comm = _tensor_comm(cfg, s, cluster, cal, forward, dw, framework)
+    if s.cp > 1:
+        layer_comm += _ring_attention_exposed(cfg, s, cluster, cal, framework)
+    # LM head and loss, once per micro-batch on the last pipeline rank.
     T = s.seq / s.cp * s.micro_batch / s.z
     y = s.y
     peak = cluster.gpu.bf16_tflops * 1e12
     head = 6 * T * cfg.hidden * cfg.vocab / (s.x * y if framework == "fourfold" else y)
-    micro_compute += head / (peak * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / y, cal))
+    head /= peak * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / y, cal)
+    # The pipeline runs at the pace of its slowest rank: its layers (uneven splits), plus the head on the last.
+    ranks = _rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
+    last = len(ranks) - 1
+    pace = max(range(len(ranks)), key=lambda r: ranks[r] * (layer_compute + layer_comm) + (head if r == last else 0))
+    micro_compute = ranks[pace] * layer_compute + (head if pace == last else 0.0)
+    micro_comm = ranks[pace] * layer_comm
     if framework == "fourfold":
-        micro_comm += _totals_seconds(_head_totals(tuple(s.layout.sizes.items()), cfg.vocab, cfg.hidden, int(T)),
+        micro_comm += _totals_seconds(_head_totals(_within_replica(s), cfg.vocab, cfg.hidden, int(T)),
                                       s, cluster, s.element_bytes, cal)
     # Pipeline: P2P of each micro-batch's activation shard in both directions, then the bubble.
     if s.pp > 1:
         shard = T * cfg.hidden / (s.x * s.y if framework == "fourfold" else s.y)
         micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2, s, cluster, s.element_bytes, cal)
-    if s.cp > 1:
-        micro_comm += layers_per_stage * _ring_attention_exposed(cfg, s, cluster, cal, framework)
     m = s.microbatches
     compute, exposed = m * micro_compute, m * micro_comm
     bubble = (s.pp - 1) / s.virtual * (micro_compute + micro_comm)
     # Data-parallel gradients (fp32) over dp*cp: reduce-scatter + all-gather of the parameters.
     matrices, vectors = layer_params(cfg)
     tp = s.x * s.y * s.z if framework == "fourfold" else s.y
-    params_rank = layers_per_stage * (matrices + vectors) / tp + cfg.hidden * cfg.vocab / tp
+    params_rank = max(ranks) * (matrices + vectors) / tp + cfg.hidden * cfg.vocab / tp
     g = s.dp * s.cp
     dp_comm = 0.0
     if g > 1:
         dims = ("dp", "cp")
-        bw = group_bandwidth(s, cluster, dims) * cal.bandwidth_factor
+        bw = group_bandwidth(s, cluster, dims, cal)
         reduce = float(bytes_sent("reduce_scatter", g, 4 * params_rank)) / bw
         gather = float(bytes_sent("all_gather", g, s.element_bytes * params_rank)) / bw
         # Both runtimes launch each gradient bucket as soon as it is final in the last
         # micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the
-        # reduce-scatter hides behind that backward; the parameter all-gather follows the update.
-        dp_comm = max(0.0, reduce - micro_compute * 2 / 3) + gather
+        # reduce-scatter can hide behind that backward; the parameter all-gather follows the update.
+        dp_comm = _exposed(reduce, micro_compute * 2 / 3, cal.dp_overlap) + gather
     optimizer = 16 * params_rank / g / (cluster.gpu.hbm_tbs * 1e12)
     flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.world_size
     return StepTime(compute, exposed, bubble, dp_comm, optimizer, flops)

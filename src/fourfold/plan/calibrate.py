@@ -1,0 +1,422 @@
+"""Fit the step-time model's constants (`perf.Calibration`) to measured runs, and cross-validate them.
+
+A measured run is a `Run`: a model, the job that ran, the cluster and the measured seconds per
+step, read from a CSV in the calibration format (docs/planner.md, "Calibration") or from a
+`fourfold train` run directory. Each run is predicted by the planner's own model: `perf.step_time`,
+whose total `search.predict` reports as `step_seconds`. The constants are fitted by least squares
+on the log of the step time (Levenberg-Marquardt; numpy only) and judged by leave-one-group-out
+cross-validation, a group being the runs a user chooses among: one model on one cluster and GPU
+count, at one sequence length and global batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from fourfold.job import Job
+from fourfold.layout import Layout
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.plan.hardware import Cluster, make_cluster, overridden
+from fourfold.plan.perf import UNCALIBRATED, Calibration, model_flops_per_token, step_time
+from fourfold.plan.search import check, predict
+from fourfold.trainconfig import TrainConfig
+
+# The published calibration data (outside the repository: ../shared/calibration from its root).
+DATA = Path(__file__).resolve().parents[3].parent / "shared" / "calibration"
+# What the shipped files leave to their README.md, the same for every row of the file (`read_csv`
+# fills it in for a file of that name). The Llama runs' nodes have 4 x 200 Gb/s InfiniBand for 8
+# GPUs (12.5 GB/s per GPU); the GPT runs' have 8 x 200 Gb/s, the dgx-a100 preset's 25 GB/s.
+# Megatron-LM 2021 predates sequence parallelism.
+SHIPPED = {
+    "megatron_llama31_8b_a100.csv": dict(model="llama-3.1-8b", global_batch="1024", recompute="none",
+                                         flops_convention="megatron", cluster="dgx-a100", inter_node_gbs="12.5"),
+    "megatron_gpt_a100_scaling.csv": dict(family="gpt2", tied="true", seq_parallel="false", cluster="dgx-a100"),
+}
+MICRO_BATCHES = (1, 2, 4, 8)  # tried when a source does not say which one ran
+TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured run, as the planner sees it."""
+
+    cfg: ModelConfig
+    jobs: tuple[Job, ...]  # the job that ran; when the source leaves the micro-batch out, each that fits
+    cluster: Cluster
+    framework: str
+    seconds: float  # measured, per optimizer step
+    group: str  # the runs a user chooses among: one model, cluster, GPU count, sequence and batch
+    source: str  # the file or run directory it was read from
+
+    @property
+    def model_parallel(self) -> int:
+        g = self.jobs[0].layout
+        return g.pp * g.cp * g.x * g.y * g.z
+
+    @property
+    def micro_batch(self) -> int | None:
+        return self.jobs[0].micro_batch if len(self.jobs) == 1 else None
+
+    def __str__(self) -> str:
+        g = self.jobs[0].layout
+        mb = f"mb{self.micro_batch}" if self.micro_batch else "mb?"
+        return f"{self.group}: dp{g.dp} pp{g.pp} cp{g.cp} x{g.x} y{g.y} z{g.z} {mb}"
+
+
+def predicted_seconds(run: Run, cal: Calibration) -> float:
+    """The model's step time for `run` (the fastest of its possible micro-batches)."""
+    return min(step_time(run.cfg, job, run.cluster, cal, run.framework).total for job in run.jobs)
+
+
+def make_run(cfg: ModelConfig, job: Job, cluster: Cluster, framework: str, seconds: float, source: str,
+             micro_batch_known: bool = True) -> Run:
+    """A `Run`, its job checked by the planner's rules (a `JobError` names each fix). Without the
+    micro-batch, every one of MICRO_BATCHES that divides the batch and fits in memory."""
+    jobs = [job]
+    if not micro_batch_known:
+        jobs = [j for j in (replace(job, micro_batch=mb) for mb in MICRO_BATCHES)
+                if j.global_batch % (j.layout.dp * j.micro_batch) == 0
+                and predict(cfg, j, cluster, framework=framework)["fits"]]
+        if not jobs:
+            raise ValueError(f"no micro-batch of {MICRO_BATCHES} fits {job.layout} in the planner's memory model; "
+                             f"give the run's micro_batch")
+    for j in jobs:
+        check(cfg, j, framework)
+    n = cfg.parameter_count()
+    group = (f"{cfg.family} {n / 1e9:.1f}B, {job.world_size} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
+             f"{cluster.inter_node_gbs:g} GB/s), seq {job.seq}, batch {job.global_batch}")
+    return Run(cfg, tuple(jobs), cluster, framework, seconds, group, source)
+
+
+# ----- CSV files in the calibration format ---------------------------------------------------------
+
+def flops_per_sequence(convention: str, cfg: ModelConfig, seq: int) -> float:
+    """Model FLOPs of one sequence (forward and backward) as a measured TFLOP/s figure counts them."""
+    h, layers, vocab = cfg.hidden, cfg.layers, cfg.vocab
+    if convention == "megatron96":  # Narayanan et al. 2021: includes the recompute forward
+        return 96 * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (16 * layers * h))
+    if convention == "megatron":  # Megatron-LM's num_floating_point_operations (v0.8): attention unmasked
+        gated = 1.5 if cfg.block.gated else 1.0
+        query = cfg.heads * cfg.block.head_dim / h
+        return 12 * seq * layers * h * h * ((1 + cfg.kv_heads / cfg.heads + seq / h) * query
+                                            + cfg.ffn / h * gated + vocab / (2 * layers * h))
+    if convention == "fourfold":  # `fourfold train`'s tflops_per_gpu: 6N + 6 L h s per token
+        return model_flops_per_token(cfg, seq) * seq
+    raise ValueError(f"flops_convention {convention!r} is unknown; use megatron96, megatron or fourfold")
+
+
+def _need(values: dict, key: str, kind=int):
+    if key not in values:
+        raise ValueError(f"the column {key!r} is missing or empty (docs/planner.md, Calibration, lists the columns)")
+    try:
+        return kind(values[key])
+    except ValueError:
+        raise ValueError(f"{key}={values[key]!r} is not a {kind.__name__}") from None
+
+
+def _flag(values: dict, key: str, default: bool) -> bool:
+    return values[key].lower() in ("true", "1", "yes") if key in values else default
+
+
+def _model(values: dict, framework: str, pp: int) -> ModelConfig:
+    if "model" in values:
+        cfg = load_config(values["model"])
+    elif "family" not in values:
+        raise ValueError("no model: give a `model` column (a preset or a config.json), or the columns family, "
+                         "layers, hidden, heads, kv_heads, ffn and vocab")
+    else:
+        seq = _need(values, "seq")
+        cfg = ModelConfig(_need(values, "family", str), _need(values, "hidden"), _need(values, "layers"),
+                          _need(values, "heads"), _need(values, "kv_heads"), _need(values, "ffn"),
+                          _need(values, "vocab"), seq, _flag(values, "tied", False), 1e-5)
+    if framework == "megatron" and cfg.tied and pp > 1:
+        # Megatron keeps a copy of the tied embedding on the last stage and all-reduces its
+        # gradient with the first's: the memory and time of an untied model (fourfold refuses it).
+        cfg = replace(cfg, tied=False)
+    return cfg
+
+
+def _csv_cluster(values: dict, base: Cluster | None) -> Cluster:
+    gpu = values["gpu"].lower() if "gpu" in values else None
+    return overridden(base or make_cluster(values.get("cluster")), gpu, int(values.get("gpus_per_node", 0)) or None,
+                      float(values.get("intra_node_gbs", 0)) or None, float(values.get("inter_node_gbs", 0)) or None)
+
+
+def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
+    framework = values.get("framework", "megatron")
+    sizes = dict(dp=_need(values, "dp"), pp=_need(values, "pp"), cp=int(values.get("cp", 1)),
+                 x=int(values.get("x", 1)), y=int(values.get("y") or _need(values, "tp")), z=int(values.get("z", 1)))
+    layout = Layout(**sizes)
+    world = values.get("gpus") or values.get("world")
+    if world and int(world) != layout.world_size:
+        raise ValueError(f"{world} GPUs, but dp*pp*cp*x*y*z = {layout.world_size}: correct the grid or the GPU count")
+    cfg = _model(values, framework, layout.pp)
+    micro_batch = values.get("micro_batch") or values.get("mbs")
+    virtual = int(values.get("virtual", 1))
+    job = Job(layout, global_batch=_need(values, "global_batch"), micro_batch=int(micro_batch or 1),
+              seq=_need(values, "seq"), recompute=values.get("recompute", "none"),
+              seq_parallel=_flag(values, "seq_parallel", True), precision=values.get("precision", "bf16"),
+              virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
+    if "measured_iter_s" in values:
+        seconds = _need(values, "measured_iter_s", float)
+    else:
+        per_gpu = _need(values, "measured_tflops_per_gpu", float) * 1e12
+        flops = flops_per_sequence(_need(values, "flops_convention", str), cfg, job.seq)
+        seconds = job.global_batch * flops / (layout.world_size * per_gpu)
+    return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, source, micro_batch is not None)
+
+
+def read_csv(path: str | Path, cluster: Cluster | None = None) -> list[Run]:
+    """The runs of a CSV in the calibration format that ran (rows with outcome other than `ran` are
+    skipped); a shipped file's columns left to its README are filled in (SHIPPED). `cluster`: the
+    network of rows that do not give theirs (default: each row's `cluster` column, else dgx-h100)."""
+    runs = []
+    defaults = SHIPPED.get(Path(path).name, {})
+    with open(path, newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            values = {**defaults, **{k.strip(): v.strip() for k, v in row.items() if k and v and v.strip()}}
+            if values.get("outcome", "ran") != "ran":
+                continue  # a failed run (out of memory, mostly) has no step time
+            try:
+                runs.append(_csv_run(values, cluster, Path(path).name))
+            except ValueError as e:
+                raise ValueError(f"{path}, line {line}: {e}") from None
+    return runs
+
+
+def shipped_runs(folder: str | Path = DATA) -> list[Run]:
+    """Every run of the shipped calibration files, with their README's facts."""
+    folder = Path(folder)
+    missing = [name for name in SHIPPED if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} lacks {', '.join(missing)}: give the folder of the shipped calibration data")
+    return [run for name in SHIPPED for run in read_csv(folder / name)]
+
+
+# ----- `fourfold train` run directories ----------------------------------------------------------
+
+def read_run_dir(path: str | Path, cluster: Cluster | None = None) -> Run:
+    """A `fourfold train` run: the median step time of log.jsonl (its first step, the warm-up, left
+    out) and the job and model saved with its latest checkpoint. `cluster`: the machine it ran on
+    (default: the run's [hardware] section)."""
+    path = Path(path)
+    log = path / "log.jsonl"
+    if not log.is_file():
+        raise ValueError(f"{path} has no log.jsonl: give a `fourfold train` run directory (its --log.run_dir)")
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "seconds" in r and not r.get("skipped")]
+    if len(steps) < 2:
+        raise ValueError(f"{log} has {len(steps)} timed steps; calibration needs 2 or more (the first is the "
+                         f"warm-up): train longer")
+    metas = sorted((path / "checkpoints").glob("step-*/meta.json"))
+    if not metas:
+        raise ValueError(f"{path}/checkpoints has no complete checkpoint, and the run's job is saved only with its "
+                         f"checkpoints (a run with --checkpoint.dir elsewhere, or stopped before its first one): "
+                         f"write the run as a CSV row (docs/planner.md, Calibration) and give it with --csv")
+    meta = json.loads(metas[-1].read_text())
+    try:
+        config = TrainConfig(**{f.name: replace(f.default_factory(), **meta["config"].get(f.name, {}))
+                                for f in fields(TrainConfig)})
+    except TypeError as e:  # a key this version does not know
+        raise ValueError(f"{metas[-1]}: the saved configuration does not fit this fourfold ({e}): write the run as "
+                         f"a CSV row (docs/planner.md, Calibration) and give it with --csv") from None
+    job = config.job()
+    if job.precision == "auto":  # what the trainer chose: bf16 on GPUs (which log an MFU), float32 on CPU
+        job = replace(job, precision="bf16" if steps[-1].get("mfu") is not None else "float32")
+    h = config.hardware
+    cluster = cluster or make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
+    seconds = statistics.median(r["seconds"] for r in steps[1:])
+    return make_run(ModelConfig.from_dict(meta["model"]), job, cluster, "fourfold", seconds, path.name)
+
+
+# ----- the fit -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Knob:
+    """A fitted constant and the physically plausible range it may take (log: fitted on a log scale)."""
+
+    name: str
+    low: float
+    high: float
+    log: bool = False
+
+    def coordinate(self, value: float) -> float:
+        return math.log(value) if self.log else value
+
+    def value(self, coordinate: float) -> float:
+        return math.exp(coordinate) if self.log else coordinate
+
+
+KNOBS = (
+    Knob("efficiency_max", 0.3, 1.0),
+    Knob("efficiency_half", 1.0, 4096.0, log=True),
+    Knob("attention_half", 1.0, 65536.0, log=True),
+    Knob("intra_node_efficiency", 0.1, 1.0, log=True),  # a collective cannot beat the link
+    Knob("inter_node_efficiency", 0.3, 1.0, log=True),  # NCCL reaches well over 30% of the NICs' rate
+    Knob("ring_overlap", 0.0, 1.0),
+    Knob("dp_overlap", 0.0, 1.0),
+    Knob("layer_overhead_us", 0.0, 5000.0),
+)
+# Where every fit starts: mid-range (every fold starts here, never from another fold's answer).
+START = Calibration(efficiency_max=0.6, efficiency_half=128, attention_half=1024, intra_node_efficiency=0.5,
+                    inter_node_efficiency=0.5, ring_overlap=0.5, dp_overlap=0.5, layer_overhead_us=100, cv_error=None)
+
+
+def log_errors(runs: list[Run], cal: Calibration) -> np.ndarray:
+    """log(predicted / measured) step time of each run."""
+    return np.array([math.log(predicted_seconds(r, cal) / r.seconds) for r in runs])
+
+
+def fit(runs: list[Run], start: Calibration = START, knobs: tuple[Knob, ...] = KNOBS, iterations: int = 30,
+        tolerance: float = 1e-5) -> Calibration:
+    """The constants that minimise the mean squared log error of the runs' step times:
+    Levenberg-Marquardt from `start`, each step clipped to the knobs' ranges, with finite-difference
+    derivatives (taken inwards at a bound)."""
+    low = np.array([k.coordinate(k.low) for k in knobs])
+    high = np.array([k.coordinate(k.high) for k in knobs])
+
+    def calibration(theta: np.ndarray) -> Calibration:
+        return replace(start, **{k.name: k.value(float(t)) for k, t in zip(knobs, theta)})
+
+    theta = np.clip([k.coordinate(getattr(start, k.name)) for k in knobs], low, high)
+    r = log_errors(runs, calibration(theta))
+    cost, damping = r @ r, 1e-2
+    steps = 1e-4 * (high - low)
+    for _ in range(iterations):
+        columns = []
+        for i, h in enumerate(steps):
+            h = -h if theta[i] + h > high[i] else h
+            moved = theta.copy()
+            moved[i] += h
+            columns.append((log_errors(runs, calibration(moved)) - r) / h)
+        jacobian = np.column_stack(columns)
+        a, g = jacobian.T @ jacobian, jacobian.T @ r
+        while damping < 1e8:
+            trial_theta = np.clip(theta - np.linalg.solve(a + damping * np.diag(np.diag(a) + 1e-12), g), low, high)
+            trial = log_errors(runs, calibration(trial_theta))
+            if trial @ trial < cost:
+                break
+            damping *= 4
+        else:
+            break  # no step lowers the error: a minimum
+        improvement = (cost - trial @ trial) / cost
+        theta, r, cost, damping = trial_theta, trial, trial @ trial, damping / 3
+        if improvement < tolerance:
+            break
+    return calibration(theta)
+
+
+# ----- cross-validation and scores -----------------------------------------------------------------
+
+def folds(runs: list[Run]) -> list[str]:
+    """Each run's cross-validation fold: its group; groups of a single run from one source form one
+    fold (a table of one run per model: held out together, a stricter test than one at a time);
+    when that leaves a single fold, each run is a fold of its own."""
+    groups = [r.group for r in runs]
+    fold = [r.source if groups.count(r.group) == 1 else r.group for r in runs]
+    return fold if len(set(fold)) > 1 else [str(i) for i in range(len(runs))]
+
+
+def cross_validate(runs: list[Run], **fit_options) -> list[float]:
+    """Each run's step time predicted by constants fitted without its fold (`folds`)."""
+    fold = folds(runs)
+    predicted = [0.0] * len(runs)
+    for held_out in sorted(set(fold)):
+        cal = fit([r for r, f in zip(runs, fold) if f != held_out], **fit_options)
+        for i, f in enumerate(fold):
+            if f == held_out:
+                predicted[i] = predicted_seconds(runs[i], cal)
+    return predicted
+
+
+def _ranks(values: list[float]) -> np.ndarray:
+    """Ranks from 1, ties given their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = np.empty(len(values))
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        ranks[order[i: j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (0 where either side is all ties)."""
+    ra, rb = _ranks(a), _ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@dataclass(frozen=True)
+class Scores:
+    spearman: float  # median over groups of 2 or more runs, of the rank correlation with the measured speed
+    top1: float  # share of those groups whose favourite runs within TOP1_MARGIN of the measured best
+    groups: int  # how many groups of 2 or more runs
+    error: float | None  # mean |predicted / measured throughput - 1| over every run (None: a rule, no times)
+
+
+def scores(runs: list[Run], speed: list[float], error_of: list[float] | None = None) -> Scores:
+    """How `speed` (higher is faster; ties allowed) ranks each group's runs against their measured
+    speed. `error_of`: predicted step seconds, for the error figures."""
+    by_group: dict[str, list[int]] = {}
+    for i, r in enumerate(runs):
+        by_group.setdefault(r.group, []).append(i)
+    rhos, hits = [], []
+    for members in by_group.values():
+        if len(members) < 2:
+            continue
+        measured = [1 / runs[i].seconds for i in members]
+        rhos.append(spearman([speed[i] for i in members], measured))
+        top = max(speed[i] for i in members)
+        favourites = [i for i in members if speed[i] == top]  # a tie counts as a draw among its members
+        hits.append(sum(1 / runs[i].seconds >= (1 - TOP1_MARGIN) * max(measured) for i in favourites)
+                    / len(favourites))
+    error = None
+    if error_of is not None:  # predicted / measured throughput = measured / predicted seconds
+        error = float(np.mean([abs(r.seconds / p - 1) for r, p in zip(runs, error_of)]))
+    return Scores(float(np.median(rhos)) if rhos else math.nan, float(np.mean(hits)) if hits else math.nan,
+                  len(rhos), error)
+
+
+def model_scores(runs: list[Run], predicted: list[float]) -> Scores:
+    return scores(runs, [1 / p for p in predicted], predicted)
+
+
+def rule_scores(runs: list[Run]) -> Scores:
+    """The rule "least tp*cp*pp, then the largest micro-batch" (an unknown micro-batch counts as 0)."""
+    return scores(runs, [-r.model_parallel + (r.micro_batch or 0) / 1e3 for r in runs])
+
+
+def calibrate(runs: list[Run]) -> tuple[Calibration, Scores]:
+    """The constants fitted on every run, carrying their cross-validated error (`cv_error`), and the
+    cross-validated scores."""
+    if len(runs) < 2:
+        raise ValueError(f"calibration needs 2 or more measured runs, got {len(runs)}")
+    cross = model_scores(runs, cross_validate(runs))
+    return replace(fit(runs), cv_error=cross.error), cross
+
+
+def comparison(runs: list[Run], cross: Scores) -> str:
+    """A table of the cross-validated scores `cross` of the fit, beside those of the uncalibrated
+    guesses and of the rule on the same runs."""
+    before = model_scores(runs, [predicted_seconds(r, UNCALIBRATED) for r in runs])
+    lines = [f"{'':<30} {'Spearman':>8} {'top-1':>6} {'error':>6}"]
+    for name, s in (("fitted (cross-validated)", cross), ("uncalibrated guesses", before),
+                    ("least tp*cp*pp, then most mb", rule_scores(runs))):
+        error = f"{s.error:6.1%}" if s.error is not None else "     -"
+        lines.append(f"{name:<30} {s.spearman:8.2f} {s.top1:6.0%} {error}")
+    lines.append(f"Spearman: median over the {cross.groups} groups of 2 or more runs; top-1: share of them whose "
+                 f"favourite runs within {TOP1_MARGIN:.0%} of the measured best; error: mean over the {len(runs)} "
+                 f"runs of |predicted / measured throughput - 1|")
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""The corpus reader: text files and globs, JSONL and Parquet streamed into a token file that equals
+tokenizing each document directly, cached, read in bounded blocks, with errors that name the fix."""
+
+import json
+import os
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers, processors
+
+from fourfold import corpus
+from fourfold.trainconfig import ConfigError, load_train_config, validate
+
+WORDS = ["the", "cat", "sat", "on", "mat", "déjà", "vu", "naïve", "中文", "字", "2024", "x1", "it's", "co-op",
+         "(ok)", "end.", "\t"]
+SEPARATORS = [" ", " ", " ", "  ", "\n", "\n\n", "\n  ", ", ", " \n"]
+
+
+def _docs(count: int, seed: int, words: tuple[int, int] = (3, 60)) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(WORDS) + rng.choice(SEPARATORS) for _ in range(rng.randint(*words)))
+            for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A user's tokenizer: a small byte-level BPE that adds a BOS to each text it encodes, with its
+    end of document named in a tokenizer_config.json beside it."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(_docs(200, 0), vocab_size=400, special_tokens=[corpus.EOS, "<s>", "</s>"],
+                            show_progress=False)
+    bpe.save(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    return folder / "tokenizer.json"
+
+
+def _expected(tokenizer_path, docs: list[str]) -> np.ndarray:
+    """Each document encoded by the tokenizer on its own, then the end-of-document id."""
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    eos = tok.token_to_id("</s>") if tok.token_to_id("</s>") is not None else tok.token_to_id(corpus.EOS)
+    return np.array([i for doc in docs for i in [*tok.encode(doc).ids, eos]])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Two text files (one with a document of ~40 KB, one ending in EOS), a JSONL file whose field is
+    "body" (one null), and a Parquet file of three row groups whose column is "body"; returns
+    (files spec, the documents in reading order)."""
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = _docs(12, 1)
+    long = _docs(1, 2, (8000, 8000))[0]
+    (folder / "texts").mkdir()
+    (folder / "texts" / "a.txt").write_text(corpus.EOS.join(docs[:3]), encoding="utf-8")
+    (folder / "texts" / "b.txt").write_text(corpus.EOS.join([docs[3], long, docs[4]]) + corpus.EOS, encoding="utf-8")
+    records = [{"id": i, "body": d} for i, d in enumerate(docs[5:8])] + [{"id": 9, "body": None}]
+    (folder / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    pq.write_table(pa.table({"id": list(range(4)), "body": docs[8:12]}), folder / "d.parquet", row_group_size=2)
+    spec = f"{folder}/texts/*.txt, {folder}/c.jsonl,{folder}/d.parquet"
+    return spec, docs[:4] + [long] + docs[4:]
+
+
+def test_token_file_equals_each_document_tokenized(tokenizer, inputs, tmp_path):
+    """Blocks of 4 KiB over two worker processes (the long document in pieces) give the same file as
+    one block in one process, and both equal the documents tokenized one by one."""
+    spec, docs = inputs
+    tok_path, ids_path = corpus.prepare(None, 0, tmp_path / "a", files=spec, tokenizer=str(tokenizer), field="body",
+                                        workers=2, block=4096)
+    _, one_block = corpus.prepare(None, 0, tmp_path / "b", files=spec, tokenizer=str(tokenizer), field="body",
+                                  workers=1, block=1 << 30)
+    assert tok_path == tokenizer
+    tokens = np.load(ids_path, mmap_mode="r")
+    assert tokens.dtype == np.uint16
+    np.testing.assert_array_equal(tokens, _expected(tokenizer, docs))
+    np.testing.assert_array_equal(np.load(one_block), tokens)
+
+
+def test_trained_bpe_and_loader(inputs, tmp_path):
+    """Without a tokenizer a BPE of data.vocab tokens is trained; TokenLoader memory-maps the file."""
+    spec, docs = inputs
+    tok_path, ids_path = corpus.prepare(None, 300, tmp_path, files=spec, field="body", workers=1, block=4096)
+    assert Tokenizer.from_file(str(tok_path)).get_vocab_size() <= 300
+    np.testing.assert_array_equal(np.load(ids_path), _expected(tok_path, docs))
+    loader = corpus.TokenLoader(ids_path, seq=16, global_batch=4)
+    assert isinstance(loader.tokens, np.memmap)
+    assert loader.batch(0, 0, 2).shape == (2, 17)
+
+
+def test_ids_past_uint16_are_kept(tmp_path):
+    words = [f"w{i}" for i in range(70_000)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text("w1 w69999 w65536")
+    _, ids_path = corpus.prepare(str(tmp_path / "doc.txt"), 0, tmp_path, tokenizer=str(tmp_path / "tokenizer.json"),
+                                 workers=1)
+    tokens = np.load(ids_path)
+    assert tokens.dtype == np.uint32
+    assert tokens.tolist() == [1, 69999, 65536, tok.token_to_id("</s>")]
+
+
+def test_cache_hits_then_misses_when_a_file_changes(tokenizer, tmp_path, monkeypatch):
+    text = tmp_path / "corpus.txt"
+    text.write_text(corpus.EOS.join(_docs(5, 3)))
+    first = corpus.prepare(None, 0, tmp_path / "cache", files=str(text), tokenizer=str(tokenizer), workers=1)
+    written = first[1].stat().st_mtime_ns
+    with monkeypatch.context() as m:
+        m.setattr(corpus, "_tokenize", lambda *a: pytest.fail("a cached corpus was tokenized again"))
+        assert corpus.prepare(None, 0, tmp_path / "cache", files=str(text), tokenizer=str(tokenizer)) == first
+    assert first[1].stat().st_mtime_ns == written
+    docs = _docs(5, 3) + ["one more document"]
+    text.write_text(corpus.EOS.join(docs))
+    os.utime(text, ns=(written + 10**9, written + 10**9))  # a later modification time, however coarse the clock
+    again = corpus.prepare(None, 0, tmp_path / "cache", files=str(text), tokenizer=str(tokenizer), workers=1)
+    assert again[1] != first[1]
+    np.testing.assert_array_equal(np.load(again[1]), _expected(tokenizer, docs))
+
+
+def test_reader_works_in_bounded_blocks(tmp_path):
+    """Every piece of a text file is at most two blocks (17 for text with nowhere to cut), and the
+    pieces give back the documents."""
+    block = 4096
+    long = _docs(1, 4, (20_000, 20_000))[0]
+    unbroken = "x" * (40 * block)
+    path = tmp_path / "t.txt"
+    path.write_text(corpus.EOS.join(["short", long, unbroken]))
+    units = list(corpus._text_units(path, "text", block))
+    pieces = [p for _, unit_pieces in (u for u, _ in units) for p in unit_pieces]
+    assert len(units) > 40
+    assert max(len(text) for text, _, _ in pieces if set(text) != {"x"}) <= 2 * block
+    assert max(len(text) for text, _, _ in pieces) <= 17 * block
+    documents, current = [], ""
+    for text, first, last in pieces:
+        assert first == (current == "")
+        current += text
+        if last:
+            documents.append(current)
+            current = ""
+    assert documents == ["short", long, unbroken]
+
+
+def test_workers_hold_few_blocks_in_flight(tokenizer):
+    """At most two blocks per worker are read ahead of what has been written."""
+    read = 0
+
+    def units():
+        nonlocal read
+        for i in range(24):
+            read += 1
+            yield ("pieces", [(f"document {i}", True, True)]), 1
+
+    for written, (ids, _) in enumerate(corpus._encoded(units(), tokenizer, 0, np.uint16, workers=2)):
+        assert read <= written + 2 * 2
+        assert len(ids) > 1
+
+
+def test_errors_name_the_fix(tokenizer, inputs, tmp_path):
+    spec, _ = inputs
+    jsonl, parquet = [s.strip() for s in spec.split(",")[1:]]
+    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(its fields are id, body\); set data.field"):
+        corpus.prepare(None, 0, tmp_path, files=jsonl, tokenizer=str(tokenizer), workers=1)
+    with pytest.raises(ValueError, match=r"has no column 'text' \(its columns are id, body\); set data.field"):
+        corpus.prepare(None, 0, tmp_path, files=parquet, tokenizer=str(tokenizer), workers=1)
+    with pytest.raises(ValueError, match=r"column 'id' holds int64, not text; set data.field"):
+        corpus.prepare(None, 0, tmp_path, files=parquet, tokenizer=str(tokenizer), field="id", workers=1)
+    with pytest.raises(ValueError, match="matches no file .*; fix the pattern"):
+        corpus.input_files(f"{tmp_path}/nothing/*.txt")
+    (tmp_path / "table.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"reads \.txt, .* files, not \.csv; rename it .* or convert it"):
+        corpus.input_files(str(tmp_path / "table.csv"))
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match="is not UTF-8 text .*; convert it to UTF-8"):
+        corpus.prepare(None, 0, tmp_path, files=str(tmp_path / "latin1.txt"), tokenizer=str(tokenizer), workers=1)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="holds no text"):
+        corpus.prepare(None, 0, tmp_path, files=str(tmp_path / "empty.txt"), tokenizer=str(tokenizer), workers=1)
+    no_eos = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    no_eos.save(str(tmp_path / "no_eos.json"))
+    with pytest.raises(ValueError, match="has none of the end-of-document tokens .*; add one"):
+        corpus.end_of_document(tmp_path / "no_eos.json")
+
+
+def test_config_checks_the_inputs_before_launch(inputs, tmp_path):
+    from fourfold.trainer import tokens_files
+
+    spec, _ = inputs
+    cases = [(["--data.files", f"{tmp_path}/none/*.jsonl"], "data.files: pattern .* matches no file"),
+             (["--data.files", spec, "--data.text", __file__], "data.text and data.files both name a corpus; give one"),
+             (["--data.workers", "-1"], "data.workers must be >= 0")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            validate(load_train_config(None, overrides), 1)
+    cfg = load_train_config(None, ["--data.files", spec, "--data.cache_dir", str(tmp_path), "--data.workers", "1"])
+    with pytest.raises(ConfigError, match="data: .* has no field 'text' .*; set data.field"):
+        tokens_files(cfg)
