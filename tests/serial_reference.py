@@ -69,7 +69,7 @@ def random_block_weights(cfg: BlockConfig, seed: int, dtype=torch.float64, p="bl
         return centre + scale * torch.randn(*shape, generator=g, dtype=dtype)
 
     shapes = {f"{p}.attn.q": (cfg.heads * d, cfg.hidden), f"{p}.attn.k": (cfg.kv_heads * d, cfg.hidden),
-              f"{p}.attn.v": (cfg.kv_heads * d, cfg.hidden), f"{p}.attn.o": (cfg.hidden, cfg.hidden),
+              f"{p}.attn.v": (cfg.kv_heads * d, cfg.hidden), f"{p}.attn.o": (cfg.hidden, cfg.heads * d),
               f"{p}.mlp.down": (cfg.hidden, cfg.ffn)}
     if cfg.gated:
         shapes.update({f"{p}.mlp.gate": (cfg.ffn, cfg.hidden), f"{p}.mlp.up": (cfg.ffn, cfg.hidden)})
@@ -78,7 +78,8 @@ def random_block_weights(cfg: BlockConfig, seed: int, dtype=torch.float64, p="bl
     w = {}
     for name, shape in shapes.items():
         w[name] = r(*shape)
-        if cfg.bias:
+        kind = name.rsplit(".", 1)[1]
+        if cfg.out_bias if kind == "o" else cfg.qkv_bias if kind in "qkv" else cfg.mlp_bias:
             w[name + ".bias"] = r(shape[0], scale=0.1)
     for n in ("attn_norm", "mlp_norm"):
         w[f"{p}.{n}.weight"] = r(cfg.hidden, scale=0.1, centre=1.0)

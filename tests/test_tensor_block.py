@@ -18,8 +18,10 @@ TOL = 1e-10
 SEQ = 24  # divisible by every y up to 8 that the configs allow
 LLAMA_MHA = BlockConfig(hidden=48, heads=12, kv_heads=12, ffn=96)
 LLAMA_GQA = BlockConfig(hidden=48, heads=12, kv_heads=4, ffn=96)
-GPT_MHA = BlockConfig(hidden=48, heads=12, kv_heads=12, ffn=192, norm="layer", activation="gelu_tanh", bias=True, rope=False)
-GPT_GQA = BlockConfig(hidden=48, heads=12, kv_heads=4, ffn=192, norm="layer", activation="gelu", bias=True)
+GPT_MHA = BlockConfig(hidden=48, heads=12, kv_heads=12, ffn=192, norm="layer", activation="gelu_tanh", qkv_bias=True, out_bias=True,
+                     mlp_bias=True, rope=False)
+GPT_GQA = BlockConfig(hidden=48, heads=12, kv_heads=4, ffn=192, norm="layer", activation="gelu", qkv_bias=True,
+                     out_bias=True, mlp_bias=True)
 CONFIGS = [LLAMA_MHA, LLAMA_GQA, GPT_MHA, GPT_GQA]
 
 GRIDS = [(x, y, z) for x, y, z in itertools.product(range(1, 9), repeat=3) if x * y * z <= 8]
@@ -90,7 +92,7 @@ def _check_block(sizes: dict):
         assert grads.keys() == weights.keys()
         # Without RoPE the key bias's gradient is zero in exact arithmetic (softmax ignores a
         # constant added to every score): both sides are rounding noise, checked against a scale.
-        zero_grad = set() if cfg.rope or not cfg.bias else {"block.attn.k.bias"}
+        zero_grad = set() if cfg.rope or not cfg.qkv_bias else {"block.attn.k.bias"}
         errors.update({name: rel_err(grads[name], serial_w[name].grad) for name in weights if name not in zero_grad})
         for name in zero_grad:
             scale = serial_w["block.attn.q.bias"].grad.abs().max()
