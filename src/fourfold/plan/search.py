@@ -11,7 +11,7 @@ from fourfold.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.plan.memory import GIB, estimate_memory
-from fourfold.plan.perf import Calibration, group_bandwidth, step_time
+from fourfold.plan.perf import Calibration, StepTime, group_bandwidth, step_time
 from fourfold.rules import JobError, Problem, problems
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
@@ -41,9 +41,10 @@ def predict(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration = Cal
     return _result(cfg, job, cluster, cal, rule80, framework)
 
 
-def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule80: bool, framework: str) -> dict:
+def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule80: bool, framework: str,
+            t: StepTime | None = None) -> dict:
     mem = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
-    t = step_time(cfg, job, cluster, cal, framework)
+    t = t or step_time(cfg, job, cluster, cal, framework)
     tokens = job.global_batch * job.seq
     tflops = t.flops_per_gpu / t.total / 1e12
     g = job.layout
@@ -78,8 +79,10 @@ def _best_placement(cfg: ModelConfig, job: Job, orders, cluster: Cluster, cal: C
     for o in orders:
         placed = job.with_layout(order=o)
         placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
-    return min((_result(cfg, placed, cluster, cal, rule80, framework) for placed in placements.values()),
-               key=lambda r: r["step_seconds"])
+    # the order never changes memory: only the fastest placement's result is built
+    t, best = min(((step_time(cfg, placed, cluster, cal, framework), placed) for placed in placements.values()),
+                  key=lambda timed: timed[0].total)
+    return _result(cfg, best, cluster, cal, rule80, framework, t)
 
 
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
