@@ -101,10 +101,11 @@ def test_slurm_grid_against_nodes_names_both_fixes(capsys):
 
 
 def _fake_slurm(folder: Path) -> dict:
-    """`scontrol` and `srun` stand-ins on PATH: srun prints each argument on its own line, and the
-    environment the ranks would get."""
+    """`scontrol` and `srun` stand-ins on PATH: scontrol lists the nodes, srun prints each argument
+    on its own line, and the environment the ranks would get."""
     folder.mkdir()
-    (folder / "scontrol").write_text('#!/bin/bash\nprintf "gpu-node-17\\ngpu-node-18\\n"\n')
+    # a long node list, as a large job's is: a reader that stops at the first line breaks scontrol's pipe
+    (folder / "scontrol").write_text('#!/bin/bash\nfor i in $(seq 17 3000); do echo "gpu-node-$i"; done\n')
     (folder / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@"\n'
                                  'echo "OMP=$OMP_NUM_THREADS NCCL_DEBUG=$NCCL_DEBUG PWD=$PWD"\n')
     for tool in ("scontrol", "srun"):

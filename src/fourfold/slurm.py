@@ -63,7 +63,9 @@ def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_nod
         "# or activate its environment here if they need it. A SIGTERM (scancel, or the --signal above before",
         "# the time limit) makes every rank finish its step and save a checkpoint; sbatch this again to resume.",
         "set -euo pipefail",
-        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # (awk reads the whole list: `head -n 1` would close the pipe early, and with pipefail the
+        # SIGPIPE that scontrol gets on a long node list would end the job)
+        'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')',
         "PORT=$((29500 + SLURM_JOB_ID % 10000))  # the rendezvous port: jobs sharing a first node do not collide",
         f"THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{gpus}}} / {gpus} ))  # the task's CPUs over its ranks",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}",
