@@ -222,7 +222,7 @@ def dry_run(module: nn.Module, opt: AdamW) -> tuple[dict, dict]:
                 plan_bytes=len(pickle.dumps(plan)))
     start = time.perf_counter()
     _, metadata = create_default_global_save_plan([plan])  # this rank's chunks only: what it reads back
-    loader = RectangleLoadPlanner(local_rectangles(module, opt))
+    loader = RectangleLoadPlanner(rects)
     loader.set_up_planner({}, metadata, is_coordinator=True)
     reads = loader.create_local_plan().items
     views = [loader.resolve_tensor(item) for item in reads]

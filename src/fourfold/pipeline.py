@@ -101,6 +101,7 @@ class Pipeline:
         ids = torch.empty(micro_batch, seq, dtype=torch.long, device="meta")
         logits = torch.empty(1, micro_batch * seq // grid.size("x"), cfg.vocab // grid.size("y"), dtype=opts.dtype,
                              device="meta", requires_grad=True)  # the head keeps this x rank's tokens
+        self.stream_shape = stream.shape  # what travels between stages (`simulate` makes its own)
         stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=ids if i == 0 else stream,
                                output_args=logits if i == n_stages - 1 else stream, group=pp.process_group, pp=pp)
                   for m, i in zip(self.models, self.indices)]

@@ -86,14 +86,14 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
     grid, first = pipeline.grid, pipeline.models[0]
     for model in pipeline.models:
         model.overlap.new_pass()
-    stream = (job.micro_batch // job.z, job.seq // job.cp // (job.y if job.seq_parallel else 1), first.cfg.hidden // job.x)
     in_flight, depth = [], min(job.microbatches, job.pp - pipeline.indices[0])
 
     def backward(out: torch.Tensor) -> None:
         out.backward(None if out.dim() == 0 else torch.empty_like(out))
 
     for chunk in ids.chunk(job.microbatches):
-        h = chunk if pipeline.has_first else torch.empty(stream, dtype=first.opts.dtype, requires_grad=True)
+        h = chunk if pipeline.has_first else torch.empty(pipeline.stream_shape, dtype=first.opts.dtype,
+                                                         requires_grad=True)
         for model in pipeline.models:
             h = model(h)
         if pipeline.has_last:

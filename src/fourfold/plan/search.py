@@ -107,8 +107,8 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
                     continue
                 best = _best_placement(cfg, job, orders, cluster, cal, rule80, framework)
                 keep = replace(job, keep_gathered_inputs=True)
-                memory = estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework)
-                if framework == "fourfold" and fits and keep != job and memory.fits:
+                if (framework == "fourfold" and fits and keep != job
+                        and estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework).fits):
                     # Memory allows keeping the linears' gathered inputs: no all-gather again in backward.
                     best = min(best, _best_placement(cfg, keep, orders, cluster, cal, rule80, framework),
                                key=lambda r: r["step_seconds"])
