@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
 
 from fourfold.layout import DIMS, Layout
@@ -59,7 +60,7 @@ class Job:
 
 # Read-only views of the grid's sizes (job.x is job.layout.x): the dims are declared in Layout only.
 for _dim in DIMS:
-    setattr(Job, _dim, property(lambda self, d=_dim: getattr(self.layout, d), doc=f"layout.{_dim}"))
+    setattr(Job, _dim, property(operator.attrgetter(f"layout.{_dim}"), doc=f"layout.{_dim}"))
 
 
 def default_stage_layers(layers: int, stages: int) -> list[int]:

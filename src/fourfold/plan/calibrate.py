@@ -25,7 +25,7 @@ from fourfold.layout import Layout
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.hardware import Cluster, make_cluster, overridden
 from fourfold.plan.perf import UNCALIBRATED, Calibration, model_flops_per_token, step_time
-from fourfold.plan.search import check, predict
+from fourfold.plan.search import check, predict, rank
 from fourfold.trainconfig import TrainConfig
 
 # The published calibration data (outside the repository: ../shared/calibration from its root).
@@ -263,10 +263,11 @@ KNOBS = (
     Knob("ring_overlap", 0.0, 1.0),
     Knob("dp_overlap", 0.0, 1.0),
     Knob("layer_overhead_us", 0.0, 5000.0),
+    Knob("micro_batch_overhead_us", 0.0, 500000.0),
 )
 # Where every fit starts: mid-range (every fold starts here, never from another fold's answer).
 START = Calibration(efficiency_max=0.6, efficiency_half=128, attention_half=1024, intra_node_efficiency=0.5,
-                    inter_node_efficiency=0.5, ring_overlap=0.5, dp_overlap=0.5, layer_overhead_us=100, cv_error=None)
+                    inter_node_efficiency=0.5, ring_overlap=0.5, dp_overlap=0.5, layer_overhead_us=100, micro_batch_overhead_us=1000, cv_error=None)
 
 
 def log_errors(runs: list[Run], cal: Calibration) -> np.ndarray:
@@ -393,30 +394,50 @@ def model_scores(runs: list[Run], predicted: list[float]) -> Scores:
     return scores(runs, [1 / p for p in predicted], predicted)
 
 
+def plan_scores(runs: list[Run], predicted: list[float], cv_error: float) -> Scores:
+    """How `fourfold plan` orders each group (`search.rank`) on the predicted step times: the
+    runs within `cv_error` of the fastest prediction first, simplest first, then by time."""
+    speed = [0.0] * len(runs)
+    for group in {r.group for r in runs}:
+        members = [dict(fits=True, tight=False, step_seconds=predicted[i], memory_gib=0.0, index=i,
+                        micro_batch=r.micro_batch or 0, **r.jobs[0].layout.sizes)
+                   for i, r in enumerate(runs) if r.group == group]
+        for position, m in enumerate(rank(members, Calibration(cv_error=cv_error))):
+            speed[m["index"]] = -position
+    return scores(runs, speed, predicted)
+
+
 def rule_scores(runs: list[Run]) -> Scores:
     """The rule "least tp*cp*pp, then the largest micro-batch" (an unknown micro-batch counts as 0)."""
     return scores(runs, [-r.model_parallel + (r.micro_batch or 0) / 1e3 for r in runs])
 
 
-def calibrate(runs: list[Run]) -> tuple[Calibration, Scores]:
+@dataclass(frozen=True)
+class CrossValidation:
+    model: Scores  # the held-out step times' own order
+    plan: Scores  # `fourfold plan`'s order of them: ties within the cross-validated error by the rule
+
+
+def calibrate(runs: list[Run]) -> tuple[Calibration, CrossValidation]:
     """The constants fitted on every run, carrying their cross-validated error (`cv_error`), and the
     cross-validated scores."""
     if len(runs) < 2:
         raise ValueError(f"calibration needs 2 or more measured runs, got {len(runs)}")
-    cross = model_scores(runs, cross_validate(runs))
-    return replace(fit(runs), cv_error=cross.error), cross
+    predicted = cross_validate(runs)
+    model = model_scores(runs, predicted)
+    return replace(fit(runs), cv_error=model.error), CrossValidation(model, plan_scores(runs, predicted, model.error))
 
 
-def comparison(runs: list[Run], cross: Scores) -> str:
+def comparison(runs: list[Run], cross: CrossValidation) -> str:
     """A table of the cross-validated scores `cross` of the fit, beside those of the uncalibrated
     guesses and of the rule on the same runs."""
     before = model_scores(runs, [predicted_seconds(r, UNCALIBRATED) for r in runs])
     lines = [f"{'':<30} {'Spearman':>8} {'top-1':>6} {'error':>6}"]
-    for name, s in (("fitted (cross-validated)", cross), ("uncalibrated guesses", before),
-                    ("least tp*cp*pp, then most mb", rule_scores(runs))):
+    for name, s in (("fitted (cross-validated)", cross.model), ("  as `fourfold plan` orders it", cross.plan),
+                    ("uncalibrated guesses", before), ("least tp*cp*pp, then most mb", rule_scores(runs))):
         error = f"{s.error:6.1%}" if s.error is not None else "     -"
         lines.append(f"{name:<30} {s.spearman:8.2f} {s.top1:6.0%} {error}")
-    lines.append(f"Spearman: median over the {cross.groups} groups of 2 or more runs; top-1: share of them whose "
+    lines.append(f"Spearman: median over the {cross.model.groups} groups of 2 or more runs; top-1: share of them whose "
                  f"favourite runs within {TOP1_MARGIN:.0%} of the measured best; error: mean over the {len(runs)} "
                  f"runs of |predicted / measured throughput - 1|")
     return "\n".join(lines)

@@ -125,21 +125,13 @@ TIGHT_NOTE = (f"* fits with less than {HEADROOM:.0%} of the GPU's memory free: t
 TIE = "~"
 
 
-def ties(found: list[dict], cal: Calibration) -> list[bool]:
-    """Which candidates the model cannot tell from the first: their step time within its
-    cross-validated error of the first's (none when the error is unknown)."""
-    if not found or cal.cv_error is None:
-        return [False] * len(found)
-    best = found[0]["step_seconds"]
-    return [i > 0 and r["step_seconds"] <= best * (1 + cal.cv_error) for i, r in enumerate(found)]
-
-
 def error_note(cal: Calibration) -> str:
     if cal.cv_error is None:
         return ("step times: the model's error is unknown with these constants (no cross-validation: "
                 "`fourfold calibrate` measures it)")
-    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error); {TIE} within it of the first: "
-            f"as fast as far as the model can tell, measure them before choosing")
+    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error); {TIE} within it of the fastest: "
+            f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the largest "
+            f"micro-batch); measure them before choosing")
 
 
 def _print_one(r: dict, memory_only: bool) -> None:
@@ -177,22 +169,23 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
         recomputes = (args.recompute,) if args.recompute else RECOMPUTE
+        # A table, or a JSON of the first --top, needs only the best (the search stops early);
+        # a plot and --all need every candidate.
+        top = None if args.plot or args.all else args.top if args.json else args.top or 10
         found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
-                       rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework)
-        tied = ties(found, cal)
+                       rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework, top=top)
         if args.json:
             shown = found[: args.top] if args.top else found
-            print(json.dumps({"cv_error": cal.cv_error,
-                              "candidates": [dict(as_json(r), tie=t) for r, t in zip(shown, tied)]}))
+            print(json.dumps({"cv_error": cal.cv_error, "candidates": [as_json(r) for r in shown]}))
         else:
             n = cfg.parameter_count()
             size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
             print(f"{cfg.family} {size} on {args.gpus} x {cluster.gpu.name}, "
-                  f"{args.framework} profile: {len(found)} candidates in {time.perf_counter() - start:.1f} s")
+                  f"{args.framework} profile: {found.considered} candidates in {time.perf_counter() - start:.1f} s")
             print(HEADER)
             shown = found[: args.top or 10]
-            for r, t in zip(shown, tied):
-                print(row(r, t))
+            for r in shown:
+                print(row(r, r["tie"]))
             if any(r["tight"] for r in shown):
                 print(TIGHT_NOTE)
             if not found:

@@ -35,16 +35,17 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    efficiency_max: float = 0.698  # best fraction of peak a large bf16 GEMM reaches
-    efficiency_half: float = 22.1  # GEMM dimension at which efficiency is half of the best
-    attention_half: float = 8130  # keys per attention block at which attention runs at half its GEMM rate
-    intra_node_efficiency: float = 1.0  # collective bus bandwidth / the preset's, inside a node
+    efficiency_max: float = 0.871  # best fraction of peak a large bf16 GEMM reaches
+    efficiency_half: float = 61.1  # GEMM dimension at which efficiency is half of the best
+    attention_half: float = 8490  # keys per attention block at which attention runs at half its GEMM rate
+    intra_node_efficiency: float = 0.740  # collective bus bandwidth / the preset's, inside a node
     inter_node_efficiency: float = 0.3  # the same across nodes
     ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 0.0  # fraction of the data-parallel reduce-scatter that can hide behind backward
-    layer_overhead_us: float = 525  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    layer_overhead_us: float = 0.0  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    micro_batch_overhead_us: float = 40160  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
-    cv_error: float | None = 0.0822  # cross-validated mean error of a step time (fraction), from the fit
+    cv_error: float | None = 0.0743  # cross-validated mean error of a step time (fraction), from the fit
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
@@ -65,7 +66,8 @@ class Calibration:
 
 # The guesses the model had before any fit: docs/planner.md's "uncalibrated" model.
 UNCALIBRATED = Calibration(efficiency_max=0.8, efficiency_half=128, attention_half=0, intra_node_efficiency=1.0,
-                           inter_node_efficiency=1.0, ring_overlap=1.0, dp_overlap=1.0, layer_overhead_us=0.0)
+                           inter_node_efficiency=1.0, ring_overlap=1.0, dp_overlap=1.0, layer_overhead_us=0.0,
+                           micro_batch_overhead_us=0.0)
 
 
 def gemm_efficiency(m: float, n: float, k: float, cal: Calibration) -> float:
@@ -193,17 +195,15 @@ def _plan(block, x: int, y: int):
     return block_plan(block, x, y, seq_parallel=False)
 
 
-def _layer_compute_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, framework: str) -> tuple[float, float]:
-    """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank."""
-    b = cfg.block
-    if framework == "megatron":
-        x, y = 1, s.y
-    else:
-        x, y = s.x, s.y
-    T = s.seq / s.cp * s.micro_batch / s.z
-    peak = cluster.gpu.bf16_tflops * 1e12
-    d = b.head_dim
-    plan = _plan(b, x, y)
+@functools.lru_cache(maxsize=65536)  # many grids share a replica's shapes (dp and pp do not change them)
+def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float, peak_tflops: float,
+                          cal: Calibration) -> tuple[float, float]:
+    """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
+    x = 1 for the megatron profile's 1D tensor parallelism."""
+    T = seq / cp * batch
+    peak = peak_tflops * 1e12
+    d = block.head_dim
+    plan = _plan(block, x, y)
     forward = 0.0
     for layer in plan.linears:  # each rank's block of each GEMM (z only splits the stored weights)
         k_local = layer.in_features / (x if layer.in_dim == "x" else y)
@@ -212,8 +212,8 @@ def _layer_compute_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Cali
     heads = plan.local_heads
     # QK^T and PV of the local queries against the whole sequence (ring attention brings the
     # other chunks' keys), causal: half of it
-    attention = 2 * 2 * T * s.seq * d * heads / 2
-    attention_seconds = attention / (peak * attention_efficiency(T, s.seq / s.cp, d, cal))
+    attention = 2 * 2 * T * seq * d * heads / 2
+    attention_seconds = attention / (peak * attention_efficiency(T, seq / cp, d, cal))
     return forward + attention_seconds, forward
 
 
@@ -306,28 +306,66 @@ def _rank_layers(layers: int, pp: int, virtual: int, stage_layers: tuple[int, ..
     return tuple(sum(len(stages[r + v * pp]) for v in range(virtual)) for r in range(pp))
 
 
-def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
-              framework: str = "fourfold") -> StepTime:
-    forward, dw = _layer_compute_seconds(cfg, s, cluster, cal, framework)
+@dataclass(frozen=True)
+class _Compute:
+    """The part of a step's time no placement order or collective changes."""
+
+    forward: float  # one layer's forward, one micro-batch
+    dw: float  # its weight-gradient GEMMs
+    layer: float  # one layer's forward and backward (and recompute), with the fixed overhead
+    head: float  # the LM head and loss of one micro-batch, on the last pipeline rank
+    ranks: tuple[int, ...]  # layers of each pipeline rank
+    optimizer: float
+    micro_batch_overhead: float
+
+    def rank_seconds(self, r: int, layer_comm: float = 0.0) -> float:
+        """One micro-batch on pipeline rank `r`."""
+        return (self.ranks[r] * (self.layer + layer_comm) + (self.head if r == len(self.ranks) - 1 else 0.0)
+                + self.micro_batch_overhead)
+
+
+def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, framework: str) -> _Compute:
+    forward, dw = _layer_compute_cached(cfg.block, s.x if framework == "fourfold" else 1, s.y, s.seq, s.cp,
+                                        s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal)
     per_layer = 3 * forward  # forward, then dX and dW GEMMs in backward
     if s.recompute == "full":
         per_layer += forward
-    layer_compute = per_layer + cal.layer_overhead_us * 1e-6
-    layer_comm = _tensor_comm(cfg, s, cluster, cal, forward, dw, framework)
+    T = s.seq / s.cp * s.micro_batch / s.z
+    head = 6 * T * cfg.hidden * cfg.vocab / (s.x * s.y if framework == "fourfold" else s.y)
+    head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / s.y, cal)
+    ranks = _rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
+    optimizer = 16 * _params_per_rank(cfg, s, ranks, framework) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
+    return _Compute(forward, dw, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
+                    cal.micro_batch_overhead_us * 1e-6)
+
+
+def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...], framework: str) -> float:
+    matrices, vectors = layer_params(cfg)
+    tp = s.x * s.y * s.z if framework == "fourfold" else s.y
+    return max(ranks) * (matrices + vectors) / tp + cfg.hidden * cfg.vocab / tp
+
+
+def compute_bound(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
+                  framework: str = "fourfold") -> float:
+    """A lower bound of `step_time(...).total` for every placement order: the slowest pipeline
+    rank's compute for every micro-batch and the bubble, and the optimizer (communication only
+    adds). The search evaluates candidates in this order and stops where it exceeds what it keeps."""
+    c = _compute(cfg, s, cluster, cal, framework)
+    slowest = max(c.rank_seconds(r) for r in range(len(c.ranks)))
+    return (s.microbatches + (s.pp - 1) / s.virtual) * slowest + c.optimizer
+
+
+def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
+              framework: str = "fourfold") -> StepTime:
+    c = _compute(cfg, s, cluster, cal, framework)
+    layer_comm = _tensor_comm(cfg, s, cluster, cal, c.forward, c.dw, framework)
     if s.cp > 1:
         layer_comm += _ring_attention_exposed(cfg, s, cluster, cal, framework)
-    # LM head and loss, once per micro-batch on the last pipeline rank.
     T = s.seq / s.cp * s.micro_batch / s.z
-    y = s.y
-    peak = cluster.gpu.bf16_tflops * 1e12
-    head = 6 * T * cfg.hidden * cfg.vocab / (s.x * y if framework == "fourfold" else y)
-    head /= peak * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / y, cal)
     # The pipeline runs at the pace of its slowest rank: its layers (uneven splits), plus the head on the last.
-    ranks = _rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
-    last = len(ranks) - 1
-    pace = max(range(len(ranks)), key=lambda r: ranks[r] * (layer_compute + layer_comm) + (head if r == last else 0))
-    micro_compute = ranks[pace] * layer_compute + (head if pace == last else 0.0)
-    micro_comm = ranks[pace] * layer_comm
+    pace = max(range(len(c.ranks)), key=lambda r: c.rank_seconds(r, layer_comm))
+    micro_compute = c.rank_seconds(pace)
+    micro_comm = c.ranks[pace] * layer_comm
     if framework == "fourfold":
         micro_comm += _totals_seconds(_head_totals(_within_replica(s), cfg.vocab, cfg.hidden, int(T)),
                                       s, cluster, s.element_bytes, cal)
@@ -339,9 +377,7 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     compute, exposed = m * micro_compute, m * micro_comm
     bubble = (s.pp - 1) / s.virtual * (micro_compute + micro_comm)
     # Data-parallel gradients (fp32) over dp*cp: reduce-scatter + all-gather of the parameters.
-    matrices, vectors = layer_params(cfg)
-    tp = s.x * s.y * s.z if framework == "fourfold" else s.y
-    params_rank = max(ranks) * (matrices + vectors) / tp + cfg.hidden * cfg.vocab / tp
+    params_rank = _params_per_rank(cfg, s, c.ranks, framework)
     g = s.dp * s.cp
     dp_comm = 0.0
     if g > 1:
@@ -353,6 +389,5 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
         # micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the
         # reduce-scatter can hide behind that backward; the parameter all-gather follows the update.
         dp_comm = _exposed(reduce, micro_compute * 2 / 3, cal.dp_overlap) + gather
-    optimizer = 16 * params_rank / g / (cluster.gpu.hbm_tbs * 1e12)
     flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.world_size
-    return StepTime(compute, exposed, bubble, dp_comm, optimizer, flops)
+    return StepTime(compute, exposed, bubble, dp_comm, c.optimizer, flops)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import math
-
 from dataclasses import replace
 
 from fourfold.job import RECOMPUTE, Job
@@ -11,7 +13,7 @@ from fourfold.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.plan.memory import GIB, estimate_memory
-from fourfold.plan.perf import Calibration, StepTime, group_bandwidth, step_time
+from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, step_time
 from fourfold.rules import JobError, Problem, problems
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
@@ -21,6 +23,7 @@ COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp")]  # every 
 # A candidate that fits but leaves less than this fraction of the card free is "tight": the estimate's
 # error, allocator fragmentation or a longer batch can push it over. Shown, and ranked after the others.
 HEADROOM = 0.05
+ROUNDING = 1e-3  # step times equal to four digits are equally fast (`rounded_seconds`)
 
 
 def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
@@ -85,41 +88,88 @@ def _best_placement(cfg: ModelConfig, job: Job, orders, cluster: Cluster, cal: C
     return _result(cfg, best, cluster, cal, rule80, framework, t)
 
 
+class Ranking(list):
+    """Results, best first (`rank`); `considered`: how many jobs the rules accepted (more than the
+    results when the search stopped early)."""
+
+    def __init__(self, results: list[dict], considered: int):
+        super().__init__(results)
+        self.considered = considered
+
+
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False,
-           framework: str = "fourfold") -> list[dict]:
+           framework: str = "fourfold", top: int | None = None) -> Ranking:
     """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, order and
-    recompute option of `base`, best first; each result's `job` is the job itself."""
-    results = []
+    recompute option of `base`, ranked (`rank`); each result's `job` is the job itself. `top`: only
+    the first `top` results (and every tie of the first) are wanted, exactly as a full search ranks
+    them: jobs are evaluated in the order of a lower bound of their step time (`compute_bound`),
+    and the search stops where that bound passes every time it keeps."""
     orders = ORDERS if framework == "fourfold" else [DEFAULT_ORDER]
+    queue = []  # (bound, arrival, job): a heap; a job's heavier recompute enters when a lighter one does not fit
+    arrival = itertools.count()
     for dp, pp, cp, x, y, z in factorisations(gpus):
         if framework == "megatron" and (x != 1 or z != 1):
             continue
+        layout = Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z)
         for mb in micro_batches:
-            job = replace(base, layout=Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z), micro_batch=mb)
-            if problems(cfg, job, gpu=True):
-                continue
-            for recompute in recomputes:
-                job = replace(job, recompute=recompute)
-                # the order never changes memory
-                fits = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework).fits
-                if not (fits or include_unfit):
-                    continue
-                best = _best_placement(cfg, job, orders, cluster, cal, rule80, framework)
-                keep = replace(job, keep_gathered_inputs=True)
-                if (framework == "fourfold" and fits and keep != job
-                        and estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework).fits):
-                    # Memory allows keeping the linears' gathered inputs: no all-gather again in backward.
-                    best = min(best, _best_placement(cfg, keep, orders, cluster, cal, rule80, framework),
-                               key=lambda r: r["step_seconds"])
-                results.append(best)
-                if fits:
-                    break  # a lighter recompute fits: heavier ones are only slower
-    # Those that fit with headroom first, then the tight ones, then (include_unfit) the rest. Among
-    # equally fast candidates (step times equal to 0.1%), the simpler one first: less context
-    # parallelism, then the smaller model-parallel group, then less memory.
-    results.sort(key=lambda r: (not r["fits"], r["tight"], rounded_seconds(r["step_seconds"]), r["cp"],
-                                r["pp"] * r["x"] * r["y"] * r["z"], r["memory_gib"]))
-    return results
+            job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0])
+            if not problems(cfg, job, gpu=True):
+                queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), job))
+    considered = len(queue)
+    heapq.heapify(queue)
+    results, kept = [], []
+    while queue:
+        bound, _, job = heapq.heappop(queue)
+        if top and len(kept) >= top and bound > _cutoff(kept, top, cal):
+            break  # every job left is slower than what is kept
+        mem = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
+        heavier = recomputes.index(job.recompute) + 1
+        if not mem.fits and heavier < len(recomputes):  # a lighter recompute that fits makes heavier ones pointless
+            next_job = replace(job, recompute=recomputes[heavier])
+            heapq.heappush(queue, (compute_bound(cfg, next_job, cluster, cal, framework), next(arrival), next_job))
+        if not (mem.fits or include_unfit):
+            continue
+        best = _best_placement(cfg, job, orders, cluster, cal, rule80, framework)
+        keep = replace(job, keep_gathered_inputs=True)
+        if (framework == "fourfold" and mem.fits and keep != job
+                and estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework).fits):
+            # Memory allows keeping the linears' gathered inputs: no all-gather again in backward.
+            best = min(best, _best_placement(cfg, keep, orders, cluster, cal, rule80, framework),
+                       key=lambda r: r["step_seconds"])
+        results.append(best)
+        if mem.fits and not best["tight"]:
+            bisect.insort(kept, best["step_seconds"])
+    return Ranking(rank(results, cal), considered)
 
 
+def _cutoff(kept: list[float], top: int, cal: Calibration) -> float:
+    """The step time past which no job can enter the first `top` results or the first's ties
+    (`kept`: the times of the candidates that fit with headroom, sorted)."""
+    return max(kept[top - 1], kept[0] * (1 + (cal.cv_error or 0.0))) * (1 + ROUNDING)
+
+
+def rank(results: list[dict], cal: Calibration) -> list[dict]:
+    """Best first: those that fit with headroom, then the tight ones, then those that do not fit.
+    When others' step times are within the model's cross-validated error of the fastest's, they
+    and the fastest (`tie` True) lead, simplest first: the least model parallelism (tp*cp*pp), then the largest
+    micro-batch, as the measured runs rank them (docs/planner.md, "Calibration"); then by step time
+    (equal to four digits: less context parallelism, then the smaller model-parallel group, then
+    less memory)."""
+    def by_time(r: dict) -> tuple:
+        return (rounded_seconds(r["step_seconds"]), r["cp"], _model_parallel(r), r["memory_gib"])
+
+    roomy = [r["step_seconds"] for r in results if r["fits"] and not r["tight"]]
+    fastest = min(roomy, default=0.0)
+    margin = cal.cv_error or 0.0
+    for r in results:
+        r["tie"] = r["fits"] and not r["tight"] and margin > 0 and r["step_seconds"] <= fastest * (1 + margin)
+    if sum(r["tie"] for r in results) == 1:  # the fastest alone: nothing to tell apart
+        next(r for r in results if r["tie"])["tie"] = False
+    return sorted(results, key=lambda r: (not r["fits"], r["tight"], not r["tie"],
+                                          (_model_parallel(r), -r["micro_batch"]) if r["tie"] else (),
+                                          *by_time(r)))
+
+
+def _model_parallel(r: dict) -> int:
+    return r["pp"] * r["cp"] * r["x"] * r["y"] * r["z"]
