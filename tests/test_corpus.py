@@ -1,6 +1,8 @@
-"""The corpus reader: text files and globs, JSONL and Parquet streamed into a token file that equals
-tokenizing each document directly, cached, read in bounded blocks, with errors that name the fix."""
+"""The corpus reader: text files and globs, JSONL (both also gzip-compressed), Parquet and datasets'
+save_to_disk directories streamed into a token file that equals tokenizing each document directly,
+cached, read in bounded blocks, with errors that name the fix."""
 
+import gzip
 import json
 import os
 import random
@@ -201,3 +203,71 @@ def test_config_checks_the_inputs_before_launch(inputs, tmp_path):
     cfg = load_train_config(None, ["--data.files", spec, "--data.cache_dir", str(tmp_path), "--data.workers", "1"])
     with pytest.raises(ConfigError, match="data: .* has no field 'text' .*; set data.field"):
         tokens_files(cfg)
+
+
+def test_gzip_files_give_the_tokens_of_the_plain_ones(tokenizer, inputs, tmp_path):
+    """.txt.gz and .jsonl.gz, read in 4 KiB blocks as they are decompressed, give the tokens of the
+    same files uncompressed; the progress counts the compressed bytes read."""
+    spec, _ = inputs
+    plain = [p for p, fmt in corpus.input_files(spec) if fmt in ("text", "jsonl")]
+    for path in plain:
+        with gzip.open(tmp_path / (path.name + ".gz"), "wb") as f:
+            f.write(path.read_bytes())
+    compressed = corpus.input_files([str(tmp_path / (path.name + ".gz")) for path in plain])
+    assert [fmt for _, fmt in compressed] == ["text", "text", "jsonl"]
+    options = dict(tokenizer=str(tokenizer), field="body", workers=1, block=4096)
+    _, expected = corpus.prepare(None, 0, tmp_path / "plain", files=[str(p) for p in plain], **options)
+    _, got = corpus.prepare(None, 0, tmp_path / "gz", files=str(tmp_path / "*.gz"), **options)
+    np.testing.assert_array_equal(np.load(got), np.load(expected))
+    assert sum(size for _, size in corpus._units(compressed, "body", 4096)) == sum(
+        p.stat().st_size for p, _ in compressed)
+
+
+def test_saved_dataset_gives_the_tokens_of_its_jsonl(tokenizer, tmp_path):
+    """A directory written by datasets' save_to_disk (two Arrow shards, a null, a document longer than
+    a block of 1 KiB) gives the tokens of the same rows as JSON lines, in units of at most a block of
+    text (or one longer document), memory-mapped batch by batch."""
+    import datasets
+
+    docs = _docs(30, 5) + [_docs(1, 6, (3000, 3000))[0], None] + _docs(5, 7)
+    datasets.Dataset.from_dict({"id": list(range(len(docs))), "body": docs}).save_to_disk(
+        tmp_path / "saved", num_shards=2)
+    (tmp_path / "same.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    inputs = corpus.input_files(str(tmp_path / "saved"))
+    assert [(p.name, fmt) for p, fmt in inputs] == [("data-00000-of-00002.arrow", "arrow"),
+                                                     ("data-00001-of-00002.arrow", "arrow")]
+    options = dict(tokenizer=str(tokenizer), field="body", workers=1, block=1024)
+    _, expected = corpus.prepare(None, 0, tmp_path / "jsonl", files=str(tmp_path / "same.jsonl"), **options)
+    _, got = corpus.prepare(None, 0, tmp_path / "arrow", files=str(tmp_path / "saved"), **options)
+    np.testing.assert_array_equal(np.load(got), np.load(expected))
+    units, sizes = zip(*corpus._units(inputs, "body", 1024))
+    assert len(units) > 5
+    # the progress counts every byte of the files but each one's 8-byte end-of-stream marker
+    assert sum(sizes) == sum(path.stat().st_size - 8 for path, _ in inputs)
+    assert all(sum(len(t.encode()) for t, _, _ in pieces) <= 1024 or len(pieces) == 1 for _, pieces in units)
+
+
+def test_compressed_and_saved_inputs_errors_name_the_fix(tokenizer, tmp_path):
+    import datasets
+
+    whole = gzip.compress(corpus.EOS.join(_docs(50, 8)).encode())
+    (tmp_path / "plain.txt.gz").write_text("not compressed")
+    (tmp_path / "cut.txt.gz").write_bytes(whole[: len(whole) // 2])
+    for name in ("plain.txt.gz", "cut.txt.gz"):
+        with pytest.raises(ValueError, match=rf"{name} is not a whole gzip file .*; compress it again, or drop \.gz"):
+            corpus.prepare(None, 0, tmp_path, files=str(tmp_path / name), tokenizer=str(tokenizer), workers=1)
+    (tmp_path / "d.parquet.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"files, not \.parquet\.gz; rename it .* \(gzip-compressed: \.txt\.gz, "
+                                         r"\.jsonl\.gz\)"):
+        corpus.input_files(str(tmp_path / "d.parquet.gz"))
+    with pytest.raises(ValueError, match=r"is a directory, not a file; give a glob such as .*, or a directory written "
+                                         r"by datasets' save_to_disk"):
+        corpus.input_files(str(tmp_path))
+    ds = datasets.Dataset.from_dict({"body": ["a", "b"], "n": [1, 2]})
+    datasets.DatasetDict(train=ds, test=ds).save_to_disk(tmp_path / "splits")
+    with pytest.raises(ValueError, match=r"holds the splits train, test \(a DatasetDict\); give one split's directory, "
+                                         r"e.g. .*splits/train"):
+        corpus.input_files(str(tmp_path / "splits"))
+    with pytest.raises(ValueError, match=r"column 'n' holds int64, not text; set data.field"):
+        corpus.prepare(None, 0, tmp_path, files=str(tmp_path / "splits" / "train"), tokenizer=str(tokenizer),
+                       field="n", workers=1)

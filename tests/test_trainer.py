@@ -1,16 +1,21 @@
 """`fourfold train`: exact resume, loading onto another grid, a killed rank recovered by torchrun,
-non-finite losses, configuration errors, generation and the sbatch script."""
+non-finite losses, its records in log.jsonl, TensorBoard and W&B, configuration errors, generation
+and the sbatch script."""
 
+import importlib.machinery
 import json
 import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fourfold import checkpoint, corpus
 from fourfold.slurm import sbatch_script
@@ -57,12 +62,75 @@ def _held_out(run_dir):
     return {r["eval_after_step"]: r["eval_loss"] for r in records if "eval_loss" in r}
 
 
+def _tensorboard(run_dir):
+    """{tag: [(step, value), ...]} of the TensorBoard event files of a run, as TensorBoard shows them
+    (a step logged again after a restart shows once)."""
+    events = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _as_float32(scalars):
+    """{tag: {step: value}} as TensorBoard stores it: float32 values in step order."""
+    return {tag: [(s, float(np.float32(v))) for s, v in sorted(by_step.items())] for tag, by_step in scalars.items()}
+
+
+def _scalars_of_log(run_dir):
+    """{tag: {step: value}} that the TensorBoard and W&B scalars must equal: each number of
+    log.jsonl's last record of each step (a training field F as "train/F" at its step, a held-out
+    field eval_F as "eval/F" at eval_after_step - 1), None (no MFU on CPU) left out."""
+    out = {}
+    for line in (Path(run_dir) / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "eval_after_step" in record:
+            step = record.pop("eval_after_step") - 1
+            tags = {f"eval/{k.removeprefix('eval_')}": v for k, v in record.items()}
+        else:
+            step = record.pop("step")
+            tags = {f"train/{k}": v for k, v in record.items()}
+        for tag, value in tags.items():
+            if value is not None:
+                out.setdefault(tag, {})[step] = float(value)
+    return out
+
+
+def _train_with_fake_wandb(options):
+    """_train with a stand-in for the `wandb` module that keeps the calls the trainer makes. Its
+    signatures are wandb 0.31.0's (`wandb.init`'s keywords, `Run.log(data, step)`, `Run.finish()`),
+    so a call real wandb would refuse fails here too."""
+    calls = []
+
+    class Run:
+        def log(self, data, step=None, commit=None):
+            calls.append(["log", dict(data), step])
+
+        def finish(self, exit_code=None, quiet=None):
+            calls.append(["finish"])
+
+    def init(*, project=None, name=None, dir=None, config=None, id=None, resume=None):
+        calls.append(["init", dict(project=project, name=name, dir=dir, id=id, resume=resume)])
+        return Run()
+
+    fake = types.ModuleType("wandb")
+    fake.init, fake.__spec__ = init, importlib.machinery.ModuleSpec("wandb", None)
+    sys.modules["wandb"] = fake
+    try:
+        _train(options)
+    finally:
+        del sys.modules["wandb"]  # (the rank's process runs later tests)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def reference(ranks, data, tmp_path_factory):
     """An uninterrupted run on dp2 x2 (sequence parallel over y is off: y=1), scoring the held-out
-    tail every 3 steps (which changes no training number: the resumed runs below do not score)."""
+    tail every 3 steps (which changes no training number: the resumed runs below do not score),
+    logging to a stand-in W&B whose calls are kept in wandb-calls.json."""
     run = tmp_path_factory.mktemp("reference")
-    ranks.run(_train, 4, _options(run, data, "--grid.dp", "2", "--grid.x", "2", "--train.eval_every", "3"))
+    calls = ranks.run(_train_with_fake_wandb, 4, _options(run, data, "--grid.dp", "2", "--grid.x", "2",
+                                                          "--train.eval_every", "3", "--log.wandb_project", "ff"))
+    assert calls[1:] == [[], [], []]  # rank 0 only
+    (run / "wandb-calls.json").write_text(json.dumps(calls[0]))
     return run
 
 
@@ -78,6 +146,26 @@ def test_run_learns_and_writes_everything(reference):
     assert summary["last_loss"] == losses[STEPS - 1]
     held_out = _held_out(reference)
     assert list(held_out) == [3, 6] and held_out[6] < held_out[3] and summary["eval_loss"] == held_out[6]
+
+
+def test_tensorboard_and_wandb_get_every_number_of_the_log(reference):
+    """Each number of log.jsonl is one TensorBoard scalar (float32, as TensorBoard stores it) and one
+    W&B value, at its step."""
+    expected = _scalars_of_log(reference)
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/seconds", "train/tokens_per_s",
+            "train/tflops_per_gpu", "train/peak_memory_gib", "train/skipped", "eval/loss"} <= set(expected)
+    assert "train/mfu" not in expected and expected["eval/loss"].keys() == {2, 5}
+    assert _tensorboard(reference) == _as_float32(expected)
+    calls = json.loads((reference / "wandb-calls.json").read_text())
+    wandb_id = (reference / "wandb-id").read_text()
+    assert calls[0] == ["init", dict(project="ff", name=reference.name, dir=str(reference), id=wandb_id,
+                                     resume="allow")]
+    assert calls[-1] == ["finish"]
+    logged = {}
+    for _, values, step in calls[1:-1]:
+        for tag, value in values.items():
+            logged.setdefault(tag, {})[step] = value
+    assert logged == expected
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -132,6 +220,8 @@ def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
     got, _ = _losses(tmp_path)
     assert got == expected
     assert "resumed from" in done.stdout + done.stderr
+    # TensorBoard hides the first attempt's step 3, logged again after the restart: each step once, its last entry
+    assert _tensorboard(tmp_path) == _as_float32(_scalars_of_log(tmp_path))
 
 
 def test_non_finite_loss_skips_the_step(ranks, data, tmp_path):

