@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fourfold.blockspec import BlockConfig
 from fourfold.grid import Grid, init_process_group
 from fourfold.layout import Layout
-from fourfold.tensor.block import ParallelBlock, TensorOptions, rotary
+from fourfold.tensor.block import ParallelBlock, TensorOptions, rope_tables, rotate
 from fourfold.volumes import bytes_sent
 from timing import best_time, print_table  # benchmarks/timing.py, beside this file
 
@@ -75,8 +75,8 @@ class SerialBlock(nn.Module):
         q = self.q(n).view(b, s, -1, d).transpose(1, 2)  # local heads after ColwiseParallel
         k = self.k(n).view(b, s, -1, d).transpose(1, 2)
         v = self.v(n).view(b, s, -1, d).transpose(1, 2)
-        pos = torch.arange(s)
-        q, k = rotary(q, pos, self.cfg.rope_theta), rotary(k, pos, self.cfg.rope_theta)
+        cos, sin = rope_tables(torch.arange(s), s, d, self.cfg.rope_theta, None, q.dtype)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         h = h + self.o(o.transpose(1, 2).reshape(b, s, -1))
         n = self.mlp_norm(h)

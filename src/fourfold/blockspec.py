@@ -18,21 +18,30 @@ LINEAR_KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 
 
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "dynamic", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """transformers' rope_scaling / rope_parameters beyond the default frequencies: "linear"
-    (every frequency divided by `factor`) or "llama3" (Llama 3.1's: low frequencies divided by
-    `factor`, high ones kept, a smooth blend between, set by the two factors and the context the
-    model was pretrained on)."""
+    """transformers' rope_scaling / rope_parameters beyond the default frequencies:
+    "linear": every frequency divided by `factor`;
+    "llama3" (Llama 3.1's): low frequencies divided by `factor`, high ones kept, a smooth blend
+      between, set by the two freq factors and the context the model was pretrained on;
+    "dynamic" (NTK): the base grows with the sequence once it is longer than
+      `original_max_positions` (config.json's max_position_embeddings);
+    "yarn": interpolated low and extrapolated high frequencies with a ramp between, set by the
+      betas (in rotations over the pretrained context), and cos/sin scaled by `attention_factor`.
+    Every value is the one transformers uses, defaults resolved when config.json is read."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dims
+    attention_factor: float = 1.0  # cos and sin are multiplied by it
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALINGS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -13,6 +14,8 @@ from fourfold.blockspec import ROPE_SCALINGS, BlockConfig, RopeScaling
 FAMILIES = ("llama", "gpt2")
 # config.json model types read as the llama family (RoPE, GQA, SwiGLU, RMSNorm), with their flags.
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
+# Their config classes' max_position_embeddings, for a config.json without it
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
 
 # Fields of config.json that do not change the model's arithmetic (ids, bookkeeping, output
 # options, initialisation, the transformers version); every other field is read or refused.
@@ -105,10 +108,7 @@ class ModelConfig:
             if kind == "llama":
                 out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
             if self.rope_scaling is not None:
-                r = self.rope_scaling
-                out["rope_scaling"] = {"rope_type": r.kind, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
-                                       "high_freq_factor": r.high_freq_factor,
-                                       "original_max_position_embeddings": r.original_max_positions}
+                out["rope_scaling"] = _rope_scaling_to_hf(self.rope_scaling)
             if kind == "mistral":  # a missing key is 4096 to transformers: none is written as null
                 out["sliding_window"] = self.sliding_window or None
             return out
@@ -131,6 +131,19 @@ class ModelConfig:
 
 
 _CLASS_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+def _rope_scaling_to_hf(r: RopeScaling) -> dict:
+    """The keys transformers reads for the scaling's kind (dynamic's context is max_position_embeddings)."""
+    out = {"rope_type": r.kind, "factor": r.factor}
+    if r.kind in ("llama3", "yarn"):
+        out["original_max_position_embeddings"] = r.original_max_positions
+    if r.kind == "llama3":
+        out.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+    if r.kind == "yarn":
+        out.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate,
+                   attention_factor=r.attention_factor)
+    return out
 
 
 def _refuse_unknown(d: dict, fields: set[str], kind: str) -> None:
@@ -156,11 +169,12 @@ def _llama_from_hf(cls, d: dict, kind: str) -> "ModelConfig":
         raise ValueError("config.json (qwen2) uses sliding-window layers (use_sliding_window / layer_types); fourfold's "
                          "attention is full causal: use a config with use_sliding_window false")
     heads = d["num_attention_heads"]
-    window = 0 if kind != "mistral" else (d.get("sliding_window") or 0)
+    window = 0 if kind != "mistral" else (d.get("sliding_window", 4096) or 0)  # MistralConfig's default
     bias = bool(d.get("attention_bias", False))
+    positions = d.get("max_position_embeddings", MAX_POSITIONS[kind])
     return cls("llama", d["hidden_size"], d["num_hidden_layers"], heads, d.get("num_key_value_heads") or heads,
-               d["intermediate_size"], d["vocab_size"], d.get("max_position_embeddings", 4096),
-               d.get("tie_word_embeddings", False), d.get("rms_norm_eps", 1e-6), _rope_theta(d), _rope_scaling(d),
+               d["intermediate_size"], d["vocab_size"], positions, d.get("tie_word_embeddings", False),
+               d.get("rms_norm_eps", 1e-6), _rope_theta(d), _rope_scaling(d, positions),
                head_dim=d.get("head_dim") or 0, qkv_bias=bias or kind == "qwen2", out_bias=bias,
                mlp_bias=bool(d.get("mlp_bias", False)), sliding_window=window, hf_type="" if kind == "llama" else kind)
 
@@ -175,7 +189,7 @@ def _rope_theta(d: dict) -> float:
     return float(_rope_parameters(d).get("rope_theta", d.get("rope_theta", 10000.0)))
 
 
-def _rope_scaling(d: dict) -> RopeScaling | None:
+def _rope_scaling(d: dict, max_positions: int) -> RopeScaling | None:
     p = _rope_parameters(d)
     kind = p.get("rope_type", p.get("type", "default"))
     if p.get("partial_rotary_factor", 1.0) != 1.0:
@@ -185,9 +199,33 @@ def _rope_scaling(d: dict) -> RopeScaling | None:
     if kind not in ROPE_SCALINGS:
         raise ValueError(f"config.json's rope scaling {kind!r} is not implemented (fourfold computes "
                          f"{', '.join(ROPE_SCALINGS)} and the default); use a model without it")
+    if "factor" not in p or p["factor"] is None and kind != "yarn":  # (a null yarn factor is the contexts' ratio)
+        raise ValueError(f"config.json's rope scaling {kind!r} has no factor; give rope_scaling's factor")
+    # transformers' defaults, resolved here so that the model and to_hf see the values it uses
+    original = int(p.get("original_max_position_embeddings", max_positions))
+    if kind == "dynamic":  # scales beyond max_position_embeddings, whatever the rope parameters say
+        return RopeScaling(kind, float(p["factor"]), original_max_positions=max_positions)
+    if kind == "yarn":
+        factor = float(p["factor"] if p["factor"] is not None else max_positions / original)
+        return RopeScaling(kind, factor, original_max_positions=original, beta_fast=float(p.get("beta_fast") or 32),
+                           beta_slow=float(p.get("beta_slow") or 1), truncate=bool(p.get("truncate", True)),
+                           attention_factor=_yarn_attention_factor(p, factor))
     return RopeScaling(kind, float(p["factor"]), float(p.get("low_freq_factor", 1.0)),
-                       float(p.get("high_freq_factor", 4.0)),
-                       int(p.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))))
+                       float(p.get("high_freq_factor", 4.0)), original)
+
+
+def _yarn_attention_factor(p: dict, factor: float) -> float:
+    """transformers' _compute_yarn_parameters: given, or 0.1 ln(factor) + 1 (its mscale ratio
+    when both mscale and mscale_all_dim are set)."""
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+
+    def mscale(scale: float, m: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return float(mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def preset_names() -> list[str]:

@@ -45,14 +45,27 @@ def torch_dtype(precision: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[precision]
 
 
-def rope_frequencies(d: int, theta: float, scaling: RopeScaling | None, device=None) -> torch.Tensor:
-    """RoPE's inverse frequencies [d/2], float32, with transformers' arithmetic step for step
-    (its _compute_default/linear/llama3 parameters), so that runs match it to rounding."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
-    if scaling is None:
+def rope_frequencies(d: int, theta: float, scaling: RopeScaling | None, seq: int = 0, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies [d/2], float32, for a sequence of `seq` tokens (dynamic scaling
+    depends on it), with transformers' arithmetic step for step (its _compute_*_parameters), so
+    that runs match it to rounding."""
+    if scaling is not None and scaling.kind == "dynamic":
+        # The base grows with the sequence beyond the trained context. transformers keeps the
+        # frequencies of its init (Python-float arithmetic) up to that context and recomputes
+        # them from the length as a tensor (float32 arithmetic) beyond it: both kept, to rounding.
+        # (A transformers module that has seen a longer sequence keeps its frequencies until a
+        # sequence within the trained context comes; fourfold's depend on this sequence only.)
+        trained = scaling.original_max_positions
+        length = torch.tensor(seq, device=device) if seq > trained else trained
+        theta = theta * ((scaling.factor * length / trained) - (scaling.factor - 1)) ** (d / (d - 2))
+    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+    inv_freq = 1.0 / pos_freqs
+    if scaling is None or scaling.kind == "dynamic":
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(d, theta, scaling, pos_freqs)
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
     low_freq_wavelen = scaling.original_max_positions / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_positions / scaling.high_freq_factor
@@ -65,19 +78,40 @@ def rope_frequencies(d: int, theta: float, scaling: RopeScaling | None, device=N
     return torch.where(medium, smoothed, scaled)
 
 
-def rotary(q: torch.Tensor, positions: torch.Tensor, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] at the given positions [seq].
+def _yarn_frequencies(d: int, theta: float, scaling: RopeScaling, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequencies making fewer than beta_slow rotations over the pretrained context are
+    interpolated (divided by `factor`), those making more than beta_fast are kept, a linear ramp
+    over the dims between."""
+    def correction_dim(rotations: float) -> float:  # the dim whose frequency makes `rotations` turns
+        return (d * math.log(scaling.original_max_positions / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp.to(pos_freqs.device)
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
+
+
+def rope_tables(positions: torch.Tensor, seq: int, d: int, theta: float, scaling: RopeScaling | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [len(positions), d] of RoPE at the given positions of a `seq`-token sequence.
 
     The angles are computed in float32 whatever the model's dtype, exactly as Hugging Face does,
     so that float64 runs match transformers to rounding."""
-    d = q.shape[-1]
-    inv_freq = rope_frequencies(d, theta, scaling, q.device)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[:, None] * rope_frequencies(d, theta, scaling, seq, positions.device)[None, :]
     emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-    half = d // 2
-    rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
-    return q * cos + rotated * sin
+    scale = scaling.attention_factor if scaling is not None else 1.0  # yarn's; transformers multiplies in float32
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] with the tables of `rope_tables`."""
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
 
 
 def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, seed: int, std: float,
@@ -110,8 +144,10 @@ class ParallelAttention(nn.Module):
         k = k.view(b, s, self.kv_heads, d).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.cfg.rope:
-            q = rotary(q, positions, self.cfg.rope_theta, self.cfg.rope_scaling)
-            k = rotary(k, positions, self.cfg.rope_theta, self.cfg.rope_scaling)
+            # dynamic scaling depends on the whole sequence's length, of which this cp rank holds a part
+            cos, sin = rope_tables(positions, positions.numel() * self.cp.size, d, self.cfg.rope_theta,
+                                   self.cfg.rope_scaling, q.dtype)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
         if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring

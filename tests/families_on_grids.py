@@ -1,0 +1,61 @@
+"""What each rank runs in tests/test_model_families.py, in a module without transformers (so
+that the rank workers do not import it): every family loaded from its checkpoint on one grid."""
+
+import torch
+
+from fourfold import comm, context
+from fourfold.grid import Grid
+from fourfold.layout import Layout
+from fourfold.models.config import load_config
+from fourfold.models.hf import load_hf
+from fourfold.models.transformer import Transformer
+from fourfold.pipeline import Pipeline
+from fourfold.tensor.block import TensorOptions
+from fourfold.tensor.params import full_weights, sum_replicated_grads
+from fourfold.tensor.vocab import batch_order
+from fourfold.volumes import ledger_bytes, model_collectives
+
+
+def run_families(paths, ids, sizes, seq_parallel, microbatches):
+    """Each family's loss on the batch `ids` [batch, seq + 1], this rank's logits (ranks at
+    x = y = 0, without pp) and the full gradients (one rank per pipeline stage), in float64."""
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    c, cp = grid.coords, grid.group("cp")
+    opts = TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel)
+    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+    inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+    scale, seq = 1.0 / ids[:, 1:].numel(), ids.shape[1] - 1
+    out = {}
+    for name, path in paths.items():
+        cfg = load_config(path)
+        logits = None
+        if layout.pp > 1:
+            pipe = Pipeline(grid, cfg, opts, microbatches=microbatches, micro_batch=len(local) // microbatches,
+                            seq=seq // layout.cp)
+            models = pipe.models
+            for model in models:
+                load_hf(model, path)
+            loss = pipe.step(inputs, targets, scale)
+        else:
+            models = [Transformer(grid, cfg, opts)]
+            load_hf(models[0], path)
+            head = models[0].logits(inputs)
+            full = comm.all_gather(comm.all_gather(head.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)
+            logits = batch_order(full, len(local), grid, seq_parallel)
+            grid.ledger.reset()
+            loss = models[0](inputs, targets).sum() * scale
+            loss.backward()
+            expected = model_collectives(cfg, layout.sizes, len(local), seq // layout.cp, seq_parallel=seq_parallel)
+            assert grid.ledger.bytes() == ledger_bytes(expected, layout.sizes, 8), name
+        grads = {}
+        for model in models:
+            sum_replicated_grads(model, grid)
+            for p in model.parameters():
+                comm.all_reduce(p.grad, grid.group(("dp", "cp")))
+            grads.update(full_weights(model, grads=True))
+        loss = comm.all_reduce(loss.detach(), grid.group(("dp", "pp", "cp", "z"))).item()
+        stage_head = all(c[d] == 0 for d in c if d != "pp")
+        out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if stage_head else None)
+    return c, out
+
