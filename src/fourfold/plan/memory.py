@@ -130,7 +130,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "qkv input": saved_input(plan.qkv),
         "q, k, v": T * (heads + 2 * kv) * d,
         **attention,
-        "rope tables": (4 * (s.seq / c) * d) if blk.rope else 0.0,
+        "rope tables": (2 * (s.seq / c) * d) if blk.rope else 0.0,  # one cos/sin pair for q and k
         "out-proj input": saved_input(plan.out),
         "mlp input": saved_input(plan.up),
         "gate/up output": T * up_rows,
