@@ -22,11 +22,15 @@ MODELS = {
                          tied=False, eps=1e-5),
     "gpt2": ModelConfig("gpt2", hidden=32, layers=2, heads=4, kv_heads=4, ffn=64, vocab=64, max_positions=32,
                         tied=True, eps=1e-5),
+    # GPT-2's vocabulary is odd (50,257): saved on y=2, whose tables are padded to an even row count
+    "gpt2-odd-vocab": ModelConfig("gpt2", hidden=32, layers=2, heads=4, kv_heads=4, ffn=64, vocab=61,
+                                  max_positions=32, tied=True, eps=1e-5),
 }
+GRIDS = {"llama": dict(x=2, z=2), "gpt2": dict(x=2, z=2), "gpt2-odd-vocab": dict(y=2, z=2)}
 
 
 def _save(name, root):
-    grid = Grid(Layout(x=2, z=2))
+    grid = Grid(Layout(**GRIDS[name]))
     model = Transformer(grid, MODELS[name], seed=7)
     checkpoint.save(root, 1, model, None, {"model": dataclasses.asdict(MODELS[name])}, keep=1)
     return to_hf_tensors(MODELS[name], full_weights(model))

@@ -85,6 +85,15 @@ def _eval_model_config(args: argparse.Namespace):
 
 
 def _eval(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.model:
+        from fourfold.checkpoint import CheckpointError
+        from fourfold.models.hf import model_directory
+
+        try:
+            path, hf = model_directory(args.model)
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+        args.hf, args.checkpoint = (str(path), None) if hf else (None, str(path))
     layout = Layout.parse(args.grid, args.order)
     if not inside_torchrun():
         _eval_job(args, layout)
@@ -220,12 +229,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from fourfold.checkpoint import CheckpointError
     from fourfold.generate import generate
 
     try:
         print(generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed))
-    except CheckpointError as err:
+    except ValueError as err:  # CheckpointError, JobError, a temperature or prompt it cannot take
         raise ConfigError(str(err)) from None
     return 0
 
@@ -311,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                         usage="fourfold demo [--section.key value ...]", **with_overrides)
     ev = commands.add_parser("eval", help="mean next-token loss and perplexity of a model on a token file")
     source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("model", nargs="?", help="a Hugging Face directory or a training checkpoint (as --hf or "
+                                                 "--checkpoint, told apart by what the directory holds)")
     source.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json + safetensors)")
     source.add_argument("--checkpoint", help="a training checkpoint (step-N), or a run's checkpoint directory (latest)")
     ev.add_argument("--tokens", required=True, help="a .npy file of token ids (1-D)")
@@ -326,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
     tr.add_argument("--nproc-per-node", type=int, default=None, help="local ranks (default: the grid's size)")
     tr.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails (resumes)")
-    gen = commands.add_parser("generate", help="sample text from a training checkpoint")
-    gen.add_argument("checkpoint", help="a step-N checkpoint directory, or a run's checkpoint directory (latest)")
+    gen = commands.add_parser("generate", help="sample text from a training checkpoint or a Hugging Face directory")
+    gen.add_argument("checkpoint", help="a step-N checkpoint directory, a run's checkpoint directory (latest), or a "
+                                        "Hugging Face directory (config.json, safetensors, tokenizer.json)")
     gen.add_argument("--prompt", default="In the beginning")
     gen.add_argument("--max-new-tokens", type=int, default=48)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -1,4 +1,5 @@
-"""`fourfold generate`: sample text from a training checkpoint on one process (any training grid)."""
+"""`fourfold generate`: sample text on one process from a training checkpoint (written on any grid) or a
+Hugging Face directory, with the tokenizer.json beside it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from fourfold import checkpoint, corpus
 from fourfold.grid import Grid
 from fourfold.job import Job
 from fourfold.layout import Layout
-from fourfold.models.config import ModelConfig
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.models.hf import load_hf, model_directory
 from fourfold.models.transformer import Transformer
 from fourfold.rules import check
 
@@ -27,38 +29,58 @@ def _single_process_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-@torch.no_grad()
-def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> str:
-    """The prompt's continuation: greedy (temperature 0) or sampled at `temperature`."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-    path = Path(path)
-    if not (path / checkpoint.META).is_file():  # a run's checkpoint directory: take its latest
-        path = checkpoint.latest(path) or path
-    if (path / "config.json").is_file() and not (path / checkpoint.META).is_file():
-        raise checkpoint.CheckpointError(
-            f"{path} is a Hugging Face model directory; generate samples from a fourfold training checkpoint: "
-            f"train from it first (`fourfold train --model.hf {path}`), or score it with `fourfold eval --hf`")
-    meta = checkpoint.read_meta(path)
-    cfg = ModelConfig.from_dict(meta["model"])
-    # one process, windows of up to the model's positions
-    window = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)  # what one forward may attend to
+def open_model(path: str | Path) -> tuple[Transformer, object, int]:
+    """(model, tokenizer, window) on one process from `path`: a fourfold training checkpoint (a
+    step-N directory, or a run's checkpoint directory: its latest) or a Hugging Face directory
+    (config.json, safetensors, tokenizer.json, as save_pretrained writes); window is the most
+    tokens one forward may attend to."""
+    path, hf = model_directory(path)
+    if hf:
+        try:
+            cfg = load_config(str(path))
+        except ValueError as e:  # a model fourfold does not implement: the reason names it
+            raise checkpoint.CheckpointError(f"{path}: {e}") from None
+    else:
+        cfg = ModelConfig.from_dict(checkpoint.read_meta(path)["model"])
+    window = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)
     check(cfg, Job(micro_batch=1, global_batch=1, seq=window, precision="float32"), world=1)
+    if not (path / "tokenizer.json").is_file():
+        raise checkpoint.CheckpointError(f"{path} has no tokenizer.json; put the model's tokenizer.json there "
+                                         "(save_pretrained of its tokenizer writes it)")
     tokenizer = corpus.load_tokenizer(path / "tokenizer.json")
     _single_process_group()
     model = Transformer(Grid(Layout()), cfg)
-    checkpoint.load_checkpoint(path, model)
-    ids = tokenizer.encode(prompt).ids or [0]
+    if hf:
+        load_hf(model, path)
+    else:
+        checkpoint.load_checkpoint(path, model)
+    return model, tokenizer, window
+
+
+@torch.no_grad()
+def continue_ids(model: Transformer, ids: list[int], window: int, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> list[int]:
+    """`ids` and `max_new_tokens` more: greedy (temperature 0) or sampled at `temperature` > 0."""
+    if max(ids) >= model.cfg.vocab:
+        raise ValueError(f"the prompt has token id {max(ids)}, outside the model's vocabulary of {model.cfg.vocab}; "
+                         "use the model's own tokenizer.json")
+    ids = list(ids)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(max_new_tokens):
-        window_ids = torch.tensor([ids[-window:]])
-        logits = model(window_ids)[0, -1].float()
+        logits = model(torch.tensor([ids[-window:]]))[0, -1].float()
         if temperature == 0:
             token = int(logits.argmax())
         else:
             token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
         ids.append(token)
+    return ids
+
+
+def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> str:
+    """The prompt and its continuation, from a checkpoint or Hugging Face directory (see `open_model`)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    model, tokenizer, window = open_model(path)
+    ids = continue_ids(model, tokenizer.encode(prompt).ids or [0], window, max_new_tokens, temperature, seed)
     dist.destroy_process_group()
     return tokenizer.decode(ids)
-
-

@@ -43,6 +43,13 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, 64) + 1) if n % d == 0)  # (the search meets many)
 
 
+def padded_vocab(vocab: int, y: int) -> int:
+    """The rows of the embedding and LM head on a grid of `y`: the vocabulary rounded up to a
+    multiple of y (as Megatron's make-vocab-size-divisible-by), so that each y rank holds as many
+    rows. The rows past `vocab` are zero, in no checkpoint, and their logits are -inf."""
+    return -(-vocab // y) * y
+
+
 def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False) -> list[Problem]:
     """Everything that stops `model` from training as `job` (on `world` started processes; on
     GPUs with `gpu`, whose kernels have preconditions of their own)."""
@@ -73,9 +80,6 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
         mlp_chunks(b, g.x, g.y)
     except GridError:
         add(f"y={g.y} must divide ffn={model.ffn}", f"choose y from {_divisors(model.ffn)}")
-    if model.vocab % g.y:
-        add(f"y={g.y} must divide vocab={model.vocab} (the embedding and LM head split the vocabulary over y)",
-            f"choose y from {_divisors(model.vocab)}")
     if b.rope and b.head_dim % 2:
         add(f"rotary embeddings need an even head dim (hidden/heads = {b.head_dim})", "use a model with an even head dim")
 

@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from fourfold.blockspec import LINEAR_KINDS, BlockConfig, LinearPlan, attention_chunks, block_plan
+from fourfold.rules import padded_vocab
 
 if TYPE_CHECKING:  # comm imports this module for `bytes_sent`: it needs no model config
     from fourfold.models.config import ModelConfig
@@ -137,8 +138,8 @@ def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, **opt
 
 
 def embedding_passes(sizes: dict, vocab: int, hidden: int, tokens: int, *, seq_parallel: bool = False) -> Passes:
-    """A `ParallelEmbedding` on `tokens` local tokens (full sequences)."""
-    table = padded_block(sizes, vocab // sizes["y"], hidden // sizes["x"])
+    """A `ParallelEmbedding` on `tokens` local tokens (full sequences), its table padded to `padded_vocab` rows."""
+    table = padded_block(sizes, padded_vocab(vocab, sizes["y"]) // sizes["y"], hidden // sizes["x"])
     out = tokens * (hidden // sizes["x"])
     if seq_parallel:
         forward, backward = [Collective("y", "reduce_scatter", out)], [Collective("y", "all_gather", out)]
@@ -152,11 +153,12 @@ def head_passes(sizes: dict, hidden: int, vocab: int, tokens: int, *, seq_parall
                 keep_weight: bool = False, keep_input: bool = False) -> Passes:
     """The LM head and the loss on `tokens` local tokens: logits reduce-scattered over x by tokens,
     the cross-entropy's three all-reduces over y on this x rank's tokens (max, sum of exponentials,
-    target logit), and the per-token losses gathered over x."""
+    target logit), and the per-token losses gathered over x. The head has `padded_vocab` rows."""
     scored = tokens // sizes["x"]
     loss = _passes(sizes, [Collective("y", "all_reduce", scored)] * 3 + [Collective("x", "all_gather", tokens)], [])
-    return linear_passes(sizes, "x-in", hidden, vocab, tokens, reduction="scatter_tokens", keep_weight=keep_weight,
-                         keep_input=keep_input, input_gather="tokens" if seq_parallel else "none") + loss
+    return linear_passes(sizes, "x-in", hidden, padded_vocab(vocab, sizes["y"]), tokens, reduction="scatter_tokens",
+                         keep_weight=keep_weight, keep_input=keep_input,
+                         input_gather="tokens" if seq_parallel else "none") + loss
 
 
 def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,

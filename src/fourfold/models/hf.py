@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fourfold.checkpoint import CheckpointError
+from fourfold.checkpoint import META, CheckpointError, latest
 from fourfold.models.config import ModelConfig
 from fourfold.tensor.params import Read, full_weights, load
 
@@ -107,6 +107,20 @@ def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: tor
             return (t[shifted] if cols is None else t[cols, shifted].T).to(dtype)
 
     return read
+
+
+def model_directory(path: str | os.PathLike) -> tuple[Path, bool]:
+    """(the directory to load, whether it is a Hugging Face one) for a fourfold checkpoint (a step-N
+    directory, or a run's checkpoint directory: its latest) or a directory save_pretrained wrote."""
+    path = Path(path)
+    step = path if (path / META).is_file() else latest(path)
+    if step:
+        return step, False
+    if (path / "config.json").is_file():
+        return path, True
+    raise CheckpointError(f"{path} is neither a fourfold checkpoint ({META}) nor a Hugging Face directory "
+                          "(config.json); give a step-N directory, a run's checkpoint directory, or the directory "
+                          "save_pretrained wrote")
 
 
 def _check_config(directory: Path, cfg: ModelConfig) -> None:

@@ -100,8 +100,8 @@ class Transformer(nn.Module):
             self.lm_head.matrix = self.embed.matrix
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-parallel logits [1, tokens/x, vocab/y]: this x rank's share of the batch's
-        tokens in the head's order (`vocab.batch_order` restores [batch, seq])."""
+        """Vocabulary-parallel logits [1, tokens/x, padded_vocab/y]: this x rank's share of the batch's
+        tokens in the head's order (`vocab.batch_order` restores [batch, seq]); padded columns are -inf."""
         return self(ids)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
