@@ -216,3 +216,16 @@ def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_large
     # the estimate follows the most loaded stage: 8 layers, as 128 layers on 16 stages would give
     as_128 = estimate_memory(dataclasses.replace(model, layers=128), job, 80, framework="megatron")
     assert estimate_memory(model, job, 80, framework="megatron").terms == as_128.terms
+
+
+def test_dynamic_rope_may_run_past_the_trained_positions_and_nothing_else_may():
+    from fourfold.blockspec import RopeScaling
+
+    base = ModelConfig("llama", hidden=48, layers=2, heads=6, kv_heads=2, ffn=96, vocab=64, max_positions=64,
+                       tied=False, eps=1e-5)
+    job = Job(seq=128)
+    assert "longer than the model's 64 positions" in str(problems(base, job))
+    linear = dataclasses.replace(base, rope_scaling=RopeScaling("linear", 2.0))
+    assert "longer than the model's 64 positions" in str(problems(linear, job))
+    dynamic = dataclasses.replace(base, rope_scaling=RopeScaling("dynamic", 2.0, original_max_positions=64))
+    assert problems(dynamic, job) == []

@@ -20,6 +20,7 @@ from fourfold.grid import Grid
 from fourfold.job import split_layers
 from fourfold.models.config import ModelConfig
 from fourfold.models.transformer import Transformer
+from fourfold.rules import padded_vocab
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import parallel_layers
 from fourfold.tensor.vocab import vocab_parallel_cross_entropy
@@ -99,7 +100,8 @@ class Pipeline:
                              cfg.hidden // grid.size("x"), dtype=opts.dtype, device="meta",
                              requires_grad=True)  # a stage's input gradient goes back to the previous one
         ids = torch.empty(micro_batch, seq, dtype=torch.long, device="meta")
-        logits = torch.empty(1, micro_batch * seq // grid.size("x"), cfg.vocab // grid.size("y"), dtype=opts.dtype,
+        vocab = padded_vocab(cfg.vocab, grid.size("y"))  # the head's columns, padded to a multiple of y
+        logits = torch.empty(1, micro_batch * seq // grid.size("x"), vocab // grid.size("y"), dtype=opts.dtype,
                              device="meta", requires_grad=True)  # the head keeps this x rank's tokens
         self.stream_shape = stream.shape  # what travels between stages (`simulate` makes its own)
         stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=ids if i == 0 else stream,

@@ -100,7 +100,8 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
         add(f"the model attends within a sliding window of {model.sliding_window} tokens, and fourfold's attention "
             f"is full causal: batch.seq={job.seq} would attend further", f"use a sequence of at most "
             f"{model.sliding_window} tokens")
-    if job.seq > model.max_positions:
+    dynamic = model.rope_scaling is not None and model.rope_scaling.kind == "dynamic"  # made to run past them
+    if job.seq > model.max_positions and not dynamic:
         add(f"batch.seq={job.seq} is longer than the model's {model.max_positions} positions",
             f"use a sequence of at most {model.max_positions} tokens")
     if g.cp > 1 and job.seq % (2 * g.cp):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fourfold.blockspec import block_plan
 from fourfold.job import Job, most_layers_on_a_rank
 from fourfold.models.config import ModelConfig
+from fourfold.rules import padded_vocab
 
 GIB = 2**30
 FRAMEWORKS = ("fourfold", "megatron")
@@ -96,7 +97,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
                     gloo: bool = False) -> Memory:
     """fourfold's runtime on the most loaded pipeline stage, bytes, against the whole card; `gloo`:
     on CPU processes, whose reduce-scatter (an all-to-all) receives into a second buffer."""
-    h, v, L = cfg.hidden, cfg.vocab, cfg.layers
+    h, v, L = cfg.hidden, padded_vocab(cfg.vocab, s.y), cfg.layers  # the tables' rows, padded to a multiple of y
     x, y, z, c, p = s.x, s.y, s.z, s.cp, s.pp
     blk = cfg.block
     d = blk.head_dim

@@ -17,6 +17,7 @@ from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.job import Job, split_layers
 from fourfold.plan.memory import layer_params
+from fourfold.rules import padded_vocab
 from fourfold.volumes import (
     Collective,
     block_passes,
@@ -331,8 +332,9 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, frame
     if s.recompute == "full":
         per_layer += forward
     T = s.seq / s.cp * s.micro_batch / s.z
-    head = 6 * T * cfg.hidden * cfg.vocab / (s.x * s.y if framework == "fourfold" else s.y)
-    head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, cfg.vocab / s.y, cal)
+    vocab = padded_vocab(cfg.vocab, s.y) if framework == "fourfold" else cfg.vocab  # the head's GEMM columns
+    head = 6 * T * cfg.hidden * vocab / (s.x * s.y if framework == "fourfold" else s.y)
+    head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, vocab / s.y, cal)
     ranks = _rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
     optimizer = 16 * _params_per_rank(cfg, s, ranks, framework) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
     return _Compute(forward, dw, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
