@@ -271,3 +271,86 @@ def test_compressed_and_saved_inputs_errors_name_the_fix(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"column 'n' holds int64, not text; set data.field"):
         corpus.prepare(None, 0, tmp_path, files=str(tmp_path / "splits" / "train"), tokenizer=str(tokenizer),
                        field="n", workers=1)
+
+
+# ----- packing: the training windows ------------------------------------------------------------
+
+def _documents_file(path, seq: int, eos: int = 0):
+    """A token file of 300 documents of 1 to 3*seq ids (the end-of-document id `eos` ending each, so
+    some documents are that id alone and some are longer than a window)."""
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(1, 50, rng.choice([0, 1, seq - 1, seq, seq + 1, rng.integers(0, 3 * seq)])), eos)
+            for _ in range(300)]
+    np.save(path, np.concatenate(docs).astype(np.uint16))
+    return path
+
+
+def test_document_packing_starts_every_window_at_a_document(tmp_path):
+    """Each window starts at a document start, else continues the window before it through a document
+    longer than a window; the next window starts at the last document start in a window (that
+    document cut at the window's end), so the windows cover every token, in order; and none
+    reaches into the held-out tail, which starts at a document start."""
+    # documents [0, 3) [3, 5) [5, 20) [20, 30): the first window holds two whole; the third fills four windows
+    assert corpus.pack_documents(np.array([0, 3, 5, 20]), 30, 4).tolist() == [0, 5, 9, 13, 17, 20, 24]
+    assert corpus.pack_documents(np.array([0, 3]), 12, 4).tolist() == [0, 3, 7]  # [3, 5) of the window at 0 again
+    seq = 8
+    loader = corpus.TokenLoader(_documents_file(tmp_path / "t.npy", seq), seq, 4, packing="documents", eos=0)
+    tokens = np.asarray(loader.tokens)
+    docs = [0] + [int(i) + 1 for i in np.flatnonzero(tokens == 0)]
+    starts = list(loader.starts)
+    for s in starts:
+        assert s in docs or s - seq in starts and not [d for d in docs if s - seq < d <= s + 1]
+    assert starts[0] == 0
+    for s, following in zip(starts, starts[1:]):
+        inside = [d for d in docs if s < d <= s + seq + 1]  # documents starting in the window, or right after it
+        assert following == (inside[-1] if inside else s + seq)
+    assert loader.held_out_start in docs and starts[-1] + seq + 1 <= loader.held_out_start
+    assert loader.held_out_start - (starts[-1] + seq + 1) <= seq  # the windows go on as far as they fit
+    assert loader.held_out_start > 0.98 * len(tokens) and len(loader.held_out()) == len(tokens) - loader.held_out_start
+    windows = {tuple(tokens[s : s + seq + 1]) for s in starts}
+    assert all(tuple(w) in windows for w in loader.batch(0, 0, 1))
+
+
+def test_packing_order_is_fixed_by_the_seed_and_resumes(tmp_path):
+    """Either packing: the same seed gives the same batches; a loader made anew at any step (a resumed
+    run) gives the batches of the one that ran from step 0, across epochs; an epoch repeats no
+    window; the replicas' parts make the global batch. "stream" keeps its windows (i * seq)."""
+    seq, batch = 8, 4
+    path = _documents_file(tmp_path / "t.npy", seq)
+    for packing in corpus.PACKINGS:
+        def make(seed=0):
+            return corpus.TokenLoader(path, seq, batch, seed=seed, packing=packing, eos=0)
+
+        loader = make()
+        epoch = loader.train_sequences // batch
+        steps = range(2 * epoch + 3)
+        ran = [loader.batch(step, 0, 1) for step in steps]
+        for step in (1, epoch - 1, epoch, epoch + 2, 2 * epoch + 2):
+            resumed = make()
+            np.testing.assert_array_equal(resumed.batch(step, 0, 1), ran[step])
+            np.testing.assert_array_equal(np.concatenate([resumed.batch(step, r, 2) for r in (0, 1)]), ran[step])
+        assert not np.array_equal(make(seed=1).batch(0, 0, 1), ran[0])
+        first_epoch = [loader._position(p) for p in range(epoch * batch)]
+        assert len(set(first_epoch)) == len(first_epoch)
+    stream = corpus.TokenLoader(path, seq, batch)
+    assert list(stream.starts) == [i * seq for i in range(stream.train_sequences)]
+    assert stream.held_out_start == stream.train_sequences * seq
+
+
+def test_document_packing_errors_name_the_fix(tokenizer, tmp_path):
+    """Token files without an end-of-document id fail with the fix, the trainer's before launch."""
+    from fourfold.trainconfig import check_data_files
+
+    np.save(tmp_path / "flat.npy", np.arange(300, dtype=np.uint16) % 50 + 10)  # (the tokenizer's ids 0-2 are special)
+    with pytest.raises(ValueError, match=r'holds no end-of-document id \(0\), so data.packing = "documents" finds no '
+                                         r'documents .*; tokenize .* or use data.packing = "stream"'):
+        corpus.TokenLoader(tmp_path / "flat.npy", 8, 2, packing="documents", eos=0)
+    with pytest.raises(ConfigError, match=r"data.packing 'docs' is none of stream, documents"):
+        validate(load_train_config(None, ["--data.packing", "docs"]), 1)
+    cfg = load_train_config(None, ["--data.tokens", str(tmp_path / "flat.npy"), "--data.tokenizer", str(tokenizer),
+                                   "--data.packing", "documents"])
+    eos = corpus.end_of_document(tokenizer)
+    with pytest.raises(ConfigError, match=rf"data.tokens .*flat.npy: holds no end-of-document id \({eos}\)"):
+        check_data_files(cfg)
+    cfg.data.packing = "stream"
+    check_data_files(cfg)

@@ -506,28 +506,92 @@ def load_tokenizer(path: str | Path):
     return Tokenizer.from_file(str(path))
 
 
+def document_starts(tokens: np.ndarray, eos: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Where the documents of a token file start: 0 and each position after an end-of-document id
+    `eos`, found `chunk` ids at a time: a memory-mapped file of any size is read without loading
+    it, and only the starts (8 bytes a document) are held. Raises ValueError naming the fix for a
+    file without one."""
+    found = [np.zeros(1, dtype=np.int64)]
+    for start in range(0, len(tokens), chunk):
+        found.append(np.flatnonzero(np.asarray(tokens[start : start + chunk]) == eos) + (start + 1))
+    starts = np.concatenate(found)
+    if len(starts) == 1:  # a file with no end-of-document id would be one document: most likely not what was meant
+        raise ValueError(f"holds no end-of-document id ({eos}), so data.packing = \"documents\" finds no documents "
+                         f"in it; tokenize the corpus with the end-of-document id after each document (fourfold's "
+                         f"own tokenizing of data.files or data.text does), or use data.packing = \"stream\"")
+    return starts
+
+
+def pack_documents(docs: np.ndarray, end: int, seq: int) -> np.ndarray:
+    """The starts of the windows of seq+1 tokens that `data.packing = "documents"` cuts from
+    tokens[:end], whose documents start at `docs` (sorted, docs[0] = 0). The first window starts at
+    0; a window holds its document and the whole ones after it, the last cut at the window's end,
+    and the next window starts where that cut document does (so its part here is seen again, whole).
+    A document longer than a window fills consecutive windows, each starting where the last ended
+    (overlapping by one token, as in "stream", so each of its tokens is predicted once)."""
+    bounds = np.append(docs, end)
+    # A window started at document i is followed by per_doc[i] - 1 more in it, the last one reaching its end ...
+    per_doc = np.maximum(1, -(-(np.diff(bounds) - 1) // seq))
+    # ... then the next starts at the last document start within that one (len(docs): none is left).
+    after = np.searchsorted(bounds, docs + per_doc * seq + 1, "right") - 1
+
+    def walk():  # the documents windows start at, each found from the last: one Python step a document
+        i = 0
+        while i < len(docs):
+            yield i
+            i = after[i]
+
+    path = np.fromiter(walk(), dtype=np.int64)
+    counts = per_doc[path]
+    k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # k of each window in its document
+    starts = np.repeat(docs[path], counts) + k * seq
+    return starts[starts + seq < end]  # whole windows: seq+1 tokens within tokens[:end]
+
+
+PACKINGS = ("stream", "documents")
+
+
 class TokenLoader:
-    """Packed sequences of seq+1 tokens (inputs and shifted targets) from a token file, in an order
-    fixed by (seed, epoch). Step t's global batch is positions [t*B, (t+1)*B) of that order; the
-    data-parallel replica d reads only its contiguous part. The held-out tail of the file (the
-    last `eval_fraction` of sequences, from token `train_sequences * seq` on) never appears in
-    training batches: `fourfold eval --checkpoint` can score it."""
+    """Windows of seq+1 tokens (inputs and shifted targets) from a token file, in an order fixed
+    by (seed, epoch). Step t's global batch is positions [t*B, (t+1)*B) of that order; the
+    data-parallel replica d reads only its contiguous part. `packing` "stream" cuts the windows
+    one after the other from the stream of tokens; "documents" starts each at a document start
+    (see `pack_documents`; `eos` is the end-of-document id). The held-out tail of the file (about
+    the last `eval_fraction` of it, from token `held_out_start` on; in "documents" packing from
+    the last document start before that) never appears in training windows: `fourfold eval
+    --checkpoint` can score it."""
 
     def __init__(self, tokens_path: str | Path, seq: int, global_batch: int, *, seed: int = 0,
-                 eval_fraction: float = 0.01):
+                 eval_fraction: float = 0.01, packing: str = "stream", eos: int | None = None):
         self.tokens = np.load(tokens_path, mmap_mode="r", allow_pickle=False)
         self.seq, self.global_batch, self.seed = seq, global_batch, seed
         total = (len(self.tokens) - 1) // seq
-        self.eval_sequences = max(1, int(total * eval_fraction)) if total > 1 else 0
-        self.train_sequences = total - self.eval_sequences
+        train = total - (max(1, int(total * eval_fraction)) if total > 1 else 0)
+        if packing == "stream":
+            self.held_out_start, self.starts = train * seq, range(0, train * seq, seq)
+        elif packing == "documents":
+            try:
+                docs = document_starts(self.tokens, eos)
+            except ValueError as e:
+                raise ValueError(f"the token file {tokens_path} {e}") from None
+            # The held-out tail is whole documents, from the last start at or before the stream's
+            # boundary (the boundary itself when the first document runs past it), and no training
+            # window reaches into it.
+            kept = np.searchsorted(docs, train * seq, "right")
+            self.held_out_start = int(docs[kept - 1]) or train * seq
+            self.starts = pack_documents(docs[:kept], self.held_out_start, seq)
+        else:
+            raise ValueError(f"packing {packing!r} is none of {', '.join(PACKINGS)}")
+        self.train_sequences = len(self.starts)
         if self.train_sequences < global_batch:
-            raise ValueError(f"the token file holds {self.train_sequences} training sequences of {seq} tokens, fewer "
+            raise ValueError(f"the token file holds {self.train_sequences} training windows of {seq} tokens, fewer "
                              f"than one global batch of {global_batch}; use a larger corpus, shorter sequences "
                              f"or a smaller global batch")
         self._epoch, self._order = -1, None
 
     def _sequence(self, index: int) -> np.ndarray:
-        return np.asarray(self.tokens[index * self.seq : index * self.seq + self.seq + 1], dtype=np.int64)
+        start = int(self.starts[index])
+        return np.asarray(self.tokens[start : start + self.seq + 1], dtype=np.int64)
 
     def _position(self, position: int) -> int:
         epoch, offset = divmod(position, self.train_sequences)
@@ -537,8 +601,8 @@ class TokenLoader:
         return int(self._order[offset])
 
     def held_out(self) -> np.ndarray:
-        """The held-out tail of the token file (never in a training batch)."""
-        return self.tokens[self.train_sequences * self.seq :]
+        """The held-out tail of the token file (never in a training window)."""
+        return self.tokens[self.held_out_start :]
 
     def batch(self, step: int, replica: int, replicas: int) -> np.ndarray:
         """Replica `replica`'s part [global_batch/replicas, seq+1] of step `step`'s global batch."""

@@ -78,6 +78,12 @@ class DataSection:
     workers: int = 0  # processes that tokenize the corpus; 0 = one per CPU core
     cache_dir: str = "~/.cache/fourfold"
     seed: int = 0
+    # "stream": windows cut one after another from the token stream. "documents": each window starts
+    # at a document start and holds that document and the whole ones after it, the last cut at the
+    # window's end; the next window starts at that cut document (its cut part is seen twice). A
+    # document longer than a window is cut into consecutive windows, each starting where the last
+    # ended. The held-out tail is then whole documents. Needs end-of-document ids in data.tokens.
+    packing: str = "stream"
 
 
 @dataclass
@@ -293,7 +299,7 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
 
 def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str]:
     """The data files named, checked before any process starts (`check_data_files` reads them)."""
-    from fourfold.corpus import input_files
+    from fourfold.corpus import PACKINGS, input_files
 
     found = []
     if not tokenizer and d.vocab > model_vocab:  # the tokenizer trained on the corpus has up to data.vocab ids
@@ -311,6 +317,8 @@ def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str
             found.append(f"data.files: {e}")
     if d.workers < 0:
         found.append("data.workers must be >= 0 (0: one per CPU core)")
+    if d.packing not in PACKINGS:
+        found.append(f"data.packing {d.packing!r} is none of {', '.join(PACKINGS)}; use one of them")
     if d.tokens and not tokenizer:
         found.append("data.tokens needs data.tokenizer; give the tokenizer.json that made the token file")
     return found
@@ -336,6 +344,21 @@ def check_data_files(cfg: TrainConfig) -> None:
                           f"{vocab}; give the model's own tokenizer (its tokenizer.json) and tokens made with it")
     if d.tokens:
         check_token_ids(d.tokens, vocab, "data.tokens")
+        if d.packing == "documents":
+            _check_documents(d.tokens, tokenizer)
+
+
+def _check_documents(path: str, tokenizer: str) -> None:
+    """data.packing = "documents" needs the tokenizer's end-of-document id between the documents of
+    data.tokens (fourfold's own token files have one after each document)."""
+    import numpy as np
+
+    from fourfold.corpus import document_starts, end_of_document
+
+    try:
+        document_starts(np.load(path, mmap_mode="r", allow_pickle=False), end_of_document(tokenizer))
+    except ValueError as e:
+        raise ConfigError(f"data.tokens {path}: {e}") from None
 
 
 def check_token_ids(path: str, vocab: int, option: str) -> None:

@@ -273,7 +273,9 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize once; the others find it cached
     dist.barrier()
     tokenizer_path, tokens_path = files or tokens_files(cfg)
-    loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed)
+    eos = corpus.end_of_document(tokenizer_path) if cfg.data.packing == "documents" else None
+    loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
+                                packing=cfg.data.packing, eos=eos)
     model_cfg = cfg.model_config()  # (the tokenizer and token ids were checked against it before launch)
     job = cfg.job()
     model = Model(grid, job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
