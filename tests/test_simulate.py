@@ -30,6 +30,25 @@ def test_grid_on_a_fake_world_of_4096_ranks_builds_only_its_own_groups():
         dist.destroy_process_group()
 
 
+def test_groups_over_dims_of_size_one_share_the_other_dims_communicator():
+    layout = Layout(dp=8, x=2, y=4)  # pp, cp and z are 1
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=layout.world_size)
+    try:
+        grid = Grid(layout)
+        groups = {dims: grid.group(dims) for dims in TRAINER_GROUPS + (("dp", "cp", "x"), ("dp", "cp", "y", "z"))}
+        for dims, group in groups.items():
+            assert list(group.ranks) == layout.group_ranks(dims, 5)
+        assert groups[("dp", "cp")].process_group is grid.group("dp").process_group
+        assert groups[("dp", "cp", "y", "z")].process_group is grid.group(("dp", "y")).process_group
+        assert grid.group(("dp", "cp")).name == "cp_dp"  # the ledger keeps the name asked for (innermost first)
+        # one communicator per distinct set of ranks (of more than one rank: DeviceMesh makes its
+        # size-1 dims' own): dp, x, y, (dp, x), (dp, y) and (dp, x, y); 6 communicators for 9 groups of more than one rank
+        shared = [g for g in groups.values() if g.size > 1]
+        assert len(shared) == 9 and len({id(g.process_group) for g in shared}) == len({g.ranks for g in shared}) == 6
+    finally:
+        dist.destroy_process_group()
+
+
 def test_simulated_step_peaks_where_the_measured_one_does():
     """Two routes through the same runtime: with one micro-batch per step, simulate's step peak is
     measure_peak's, up to the trainer's loss scaling and accumulator (a few scalars)."""

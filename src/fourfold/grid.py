@@ -92,6 +92,13 @@ class Grid:
 
     def _build_group(self, dims: tuple[str, ...]) -> Group:
         name = "_".join(dims)
+        # Dims of size 1 add no rank: a combined group over them is the group of the other dims
+        # under its own name (its ledger entries keep it), not a copy of that communicator (NCCL
+        # bound to a device builds each one eagerly, with its own buffers).
+        others = tuple(d for d in dims if self.layout.size(d) > 1) or dims[:1]
+        if others != dims:
+            same = self.group(others)
+            return Group(name, same.process_group, same.ranks, same.rank, self.ledger)
         if len(dims) == 1:
             process_group = self.mesh.get_group(dims[0])
         else:
