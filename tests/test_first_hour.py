@@ -80,6 +80,15 @@ def test_train_checks_tokenizer_and_token_ids_against_the_model_before_launch(da
     user_files = ["--data.tokens", str(data["tokens"]), "--data.tokenizer", str(data["tokenizer"])]
     err = _error(capsys, ["train", "--model.preset", str(small), *user_files])
     assert "has 512 tokens, more than the model's vocabulary of 256; give the model's own tokenizer" in err
+    folder = tmp_path / "hub-tokenizer"  # a Hugging Face directory stands for its tokenizer.json
+    folder.mkdir()
+    shutil.copy(data["tokenizer"], folder / "tokenizer.json")
+    err = _error(capsys, ["train", "--model.preset", str(small), "--data.tokens", str(data["tokens"]),
+                          "--data.tokenizer", str(folder)])
+    assert "has 512 tokens, more than the model's vocabulary of 256; give the model's own tokenizer" in err
+    (folder / "tokenizer.json").unlink()
+    err = _error(capsys, ["train", "--data.tokens", str(data["tokens"]), "--data.tokenizer", str(folder)])
+    assert f"data.tokenizer names {folder / 'tokenizer.json'}, which is not a file" in err
     err = _error(capsys, ["train", "--model.preset", str(small), *data["options"]])
     assert "data.vocab=512 is larger than the model's vocabulary of 256" in err and "set data.vocab <= 256" in err
     np.save(tmp_path / "ids.npy", np.array([1, 2, 5000, 3], dtype=np.uint16))

@@ -73,7 +73,7 @@ class DataSection:
     files: str = ""  # or: text/.jsonl (also .gz), .parquet, .arrow files, save_to_disk dirs; paths/globs, comma-separated
     field: str = "text"  # the JSONL field or Parquet column that holds each document
     tokens: str = ""  # an already tokenized .npy file (then `tokenizer` names its tokenizer.json)
-    tokenizer: str = ""  # a tokenizer.json, used as it is; empty = train a byte-level BPE of `vocab` tokens
+    tokenizer: str = ""  # a tokenizer.json (or a directory with one), used as it is; empty = train a byte-level BPE of `vocab` tokens
     vocab: int = 4096
     workers: int = 0  # processes that tokenize the corpus; 0 = one per CPU core
     cache_dir: str = "~/.cache/fourfold"
@@ -166,10 +166,14 @@ class TrainConfig:
 
     @property
     def tokenizer(self) -> str:
-        """data.tokenizer, else model.hf's own tokenizer.json (fine-tuning a Hub model on text feeds
-        it ids of its own vocabulary), else "" (a byte-level BPE is trained on the corpus)."""
-        if self.data.tokenizer or not self.model.hf:
-            return self.data.tokenizer
+        """data.tokenizer (a tokenizer.json, or a Hugging Face directory holding one), else
+        model.hf's own tokenizer.json (fine-tuning a Hub model on text feeds it ids of its own
+        vocabulary), else "" (a byte-level BPE is trained on the corpus)."""
+        if self.data.tokenizer:
+            named = Path(self.data.tokenizer).expanduser()
+            return str(named / "tokenizer.json") if named.is_dir() else self.data.tokenizer
+        if not self.model.hf:
+            return ""
         own = Path(self.model.hf).expanduser() / "tokenizer.json"
         return str(own) if own.is_file() else ""
 
@@ -305,7 +309,8 @@ def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str
     if not tokenizer and d.vocab > model_vocab:  # the tokenizer trained on the corpus has up to data.vocab ids
         found.append(f"data.vocab={d.vocab} is larger than the model's vocabulary of {model_vocab}: the corpus' "
                      f"tokenizer would make ids the model has no embedding for; set data.vocab <= {model_vocab}")
-    for key, path in (("data.text", d.text), ("data.tokens", d.tokens), ("data.tokenizer", d.tokenizer)):
+    # (data.tokenizer as resolved: a directory stands for its tokenizer.json)
+    for key, path in (("data.text", d.text), ("data.tokens", d.tokens), ("data.tokenizer", d.tokenizer and tokenizer)):
         if path and not Path(path).expanduser().is_file():
             found.append(f"{key} names {path}, which is not a file; give an existing file's path")
     if d.text and d.files:
