@@ -19,6 +19,7 @@ from fourfold.models.config import load_config
 from fourfold.models.hf import load_hf
 from fourfold.optimizer import AdamW
 from fourfold.trainer import Model, local_batch
+from fourfold.volumes import ledger_bytes, model_collectives
 
 HF = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
           intermediate_size=256, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=128)
@@ -73,6 +74,14 @@ def _fourfold_losses(path, sizes, schedule):
         loss = model.step(inputs, targets, opt.sync, 1.0 / (BATCH * SEQ))
         opt.step()
         losses.append(comm.all_reduce(loss.double().reshape(1), grid.group(("dp", "pp", "cp", "z"))).item())
+    # Gradient sums travel in fp32 whatever the dtype: the weight gradients reduce-scattered over z
+    # and ring attention's dK, dV accumulators (bf16 elsewhere).
+    sent = grid.ledger.bytes()
+    expected = ledger_bytes(model_collectives(load_config(path), job.layout.sizes, job.micro_batch // job.z,
+                                              SEQ // job.cp, seq_parallel=job.seq_parallel), job.layout.sizes, 2)
+    for key in (("z", "reduce_scatter"), ("cp", "send")):
+        if key in expected:
+            assert sent[key] == expected[key] * job.microbatches * STEPS, (key, sent[key], expected[key])
     return losses
 
 

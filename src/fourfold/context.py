@@ -158,13 +158,14 @@ class _RingAttention(torch.autograd.Function):
                 dk_in, dv_in = incoming.wait()
                 dk += dk_in
                 dv += dv_in
-            # pass the accumulators on (in the input dtype, like the keys and values); after the
-            # last step they reach the block's owner
-            incoming = _exchange([dk.to(k.dtype), dv.to(k.dtype)], cp)
+            # pass the accumulators on, in fp32 at least (as torch's own ring attention): rounded
+            # to bf16 at each hop, cp partial sums would lose bits; after the last step they
+            # reach the block's owner
+            incoming = _exchange([dk, dv], cp)
             if pending_kv is not None:
                 block_k, block_v = pending_kv.wait()
         dk, dv = incoming.wait()
-        return dq.to(q.dtype), dk, dv, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group) -> torch.Tensor:

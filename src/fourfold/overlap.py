@@ -74,19 +74,24 @@ class Overlapper:
 
     # ----- weight gradients -----------------------------------------------------------------
     def weight_grad(self, param: torch.Tensor, flat_grad: torch.Tensor) -> torch.Tensor | None:
-        """Reduce-scatter dW over z: now (returned), or deferred (None; lands in `param.grad`)."""
-        if not self.options.defer_weight_grads or self.z.size == 1:
-            return comm.reduce_scatter(flat_grad, self.z)
+        """Reduce-scatter dW over z: now (returned), or deferred (None; lands in `param.grad`).
+        The sum runs in fp32 at least (bf16 partial gradients are not rounded at each addition, as
+        torchtitan's FSDP reduce_dtype and Megatron's fp32 reduction); the shard is cast back."""
+        if self.z.size == 1:
+            return flat_grad
+        wide = flat_grad.to(torch.promote_types(flat_grad.dtype, torch.float32))
+        if not self.options.defer_weight_grads:
+            return comm.reduce_scatter(wide, self.z).to(flat_grad.dtype)
         if self._deferred:
             self._land(*self._deferred.pop(0))
-        self._deferred.append((param, comm.reduce_scatter(flat_grad, self.z, async_op=True)))
+        self._deferred.append((param, comm.reduce_scatter(wide, self.z, async_op=True)))
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._land_all)
             self._callback_queued = True
         return None
 
     def _land(self, param: torch.Tensor, pending: Pending) -> None:
-        grad = pending.wait()
+        grad = pending.wait().to(param.dtype)
         param.grad = grad if param.grad is None else param.grad + grad
         if self.on_grad_landed is not None:
             self.on_grad_landed(param)

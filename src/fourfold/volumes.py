@@ -53,6 +53,10 @@ class Collective:
     group: str
     op: str
     numel: int
+    wide: bool = False  # sent in fp32 at least whatever the dtype (gradient sums: z's dW, ring attention's dK, dV)
+
+    def element_bytes(self, element_size: int) -> int:
+        return max(element_size, 4) if self.wide else element_size
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, t
     backward += [Collective(i, "all_gather", tokens * n_local)] if scatter else []
     backward += [] if keep_weight else [Collective("z", "all_gather", block)]
     backward += [Collective(o, "all_reduce" if input_gather == "none" else "reduce_scatter", tokens * k_local),
-                 Collective("z", "reduce_scatter", block)]
+                 Collective("z", "reduce_scatter", block, wide=True)]
     return _passes(sizes, forward, backward)
 
 
@@ -108,11 +112,12 @@ def norm_passes(sizes: dict, kind: str, tokens: int) -> Passes:
 def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, non_redundant: bool = True) -> Passes:
     """Ring attention over cp (`fourfold.context`) on `batch` sequences of `seq` local tokens:
     keys and values go round the ring in forward and again in backward, and the dK, dV
-    accumulators make the whole round back to their owner."""
+    accumulators (fp32 at least) make the whole round back to their owner."""
     cp = sizes["cp"]
     kv_heads = cfg.kv_heads // attention_chunks(cfg, sizes["x"], sizes["y"], non_redundant)
     block = Collective("cp", "send", batch * kv_heads * seq * cfg.head_dim)
-    return _passes(sizes, [block] * 2 * (cp - 1), [block] * (2 * (cp - 1) + 2 * cp) if cp > 1 else [])
+    accumulator = Collective("cp", "send", block.numel, wide=True)
+    return _passes(sizes, [block] * 2 * (cp - 1), [block] * 2 * (cp - 1) + [accumulator] * 2 * cp if cp > 1 else [])
 
 
 def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
@@ -146,7 +151,7 @@ def embedding_passes(sizes: dict, vocab: int, hidden: int, tokens: int, *, seq_p
     else:
         forward, backward = [Collective("y", "all_reduce", out)], []
     return _passes(sizes, [Collective("z", "all_gather", table)] + forward,
-                   backward + [Collective("z", "reduce_scatter", table)])
+                   backward + [Collective("z", "reduce_scatter", table, wide=True)])
 
 
 def head_passes(sizes: dict, hidden: int, vocab: int, tokens: int, *, seq_parallel: bool = False,
@@ -201,5 +206,5 @@ def ledger_bytes(collectives: list[Collective], sizes: dict, element_size: int) 
     out: dict[tuple[str, str], Fraction] = {}
     for c in collectives:
         key = (c.group, c.op)
-        out[key] = out.get(key, Fraction(0)) + bytes_sent(c.op, sizes[c.group], c.numel * element_size)
+        out[key] = out.get(key, Fraction(0)) + bytes_sent(c.op, sizes[c.group], c.numel * c.element_bytes(element_size))
     return out

@@ -166,9 +166,11 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     # Backward, the larger of: the head's (the fp32 softmax gradient with its cast, or the cast
     # with its gather over x for the head's GEMMs; the gathered weight and the weight-gradient
     # block) and a recomputed layer. Ring attention runs the flash kernel per block: no [T x T] scores.
-    # With z > 1 the head's weight is gathered, its gradient block reduce-scattered, and the next
-    # layer's weight already prefetched.
-    head_weights = e * head_block * (2 + 1 / z) + e * layer_block if z > 1 else e * head_block
+    # With z > 1 the head's weight is gathered, its gradient block reduce-scattered (summed in fp32:
+    # below fp32 a copy of the block and its shard in fp32), and the next layer's weight already
+    # prefetched.
+    reduced = (4 * head_block * (1 + 1 / z) if e < 4 else e * head_block / z)
+    head_weights = e * head_block * 2 + reduced + e * layer_block if z > 1 else e * head_block
     head_backward = max(scored * v / y * (e + 4) + (e * head_block if z > 1 else 0.0),  # at the cast
                         e * T * v / y * (1 + 1 / x if x > 1 else 1) + head_weights)  # at the GEMMs
     backward = activations + max(head_backward, working)

@@ -36,17 +36,17 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    efficiency_max: float = 0.871  # best fraction of peak a large bf16 GEMM reaches
-    efficiency_half: float = 61.1  # GEMM dimension at which efficiency is half of the best
-    attention_half: float = 8490  # keys per attention block at which attention runs at half its GEMM rate
-    intra_node_efficiency: float = 0.740  # collective bus bandwidth / the preset's, inside a node
+    efficiency_max: float = 0.875  # best fraction of peak a large bf16 GEMM reaches
+    efficiency_half: float = 62.5  # GEMM dimension at which efficiency is half of the best
+    attention_half: float = 8470  # keys per attention block at which attention runs at half its GEMM rate
+    intra_node_efficiency: float = 0.769  # collective bus bandwidth / the preset's, inside a node
     inter_node_efficiency: float = 0.3  # the same across nodes
     ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 0.0  # fraction of the data-parallel reduce-scatter that can hide behind backward
     layer_overhead_us: float = 0.0  # fixed cost of a layer's forward and backward on a micro-batch (launches)
-    micro_batch_overhead_us: float = 40160  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
+    micro_batch_overhead_us: float = 41240  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
-    cv_error: float | None = 0.0743  # cross-validated mean error of a step time (fraction), from the fit
+    cv_error: float | None = 0.0736  # cross-validated mean error of a step time (fraction), from the fit
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
@@ -113,23 +113,23 @@ def comm_seconds(collectives: list[Collective], s: Job, cluster: Cluster, elemen
     return _totals_seconds(_totals(collectives), s, cluster, element_size, cal)
 
 
-def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, int, int], ...]:
-    """(group, op, elements, count): collectives of a kind summed (the volume is linear)."""
-    totals: dict[tuple[str, str], list[int]] = {}
+def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, bool, int, int], ...]:
+    """(group, op, wide, elements, count): collectives of a kind summed (the volume is linear)."""
+    totals: dict[tuple[str, str, bool], list[int]] = {}
     for c in collectives:
-        entry = totals.setdefault((c.group, c.op), [0, 0])
+        entry = totals.setdefault((c.group, c.op, c.wide), [0, 0])
         entry[0] += c.numel
         entry[1] += 1
-    return tuple((group, op, numel, count) for (group, op), (numel, count) in totals.items())
+    return tuple((*kind, numel, count) for kind, (numel, count) in totals.items())
 
 
 def _totals_seconds(totals, s: Job, cluster: Cluster, element_size: int, cal: Calibration) -> float:
     seconds = 0.0
     latency = (cluster.latency_us if cal.latency_us is None else cal.latency_us) * 1e-6
-    for group, op, numel, count in totals:
+    for group, op, wide, numel, count in totals:
         g, bandwidth = _group_figures(s.layout, cluster, group, cal.intra_node_efficiency, cal.inter_node_efficiency)
         steps = 1 if op == "send" else 2 * (g - 1) if op == "all_reduce" else (g - 1)
-        seconds += (_per_byte(op, g) * numel * element_size / bandwidth
+        seconds += (_per_byte(op, g) * numel * (max(element_size, 4) if wide else element_size) / bandwidth
                     + count * steps * latency)
     return seconds
 

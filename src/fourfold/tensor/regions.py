@@ -3,7 +3,8 @@
 Which pair is right depends on how the ranks of the group use the result:
 - `all_reduce_replicated`: the sum is used identically on every rank (the rest of the
   computation is replicated), so the backward is the identity.
-- `reduce_scatter` (backward all-gather) and `all_gather` (backward reduce-scatter) along a dim.
+- `reduce_scatter` (backward all-gather) and `all_gather` (backward reduce-scatter) along a dim;
+  `all_gather_weight` for a weight's z shards (its gradient summed in fp32 at least).
 - `all_gather_replicated`: parts gathered into a tensor every rank uses whole, so the backward
   keeps each rank's own part.
 (The norms' statistics, summed over x and used by each rank's feature slice, have their own
@@ -50,6 +51,21 @@ class _AllGather(torch.autograd.Function):
         return comm.reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None
 
 
+class _AllGatherWeight(torch.autograd.Function):
+    """A weight's z shards gathered: its gradient is reduce-scattered in fp32 at least (as the
+    linears' in `overlap.py`), then cast back to the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.all_gather(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        wide = grad.to(torch.promote_types(grad.dtype, torch.float32))
+        return comm.reduce_scatter(wide, ctx.group, dim=ctx.dim).to(grad.dtype), None, None
+
+
 class _AllGatherReplicated(torch.autograd.Function):
     """Each rank's part gathered into a tensor every rank then uses whole and identically (the
     per-token losses of the tokens each x rank scored): the gradient of a rank's part is its own
@@ -75,6 +91,10 @@ def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return x if group.size == 1 else _AllGather.apply(x, group, dim % x.dim())
+
+
+def all_gather_weight(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _AllGatherWeight.apply(x, group, dim % x.dim())
 
 
 def all_gather_replicated(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

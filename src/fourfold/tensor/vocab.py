@@ -28,7 +28,7 @@ from fourfold.grid import Grid
 from fourfold.rules import padded_vocab
 from fourfold.tensor.linear import SEQ_DIM, ParallelLinear, RowSource, ShardedMatrix
 from fourfold.tensor.params import ParallelModule, ParamLayout, Piece, Read
-from fourfold.tensor.regions import all_gather, all_gather_replicated, all_reduce_replicated, reduce_scatter
+from fourfold.tensor.regions import all_gather_replicated, all_gather_weight, all_reduce_replicated, reduce_scatter
 
 PADDING = "(vocabulary padding)"  # not a serial parameter's name
 
@@ -85,7 +85,7 @@ class ParallelEmbedding(ParallelModule):
         """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""
         y_group = self.grid.group("y")
         rows = self.matrix.block_shape[0]
-        table = self.matrix.unpad(all_gather(self.weight, self.grid.group("z"), dim=0))
+        table = self.matrix.unpad(all_gather_weight(self.weight, self.grid.group("z"), dim=0))
         local = ids - y_group.rank * rows
         inside = (local >= 0) & (local < rows)
         partial = F.embedding(local.clamp(0, rows - 1), table) * inside.unsqueeze(-1).to(table.dtype)
