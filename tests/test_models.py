@@ -12,6 +12,7 @@ from fourfold.models.config import ModelConfig, load_config, preset_names
 from fourfold.checkpoint import CheckpointError
 from fourfold.models.hf import load_hf, save_hf, to_hf_tensors
 from fourfold.models.transformer import Transformer
+from fourfold.rules import padded_vocab
 from fourfold.tensor.block import TensorOptions
 from fourfold.tensor.params import full_weights, sum_replicated_grads
 from fourfold.tensor.vocab import batch_order
@@ -78,7 +79,9 @@ def _compare(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, tol, reco
     grid.ledger.reset()
     per_token = model(local[:, :-1], local[:, 1:])
     (per_token.sum() / ids[:, 1:].numel()).backward()
-    expected = model_collectives(cfg, layout.sizes, len(local), SEQ, seq_parallel=seq_parallel, recompute=recompute)
+    # the head's collectives on its padded vocabulary are what volumes (and so the planner) count
+    expected = model_collectives(cfg, layout.sizes, len(local), ids.shape[1] - 1, seq_parallel=seq_parallel,
+                                 recompute=recompute)
     assert grid.ledger.bytes() == ledger_bytes(expected, layout.sizes, torch.finfo(dtype).bits // 8)
     sum_replicated_grads(model, grid)
     for p in model.parameters():
@@ -87,12 +90,16 @@ def _compare(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, tol, reco
     # the head keeps this x rank's tokens (flattened, in its order) and y's part of the vocabulary
     full_logits = comm.all_gather(comm.all_gather(logits.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)
     full_logits = batch_order(full_logits, len(local), grid, seq_parallel)
+    # a vocabulary y does not divide is padded: its padded logits are -inf
+    assert full_logits.shape[-1] == padded_vocab(cfg.vocab, layout.y)
+    assert (full_logits[..., cfg.vocab:] == float("-inf")).all()
     ref_local = logits_ref.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
     errors = {"loss": abs(total.item() - loss_ref) / loss_ref,
-              "logits": ((full_logits - ref_local.to(dtype)).abs().max() / ref_local.abs().max()).item()}
+              "logits": ((full_logits[..., :cfg.vocab] - ref_local.to(dtype)).abs().max() / ref_local.abs().max()).item()}
     grads = to_hf_tensors(cfg, full_weights(model, grads=True))
     for name, ref in grads_ref.items():
         ref = ref.to(dtype)
+        assert grads[name].shape == ref.shape, name  # the real rows only
         errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max()).item()
     worst = max(errors, key=errors.get)
     assert errors[worst] < tol, (sizes, worst, errors[worst])

@@ -51,14 +51,9 @@ class _AllGather(torch.autograd.Function):
         return comm.reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None
 
 
-class _AllGatherWeight(torch.autograd.Function):
+class _AllGatherWeight(_AllGather):
     """A weight's z shards gathered: its gradient is reduce-scattered in fp32 at least (as the
     linears' in `overlap.py`), then cast back to the weight's dtype."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return comm.all_gather(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
