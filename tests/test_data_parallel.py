@@ -25,10 +25,10 @@ def _batches(cfg):
     return [torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS * ACCUMULATE)]
 
 
-def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOptions(), recompute="none"):
+def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOptions(), recompute="none", compile=False):
     layout = Layout(**sizes)
     grid = Grid(layout)
-    opts = TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel, overlap=overlap)
+    opts = TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel, overlap=overlap, compile=compile)
     model = Transformer(grid, cfg, opts, seed=5, std=0.3, recompute=recompute)
     sync = GradientSync(model, grid, shard=shard, bucket_mb=bucket_mb)
     opt = AdamW(sync, lr=1e-2, weight_decay=0.1, clip_norm=clip)
@@ -106,6 +106,15 @@ def test_every_overlap_switch_changes_nothing(ranks, serial, recompute):
     assert all(s == sent[0] for s in sent[1:])
 
 
+def test_compiled_norms_rope_and_activations_change_nothing(ranks, serial):
+    """TensorOptions.compile (train.compile): the steps still equal the serial run's, with the norm's
+    collectives over x between its compiled parts; LayerNorm and GELU (GPT-2), RMSNorm, RoPE and SwiGLU."""
+    for cfg, clip in [(CFG, 0.5), (GPT, None)]:
+        weights, norms, _ = ranks.run(_train, 4, cfg, dict(dp=2, x=2), True, clip, True, 25.0, OverlapOptions(), "none",
+                                      True)[0]
+        _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
+
+
 def _overflowing_gradient_step():
     """Two steps on dp2 z2; in the second one rank's gradient holds an inf (the loss is finite)."""
     grid = Grid(Layout(dp=2, z=2))
@@ -121,7 +130,7 @@ def _overflowing_gradient_step():
             overflow.remove()
         before = [{k: t.clone() for k, t in s.items() if k != "copies"} for s in opt.state]
         weights = [p.detach().clone() for p in model.parameters()]
-        results.append(opt.step())
+        results.append(bool(opt.step()))  # decided on the device, read here
     after = [{k: t for k, t in s.items() if k != "copies"} for s in opt.state]
     unchanged = all(torch.equal(a[k], b[k]) for a, b in zip(after, before) for k in a)
     return results, unchanged, all(torch.equal(p, w) for p, w in zip(model.parameters(), weights)), opt.step_count
@@ -140,10 +149,12 @@ def _skip_first():
     opt.restore(lambda: read.append(True), step_count=7)  # as a resumed run: state read at the first step
     ids = _batches(CFG)[0].chunk(2)[grid.coords["dp"]]
     model(ids[:, :-1], ids[:, 1:]).sum().backward()
-    opt.skip()  # a non-finite first loss
-    return bool(opt.state), read, opt.step_count
+    weights = [p.detach().clone() for p in model.parameters()]
+    updated = opt.step(loss_finite=torch.tensor(False))  # a non-finite first loss
+    unchanged = all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    return bool(opt.state), read, opt.step_count, bool(updated), unchanged
 
 
 def test_a_skipped_first_step_still_reads_the_resumed_state(ranks):
     """Else a checkpoint saved right after would hold no optimizer state but claim its steps."""
-    assert ranks.run(_skip_first, 2) == [(True, [True], 7)] * 2
+    assert ranks.run(_skip_first, 2) == [(True, [True], 7, False, True)] * 2

@@ -162,7 +162,7 @@ def stopped(data, tmp_path_factory):
     """Two ranks; rank 1 alone gets SIGTERM at the start of step 3."""
     run = tmp_path_factory.mktemp("stopped")
     done = _fourfold("train", "--grid.dp", "2", *data["options"],
-                     *_options(run, "--fault.signal_rank", "1", "--fault.signal_step", "3"))
+                     *_options(run, "--fault.signal_rank", "1", "--fault.signal_step", "3", "--log.every", "1"))
     return run, done
 
 
@@ -197,7 +197,7 @@ def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, ho
     on, every rank saves the step it stopped after, and the command returns 143. Neither prints a
     traceback."""
     cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
-           *_options(tmp_path, "--train.steps", "100000")]
+           *_options(tmp_path, "--train.steps", "100000", "--log.every", "1")]  # records and signals each step
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     log = tmp_path / "log.jsonl"

@@ -225,8 +225,11 @@ def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
 
 
 def test_non_finite_loss_skips_the_step(ranks, data, tmp_path):
-    ranks.run(_train, 2, _options(tmp_path, data, "--grid.dp", "2", "--fault.nan_steps", "2"))
+    """The skip is decided on the device; the records, read every log.every (4) steps and at each
+    checkpoint (3), say which step it was."""
+    ranks.run(_train, 2, _options(tmp_path, data, "--grid.dp", "2", "--fault.nan_steps", "2", "--log.every", "4"))
     _, records = _losses(tmp_path)
+    assert list(records) == list(range(STEPS))
     assert records[2]["skipped"] and records[2]["grad_norm"] is None
     assert not any(records[s]["skipped"] for s in records if s != 2)
 
@@ -278,7 +281,7 @@ def test_generate_from_checkpoint(reference):
     assert sampled[0] == sampled[1] != sampled[2]
 
 
-def test_config_errors_name_the_fix(tmp_path):
+def test_config_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="unknown key optimizer.learning_rate; \\[optimizer\\] takes"):
         load_train_config(None, ["--optimizer.learning_rate", "1"])
     with pytest.raises(ConfigError, match="optimizer.lr takes a float"):
@@ -306,6 +309,12 @@ def test_config_errors_name_the_fix(tmp_path):
     for overrides, world, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_train_config(None, overrides), world)
+    compiled = load_train_config(None, ["--train.compile", "true"])
+    monkeypatch.setenv("CXX", sys.executable)  # (any program found on PATH passes the check)
+    validate(compiled, 1)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(ConfigError, match="train.compile on CPU needs a C\\+\\+ compiler, and no-such-compiler"):
+        validate(compiled, 1)
 
 
 def test_cli_rejects_a_bad_config_before_starting_processes():

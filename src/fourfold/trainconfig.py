@@ -4,6 +4,8 @@ can be made before a process group exists (so a bad config fails in seconds, nam
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import textwrap
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -65,6 +67,9 @@ class TrainSection:
     overlap: bool = True
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
     eval_every: int = 0  # score the held-out tail every N steps (0: never; needs pp = 1)
+    # norms, RoPE and activations under torch.compile (needs a C++ compiler on CPU, Triton on GPUs);
+    # off until a GPU run confirms it pays (docs/benchmarks.md)
+    compile: bool = False
 
 
 @dataclass
@@ -99,6 +104,9 @@ class CheckpointSection:
 @dataclass
 class LogSection:
     run_dir: str = "runs/default"
+    # Steps' numbers are read from the device every N steps, one host sync for N (also before an
+    # evaluation or a checkpoint); a step's seconds are then the mean over those N; printed every N.
+    # A stop signal (SIGTERM, Ctrl-C) is agreed on at the same rhythm: it takes effect within N steps.
     every: int = 1
     progress: bool = True
     tensorboard: bool = True  # event files in RUN/tensorboard, when the tensorboard package is installed
@@ -291,6 +299,9 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         if not installed("wandb"):
             found.append(f"log.wandb_project needs the wandb package, which is not installed: pip install {WANDB} "
                          f"(or leave log.wandb_project empty)")
+    if cfg.train.compile and not gpu and not shutil.which(os.environ.get("CXX", "g++")):  # inductor's compiler
+        found.append(f"train.compile on CPU needs a C++ compiler, and {os.environ.get('CXX', 'g++')} is not on PATH: "
+                     f"install g++ (or name one in CXX), or use --train.compile false")
     if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
         found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
     for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every),

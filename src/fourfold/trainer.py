@@ -6,6 +6,11 @@ schedule; gradients are reduced in buckets during the last backward; AdamW (ZeRO
 non-finite loss skips the update; checkpoints are written every N steps and at the end. SIGINT or
 SIGTERM stops every rank after the same step (SIGTERM, which clusters send before a time limit,
 saves a checkpoint first; SIGINT, a Ctrl-C, does not: its step is lost, the last checkpoint is named).
+
+A step makes no host sync: its loss, gradient norm and whether it was skipped stay on the device,
+and are read for the records every log.every steps (and before an evaluation, a checkpoint or the
+end) in one transfer. A signal is agreed on at the same rhythm, before the step that starts a
+window (a host all-reduce over every rank each step would cost more than the step at scale).
 """
 
 from __future__ import annotations
@@ -86,9 +91,9 @@ class Model:
     """This rank's part of the model, run the same way with or without pipeline stages."""
 
     def __init__(self, grid: Grid, job: Job, model_cfg: ModelConfig, *, dtype: torch.dtype, overlap: bool = True,
-                 seed: int = 0, std: float = 0.02):
+                 seed: int = 0, std: float = 0.02, compile: bool = False):
         opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=OverlapOptions(overlap, overlap, overlap),
-                             keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype)
+                             keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile)
         common = dict(seed=seed, std=std, recompute=job.recompute)
         self.grid, self.microbatches = grid, job.microbatches
         self.pipeline = None
@@ -218,7 +223,7 @@ def loss_curve(run_dir: Path) -> Path:
 
 def _agreed_stop(stop: StopRequest, device: torch.device) -> signal.Signals | None:
     """The strongest signal any rank got (SIGTERM > SIGINT, by number), so that every rank stops
-    after the same step whichever ranks the signal reached: one small all-reduce per step."""
+    after the same step whichever ranks the signal reached: one small all-reduce."""
     flag = torch.tensor([stop.received], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     agreed = int(flag.item())
@@ -279,7 +284,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     model_cfg = cfg.model_config()  # (the tokenizer and token ids were checked against it before launch)
     job = cfg.job()
     model = Model(grid, job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
-                  overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std)
+                  overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std, compile=cfg.train.compile)
     sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
     o = cfg.optimizer
     opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
@@ -317,50 +322,67 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
 
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
     scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
-    bad, last_loss, first_loss, t_start = 0, math.nan, None, time.perf_counter()
+    last_loss, first_loss, t_start = math.nan, None, time.perf_counter()
+    bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
+    window: list[dict] = []  # the steps not read yet, their numbers on the device
+
+    def read_window() -> None:
+        """Records of the window's steps, read in one host sync. Each step's seconds are the
+        window's mean: without a sync per step the host cannot time one step of the GPU's. The
+        non-finite count is checked here too, before any checkpoint could save after it."""
+        nonlocal first_loss, last_loss
+        if not window:
+            return
+        numbers = torch.stack([torch.stack([w["loss"], w["norm"], w["updated"].double(), w["bad"].double()])
+                               for w in window]).tolist()
+        seconds = (time.perf_counter() - window[0]["began"]) / len(window)
+        for w, (loss, norm, updated, in_a_row) in zip(window, numbers):
+            step = w["step"]
+            if not updated:
+                why = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
+                reporter.message(f"step {step}: {why}; update skipped ({int(in_a_row)} in a row)")
+                if in_a_row >= cfg.train.max_bad_steps:
+                    raise TrainingError(f"{int(in_a_row)} non-finite steps in a row (last at step {step}: {why}); "
+                                        f"lower optimizer.lr, check the data, or resume from an earlier checkpoint")
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            reporter.step(dict(step=step, loss=loss, lr=w["lr"], grad_norm=norm if math.isfinite(loss) else None,
+                               seconds=seconds, skipped=not updated, peak_memory_gib=w["peak_memory_gib"]))
+        window.clear()
+
     last_eval, stopped, done, saved_at = None, None, start, start
     try:
         for step in range(start, cfg.train.steps):
             _maybe_kill(cfg, step)
             _maybe_signal(cfg, step)
-            stopped = _agreed_stop(stop, grid.device)
-            if stopped:
-                break
+            if (step - start) % cfg.log.every == 0:  # where the records are read: no sync of its own
+                stopped = _agreed_stop(stop, grid.device)
+                if stopped:
+                    break
             began = time.perf_counter()
             opt.lr = learning_rate(cfg, step)
             inputs, targets = local_batch(job, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
             loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
-            loss = comm.all_reduce(loss.double().reshape(1), everything).item()
+            loss = comm.all_reduce(loss.double().reshape(1), everything)[0]
             # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
-            if not math.isfinite(loss):
-                opt.skip()
-                updated, why = False, f"loss is {loss}"
-            else:
-                updated, why = opt.step(), "the gradient norm is not finite"
-            if updated:
-                bad = 0
-            else:
-                bad += 1
-                reporter.message(f"step {step}: {why}; update skipped ({bad} in a row)")
-                if bad >= cfg.train.max_bad_steps:
-                    raise TrainingError(f"{bad} non-finite steps in a row (last at step {step}: {why}); lower "
-                                        f"optimizer.lr, check the data, or resume from an earlier checkpoint")
-            if grid.device.type == "cuda":
-                torch.cuda.synchronize()
-            first_loss = loss if first_loss is None else first_loss
-            last_loss = loss
-            reporter.step(dict(step=step, loss=loss, lr=opt.lr, grad_norm=opt.last_norm if math.isfinite(loss) else None,
-                               seconds=time.perf_counter() - began, skipped=not updated,
+            updated = opt.step(loss_finite=torch.isfinite(loss))
+            bad = torch.where(updated, 0, bad + 1)
+            window.append(dict(step=step, began=began, lr=opt.lr, loss=loss, norm=opt.norm, updated=updated, bad=bad,
                                peak_memory_gib=peak_memory_gib(grid)))
             done = step + 1
-            if cfg.train.eval_every and done % cfg.train.eval_every == 0:
+            evaluating = cfg.train.eval_every and done % cfg.train.eval_every == 0
+            saving = done % cfg.checkpoint.every == 0 or done == cfg.train.steps
+            if evaluating or saving or done % cfg.log.every == 0:
+                read_window()
+            if evaluating:
                 held_out = evaluate(model.module, grid, loader.held_out(), cfg.batch.seq,
                                     max(1, cfg.batch.micro_batch // grid.size("z")))
                 reporter.evaluation(done, held_out)
                 last_eval = held_out["loss"]
-            if done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+            if saving:
                 reporter.message(f"checkpoint {save(done)}")
                 saved_at = done
+        read_window()  # the steps before a stop
         if stopped == signal.SIGTERM and saved_at != done:
             save(done)
     finally:

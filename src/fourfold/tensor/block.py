@@ -11,6 +11,7 @@ path, and every linear layer's shape and collectives, come from the block plan
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class TensorOptions:
     non_redundant: bool = True  # False: the published all-reduce path, attention/MLP replicated over x
     overlap: OverlapOptions = OverlapOptions()
     dtype: torch.dtype = torch.float32
+    compile: bool = False  # norms, RoPE and activations under torch.compile (train.compile)
 
 
 def torch_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -114,6 +116,20 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def gelu(u: torch.Tensor, approximate: str) -> torch.Tensor:
+    return F.gelu(u, approximate=approximate)
+
+
+@functools.cache
+def compiled(fn):
+    """`fn` under torch.compile, compiled once per process (TensorOptions.compile)."""
+    return torch.compile(fn, dynamic=False)
+
+
 def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, seed: int, std: float,
             overlap: Overlapper) -> ParallelLinear:
     """The runtime layer of one linear of the block plan; serial names under `prefix` (layers.{i})."""
@@ -132,6 +148,7 @@ class ParallelAttention(nn.Module):
         self.cp = grid.group("cp")
         self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
         self.own_heads = plan.attention_chunks == grid.size("x") * grid.size("y")  # the non-redundant path
+        self.rotate = compiled(rotate) if opts.compile else rotate
         self.qkv = _linear(grid, plan.qkv, prefix, opts, seed=seed, std=std, overlap=overlap)
         self.out = _linear(grid, plan.out, prefix, opts, seed=seed, std=out_std, overlap=overlap)
 
@@ -147,7 +164,7 @@ class ParallelAttention(nn.Module):
             # dynamic scaling depends on the whole sequence's length, of which this cp rank holds a part
             cos, sin = rope_tables(positions, positions.numel() * self.cp.size, d, self.cfg.rope_theta,
                                    self.cfg.rope_scaling, q.dtype)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
         if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
@@ -168,6 +185,7 @@ class ParallelMLP(nn.Module):
                  prefix: str, overlap: Overlapper):
         super().__init__()
         self.cfg = plan.cfg
+        self.swiglu, self.gelu = (compiled(swiglu), compiled(gelu)) if opts.compile else (swiglu, gelu)
         self.up = _linear(grid, plan.up, prefix, opts, seed=seed, std=std, overlap=overlap)
         self.down = _linear(grid, plan.down, prefix, opts, seed=seed, std=out_std, overlap=overlap)
 
@@ -175,9 +193,9 @@ class ParallelMLP(nn.Module):
         u = self.up(h)
         if self.cfg.gated:
             gate, up = u.chunk(2, dim=-1)
-            a = F.silu(gate) * up
+            a = self.swiglu(gate, up)
         else:
-            a = F.gelu(u, approximate="tanh" if self.cfg.activation == "gelu_tanh" else "none")
+            a = self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
         return self.down(a)
 
 
@@ -192,7 +210,7 @@ class ParallelBlock(nn.Module):
         overlap = overlap or Overlapper(opts.overlap, grid.group("z"))
         plan = block_plan(cfg, grid.size("x"), grid.size("y"), seq_parallel=opts.seq_parallel,
                           non_redundant=opts.non_redundant)
-        norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype)
+        norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype, compile=opts.compile)
         self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
         self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
                                       overlap=overlap, recompute_core=recompute_attention)

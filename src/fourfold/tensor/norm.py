@@ -4,10 +4,13 @@ The published implementation normalised each rank's feature slice on its own (no
 model when x > 1); here the per-token sums are all-reduced over x ([tokens, 1]: negligible).
 The arithmetic is fp32 whatever the input's dtype (as transformers and Megatron do: bf16 sums of
 squares over thousands of features lose most of their bits), and backward keeps only the input
-and the per-token statistics.
+and the per-token statistics. With `compile` (train.compile) the elementwise work between the
+collectives runs under torch.compile; the arithmetic is the same.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -19,43 +22,87 @@ from fourfold.layout import GridError
 from fourfold.tensor.params import ParallelModule, ParamLayout, vector_piece
 
 
+# The elementwise work between the collectives, as functions that torch.compile can fuse.
+
+def _centre(h, mean):
+    f = h.to(torch.promote_types(h.dtype, torch.float32))
+    return f - mean if mean is not None else f
+
+
+def _sum(f):
+    return f.sum(-1, keepdim=True)
+
+
+def _square_sum(f):
+    return f.square().sum(-1, keepdim=True)
+
+
+def _output(f, square_sum, weight, bias, hidden: int, eps: float, dtype: torch.dtype):
+    rstd = torch.rsqrt(square_sum / hidden + eps)
+    out = (f * rstd).to(dtype) * weight
+    return (out + bias if bias is not None else out), rstd
+
+
+def _backward_sums(h, mean, rstd, weight, grad, has_bias: bool):
+    acc = rstd.dtype
+    n = (h.to(acc) - mean if mean is not None else h.to(acc)) * rstd  # the normalised input
+    tokens = tuple(range(grad.dim() - 1))
+    g = grad.to(acc)
+    grad_weight = (g * n).sum(tokens).to(weight.dtype)
+    grad_bias = g.sum(tokens).to(weight.dtype) if has_bias else None
+    gn = g * weight.to(acc)
+    ones_projection = gn.sum(-1, keepdim=True) if mean is not None else None  # (LayerNorm's)
+    return n, gn, grad_weight, grad_bias, (gn * n).sum(-1, keepdim=True), ones_projection
+
+
+def _grad_input(n, gn, rstd, n_projection, ones_projection, hidden: int, dtype: torch.dtype):
+    # d/dh of n = (h - mean) * rstd: the projections on n and (LayerNorm) on 1, over all features
+    dh = gn - n * n_projection / hidden
+    if ones_projection is not None:
+        dh = dh - ones_projection / hidden
+    return (dh * rstd).to(dtype)
+
+
+_EAGER = dict(centre=_centre, sum=_sum, square_sum=_square_sum, output=_output, backward_sums=_backward_sums,
+              grad_input=_grad_input)
+
+
+@functools.cache
+def _compiled() -> dict:
+    return {name: torch.compile(fn, dynamic=False) for name, fn in _EAGER.items()}
+
+
 class _Normalise(torch.autograd.Function):
     """(h - mean) / rms (LayerNorm, `centred`) or h / rms (RMSNorm) over the features of all x
     ranks, times weight (plus bias), in fp32 at least."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool):
-        acc = torch.promote_types(h.dtype, torch.float32)
-        f = h.to(acc)
-        mean = comm.all_reduce(f.sum(-1, keepdim=True), x) / hidden if centred else None
-        if centred:
-            f = f - mean
-        rstd = torch.rsqrt(comm.all_reduce(f.square().sum(-1, keepdim=True), x) / hidden + eps)
+    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool, compiled: bool):
+        k = _compiled() if compiled else _EAGER
+        mean = comm.all_reduce(k["sum"](k["centre"](h, None)), x) / hidden if centred else None
+        f = k["centre"](h, mean)
+        out, rstd = k["output"](f, comm.all_reduce(k["square_sum"](f), x), weight, bias, hidden, eps, h.dtype)
         ctx.save_for_backward(h, weight, mean, rstd)
-        ctx.x, ctx.hidden, ctx.has_bias = x, hidden, bias is not None
-        out = (f * rstd).to(h.dtype) * weight
-        return out + bias if bias is not None else out
+        ctx.x, ctx.hidden, ctx.has_bias, ctx.compiled = x, hidden, bias is not None, compiled
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         h, weight, mean, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        n = (h.to(acc) - mean if mean is not None else h.to(acc)) * rstd  # the normalised input
-        tokens = tuple(range(grad.dim() - 1))
-        g = grad.to(acc)
-        grad_weight = (g * n).sum(tokens).to(weight.dtype)
-        grad_bias = g.sum(tokens).to(weight.dtype) if ctx.has_bias else None
-        gn = g * weight.to(acc)
-        # d/dh of n = (h - mean) * rstd: the projections on 1 (LayerNorm) and on n, over all features
-        dh = gn - n * comm.all_reduce((gn * n).sum(-1, keepdim=True), ctx.x) / ctx.hidden
-        if mean is not None:
-            dh = dh - comm.all_reduce(gn.sum(-1, keepdim=True), ctx.x) / ctx.hidden
-        return (dh * rstd).to(h.dtype), grad_weight, grad_bias, None, None, None, None
+        k = _compiled() if ctx.compiled else _EAGER
+        n, gn, grad_weight, grad_bias, n_projection, ones_projection = k["backward_sums"](h, mean, rstd, weight, grad,
+                                                                                           ctx.has_bias)
+        n_projection = comm.all_reduce(n_projection, ctx.x)
+        ones_projection = comm.all_reduce(ones_projection, ctx.x) if mean is not None else None
+        dh = k["grad_input"](n, gn, rstd, n_projection, ones_projection, ctx.hidden, h.dtype)
+        return dh, grad_weight, grad_bias, None, None, None, None, None
 
 
 class ParallelNorm(ParallelModule):
-    def __init__(self, grid: Grid, hidden: int, kind: str, eps: float, *, seq_parallel: bool, dtype: torch.dtype, name: str):
+    def __init__(self, grid: Grid, hidden: int, kind: str, eps: float, *, seq_parallel: bool, dtype: torch.dtype,
+                 name: str, compile: bool = False):
         super().__init__()
+        self.compile = compile
         if hidden % grid.size("x"):
             raise GridError(f"{name}: hidden={hidden} is not divisible by x={grid.size('x')}; choose x dividing {hidden}")
         self.grid, self.hidden, self.kind, self.eps, self.name = grid, hidden, kind, eps, name
@@ -76,7 +123,7 @@ class ParallelNorm(ParallelModule):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return _Normalise.apply(h, self.weight, self.bias, self.grid.group("x"), self.eps, self.hidden,
-                                self.kind == "layer")
+                                self.kind == "layer", self.compile)
 
     def load(self, read, put) -> None:
         local = self.weight.numel()
