@@ -7,7 +7,6 @@ Run: torchrun --standalone --nproc-per-node 1 benchmarks/compile_block.py
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -16,18 +15,11 @@ from fourfold.blockspec import BlockConfig
 from fourfold.grid import Grid, init_process_group
 from fourfold.layout import Layout
 from fourfold.tensor.block import ParallelBlock, TensorOptions
-from timing import best_time  # benchmarks/timing.py, beside this file
+from timing import best_time, block_arguments  # benchmarks/timing.py, beside this file
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--ffn", type=int, default=2816)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=5)
-    args = p.parse_args()
+    args = block_arguments(__doc__.splitlines()[0])
     init_process_group()
     grid = Grid(Layout())
     cfg = BlockConfig(hidden=args.hidden, heads=args.heads, kv_heads=args.heads, ffn=args.ffn)

@@ -9,9 +9,9 @@ the most collectives, x2 y2 z2) and checked on the other seven.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 benchmarks/planner_ordering.py
 """
 
-import dataclasses
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time

@@ -9,7 +9,6 @@ DTensor a dispatch mode counting the c10d functional collectives at the same rin
 
 from __future__ import annotations
 
-import argparse
 from fractions import Fraction
 
 import torch
@@ -26,7 +25,7 @@ from fourfold.grid import Grid, init_process_group
 from fourfold.layout import Layout
 from fourfold.tensor.block import ParallelBlock, TensorOptions, rope_tables, rotate
 from fourfold.volumes import bytes_sent
-from timing import best_time, print_table  # benchmarks/timing.py, beside this file
+from timing import best_time, block_arguments, print_table  # benchmarks/timing.py, beside this file
 
 
 class CountCollectives(TorchDispatchMode):
@@ -96,14 +95,7 @@ def dtensor_block(cfg: BlockConfig, world: int) -> nn.Module:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--ffn", type=int, default=2816)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=5)
-    args = p.parse_args()
+    args = block_arguments(__doc__.splitlines()[0])
     init_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)

@@ -1,5 +1,7 @@
-"""Shared by the benchmarks: the best wall time of a step over all ranks, and the result table."""
+"""Shared by the benchmarks: the best wall time of a step over all ranks, the result table, and
+the block-shape options of the block benchmarks."""
 
+import argparse
 import time
 
 import torch.distributed as dist
@@ -25,3 +27,15 @@ def print_table(rows: list[tuple[str, float, float]], baseline: int, against: st
     print(f"{'variant':<{width}} {'step ms':>9} {'vs ' + against:>10} {'MiB sent/rank':>14}")
     for label, seconds, mib in rows:
         print(f"{label:<{width}} {seconds * 1e3:9.1f} {seconds / base:10.2f} {mib:14.2f}")
+
+
+def block_arguments(description: str) -> argparse.Namespace:
+    """The shape of the benchmarked Transformer block, and how many timed steps."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=5)
+    return p.parse_args()
