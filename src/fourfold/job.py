@@ -76,15 +76,20 @@ def default_stage_layers(layers: int, stages: int) -> list[int]:
     return counts
 
 
-def split_layers(layers: int, stages: int, stage_layers: tuple[int, ...] | list[int] = ()) -> list[range]:
+def split_layers(layers: int, stages: int, stage_layers: tuple[int, ...] | list[int] = ()) -> tuple[range, ...]:
     """The global layer indices of each pipeline stage: the counts given, or the default split
     (ValueError naming the fix when they do not work)."""
+    return _split_layers(layers, stages, tuple(stage_layers))
+
+
+@functools.lru_cache(maxsize=4096)  # the rules and the planner ask for every candidate
+def _split_layers(layers: int, stages: int, stage_layers: tuple[int, ...]) -> tuple[range, ...]:
     stage_layers = list(stage_layers) or default_stage_layers(layers, stages)
     if len(stage_layers) != stages or sum(stage_layers) != layers or min(stage_layers) < 1:
         raise ValueError(f"pipeline.stage_layers {stage_layers} must give each of the {stages} stages at least "
                          f"one layer and sum to the model's {layers} layers")
     starts = [sum(stage_layers[:i]) for i in range(stages)]
-    return [range(start, start + n) for start, n in zip(starts, stage_layers)]
+    return tuple(range(start, start + n) for start, n in zip(starts, stage_layers))
 
 
 def most_layers_on_a_rank(layers: int, job: "Job") -> int:

@@ -113,6 +113,8 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
             continue
         layout = Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z)
         for mb in micro_batches:
+            if base.global_batch % (dp * mb) or mb % z:
+                continue  # two of the rules, asked first: most of a large GPU count's grids fail them
             job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0])
             if not problems(cfg, job, gpu=True):
                 queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), job))
