@@ -198,9 +198,8 @@ def fourfold_step(cfg: ModelConfig, job: Job, ids: torch.Tensor, device: torch.d
 
     def step() -> torch.Tensor:
         loss = model.step(inputs, targets, sync, scale)
-        if not opt.step():
-            raise RuntimeError("fourfold skipped the update (the gradient norm is not finite): not a whole step")
-        return loss
+        updated = opt.step()  # on the device: a skipped update (non-finite norm) reads as a NaN loss, no sync
+        return torch.where(updated, loss, torch.nan)
 
     return step, model.module
 

@@ -179,6 +179,18 @@ def test_sigterm_saves_a_checkpoint_and_stops_every_rank_quietly(stopped):
     assert json.loads((run / "summary.json").read_text())["stopped"] == "SIGTERM"
 
 
+def test_with_records_read_every_2_steps_a_signal_stops_at_the_next_read(data, tmp_path):
+    """The signal comes at step 3; signals are agreed on where records are read (steps 0, 2, 4):
+    every rank stops before step 4, and SIGTERM saves the 4 steps done, each recorded once."""
+    done = _fourfold("train", "--grid.dp", "2", *data["options"],
+                     *_options(tmp_path, "--fault.signal_rank", "1", "--fault.signal_step", "3", "--log.every", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name for p in checkpoint.complete(tmp_path / "checkpoints")] == ["step-00000004"]
+    assert f"stopped by SIGTERM after 4 of {STEPS} steps" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+
+
 def test_resume_with_another_schedule_says_what_changed(data, stopped, tmp_path):
     run, _ = stopped
     shutil.copytree(run / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
