@@ -22,14 +22,16 @@ def show_samples(checkpoints: str) -> None:
 
 def print_plan(model: str = "llama-3.1-70b", gpus: int = 512, cluster: str = "dgx-h100") -> None:
     """What the planner recommends for a large model on a large cluster (same as `fourfold plan`)."""
-    from fourfold.plan.cli import HEADER, row
+    from fourfold.plan.cli import HEADER, error_note, row
     from fourfold.plan.hardware import make_cluster
     from fourfold.job import Job
+    from fourfold.plan.perf import Calibration
     from fourfold.plan.search import search
 
     base = Job(seq=4096, global_batch=1024, seq_parallel=True, precision="bf16")
-    found = search(load_config(model), gpus, make_cluster(cluster), base)
+    found = search(load_config(model), gpus, make_cluster(cluster), base, top=3)
     print(f"\nthe planner's best configurations for {model} on {gpus} GPUs of {cluster} (seq 4096, 1024 sequences/step):")
     print(HEADER)
     for r in found[:3]:
-        print(row(r))
+        print(row(r, r["tie"]))
+    print(error_note(Calibration()))
