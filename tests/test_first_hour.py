@@ -159,10 +159,11 @@ def test_slurm_script_runs_unchanged_on_a_cluster(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def stopped(data, tmp_path_factory):
-    """Two ranks; rank 1 alone gets SIGTERM at the start of step 3."""
+    """Two ranks; rank 1 alone gets SIGTERM at the start of step 2. The ranks agree on it one step
+    behind (`StopAgreement`), so both stop after 3 steps."""
     run = tmp_path_factory.mktemp("stopped")
     done = _fourfold("train", "--grid.dp", "2", *data["options"],
-                     *_options(run, "--fault.signal_rank", "1", "--fault.signal_step", "3", "--log.every", "1"))
+                     *_options(run, "--fault.signal_rank", "1", "--fault.signal_step", "2"))
     return run, done
 
 
@@ -179,9 +180,10 @@ def test_sigterm_saves_a_checkpoint_and_stops_every_rank_quietly(stopped):
     assert json.loads((run / "summary.json").read_text())["stopped"] == "SIGTERM"
 
 
-def test_with_records_read_every_2_steps_a_signal_stops_at_the_next_read(data, tmp_path):
-    """The signal comes at step 3; signals are agreed on where records are read (steps 0, 2, 4):
-    every rank stops before step 4, and SIGTERM saves the 4 steps done, each recorded once."""
+def test_a_signal_stops_one_step_later_whatever_the_records_rhythm(data, tmp_path):
+    """The signal comes at step 3 and records are read every 2 steps: every rank stops before
+    step 4 (the agreement is one step behind, never waits for a read), SIGTERM saves the 4 steps
+    done, and each of them is recorded once."""
     done = _fourfold("train", "--grid.dp", "2", *data["options"],
                      *_options(tmp_path, "--fault.signal_rank", "1", "--fault.signal_step", "3", "--log.every", "2"))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -209,7 +211,7 @@ def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, ho
     on, every rank saves the step it stopped after, and the command returns 143. Neither prints a
     traceback."""
     cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
-           *_options(tmp_path, "--train.steps", "100000", "--log.every", "1")]  # records and signals each step
+           *_options(tmp_path, "--train.steps", "100000", "--log.every", "1")]  # a record each step
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     log = tmp_path / "log.jsonl"

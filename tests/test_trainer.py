@@ -96,11 +96,15 @@ def _scalars_of_log(run_dir):
 
 def _train_with_fake_wandb(options):
     """_train with a stand-in for the `wandb` module that keeps the calls the trainer makes. Its
-    signatures are wandb 0.31.0's (`wandb.init`'s keywords, `Run.log(data, step)`, `Run.finish()`),
-    so a call real wandb would refuse fails here too."""
+    signatures are wandb 0.31.0's (`wandb.init`'s keywords, `Run.define_metric`, `Run.log(data, step)`,
+    `Run.finish()`), so a call real wandb would refuse fails here too."""
     calls = []
 
     class Run:
+        def define_metric(self, name, step_metric=None, step_sync=None, hidden=None, summary=None, goal=None,
+                          overwrite=None):
+            calls.append(["define_metric", name, step_metric])
+
         def log(self, data, step=None, commit=None):
             calls.append(["log", dict(data), step])
 
@@ -161,10 +165,16 @@ def test_tensorboard_and_wandb_get_every_number_of_the_log(reference):
     assert calls[0] == ["init", dict(project="ff", name=reference.name, dir=str(reference), id=wandb_id,
                                      resume="allow")]
     assert calls[-1] == ["finish"]
+    # each kind of scalar against its own step (W&B's would drop the steps a resumed run logs again)
+    assert calls[1:5] == [["define_metric", "train/step", None], ["define_metric", "train/*", "train/step"],
+                          ["define_metric", "eval/step", None], ["define_metric", "eval/*", "eval/step"]]
     logged = {}
-    for _, values, step in calls[1:-1]:
+    for _, values, step in calls[5:-1]:
+        assert step is None
+        kind = "eval" if "eval/step" in values else "train"
+        at = values.pop(f"{kind}/step")
         for tag, value in values.items():
-            logged.setdefault(tag, {})[step] = value
+            logged.setdefault(tag, {})[at] = value
     assert logged == expected
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
+from fourfold import comm
 from fourfold.optimizer import AdamW
 from fourfold.sharded_io import Rectangle, RectangleLoadPlanner, RectangleSavePlanner, ShardError, rectangles
 from fourfold.tensor import params
@@ -134,17 +135,7 @@ class AsyncSaver:
     checkpoint there and then. One save is in flight at a time: the next waits for it."""
 
     def __init__(self) -> None:
-        # Connected on first use between the ranks that talk (DCP: rank 0 and each other), not
-        # every pair of ranks at creation (16,384 ranks would open 16,383 sockets each).
-        lazy = os.environ.get("TORCH_GLOO_LAZY_INIT")
-        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-        try:
-            self.group = dist.new_group(backend="gloo")
-        finally:
-            if lazy is None:
-                del os.environ["TORCH_GLOO_LAZY_INIT"]
-            else:
-                os.environ["TORCH_GLOO_LAZY_INIT"] = lazy
+        self.group = comm.host_group()  # DCP's coordination: rank 0 and each other
         self.buffer: torch.Tensor | None = None
         self.pending: Future | None = None
         self.published = threading.Event()

@@ -11,6 +11,7 @@ computes the same result about 2x faster and sends exactly the ring reduce-scatt
 
 from __future__ import annotations
 
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -197,3 +198,18 @@ def batch_p2p(transfers: Sequence[P2P], group: Group, async_op: bool = False):
     works = dist.batch_isend_irecv(ops) if ops else []
     received = [t.tensor for t in transfers if t.kind == "recv"]
     return _run(works, lambda: received, async_op)
+
+
+def host_group() -> dist.ProcessGroup:
+    """A gloo group of every rank for host-side work beside the device collectives (the async
+    checkpoint's coordination, the stop agreement), connected on first use between the ranks that
+    talk, not every pair at creation (16,384 ranks would open 16,383 sockets each)."""
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        if lazy is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = lazy

@@ -57,6 +57,11 @@ class Metrics:
                 id_file.write_text(uuid.uuid4().hex[:12])
             self.wandb = wandb.init(project=wandb_project, name=run_dir.name, dir=str(run_dir), config=config,
                                     id=id_file.read_text(), resume="allow")
+            # Each kind of scalar against a step of its own, logged with it: W&B's own step only
+            # grows, and would drop the steps a resumed run logs again.
+            for kind in ("train", "eval"):
+                self.wandb.define_metric(f"{kind}/step")
+                self.wandb.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
 
     def write(self, record: dict) -> None:
         self.jsonl.write(json.dumps(record) + "\n")
@@ -67,7 +72,8 @@ class Metrics:
                 self.tensorboard.add_scalar(tag, value, step)
             self.tensorboard.flush()  # in step with log.jsonl should the process be killed
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            kind = "eval" if "eval_after_step" in record else "train"
+            self.wandb.log({**values, f"{kind}/step": step})
 
     def close(self) -> None:
         self.jsonl.close()

@@ -106,7 +106,7 @@ class LogSection:
     run_dir: str = "runs/default"
     # Steps' numbers are read from the device every N steps, one host sync for N (also before an
     # evaluation or a checkpoint); a step's seconds are then the mean over those N; printed every N.
-    # A stop signal (SIGTERM, Ctrl-C) is agreed on at the same rhythm: it takes effect within N steps.
+    # (A stop signal is agreed on every step, host to host, one step behind: it needs no read.)
     every: int = 1
     progress: bool = True
     tensorboard: bool = True  # event files in RUN/tensorboard, when the tensorboard package is installed

@@ -9,8 +9,8 @@ saves a checkpoint first; SIGINT, a Ctrl-C, does not: its step is lost, the last
 
 A step makes no host sync: its loss, gradient norm and whether it was skipped stay on the device,
 and are read for the records every log.every steps (and before an evaluation, a checkpoint or the
-end) in one transfer. A signal is agreed on at the same rhythm, before the step that starts a
-window (a host all-reduce over every rank each step would cost more than the step at scale).
+end) in one transfer; the batch is copied from pinned memory without waiting; a signal is agreed
+on host to host, one step behind (`StopAgreement`).
 """
 
 from __future__ import annotations
@@ -123,7 +123,9 @@ def local_batch(job: Job, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, to
     """This rank's inputs and targets: its z part of each micro-batch, its cp chunks of each sequence."""
     c, z = grid.coords, grid.size("z")
     parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // job.micro_batch)]
-    ids = torch.cat(parts).to(grid.device)
+    ids = torch.cat(parts)
+    if grid.device.type == "cuda":  # from pinned memory, without waiting for the GPU's queue
+        ids = ids.pin_memory().to(grid.device, non_blocking=True)
     cp = grid.group("cp")
     return context.shard_sequence(ids[:, :-1], cp), context.shard_sequence(ids[:, 1:], cp)
 
@@ -221,13 +223,28 @@ def loss_curve(run_dir: Path) -> Path:
     return path
 
 
-def _agreed_stop(stop: StopRequest, device: torch.device) -> signal.Signals | None:
-    """The strongest signal any rank got (SIGTERM > SIGINT, by number), so that every rank stops
-    after the same step whichever ranks the signal reached: one small all-reduce."""
-    flag = torch.tensor([stop.received], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    agreed = int(flag.item())
-    return signal.Signals(agreed) if agreed else None
+class StopAgreement:
+    """The strongest signal any rank got (SIGTERM > SIGINT, by number), agreed on so that every
+    rank stops after the same step whichever ranks the signal reached. Host to host and one step
+    behind: each step starts the all-reduce of the flags as they are then, and reads the one the
+    previous step started, long finished, so no step waits for it, nor for the GPU."""
+
+    def __init__(self, stop: StopRequest):
+        self.stop, self.group, self._pending = stop, comm.host_group(), None
+
+    def poll(self) -> signal.Signals | None:
+        agreed = self.finish()
+        flag = torch.tensor([self.stop.received])
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return signal.Signals(agreed) if agreed else None
+
+    def finish(self) -> int:
+        """The agreed flag of the all-reduce in flight (0 if none); nothing is in flight after."""
+        if self._pending is None:
+            return 0
+        (work, flag), self._pending = self._pending, None
+        work.wait()
+        return int(flag.item())
 
 
 def _stop_message(cfg: TrainConfig, stopped: signal.Signals, done: int) -> str:
@@ -351,14 +368,14 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         window.clear()
 
     last_eval, stopped, done, saved_at = None, None, start, start
+    agreement = StopAgreement(stop)
     try:
         for step in range(start, cfg.train.steps):
             _maybe_kill(cfg, step)
             _maybe_signal(cfg, step)
-            if (step - start) % cfg.log.every == 0:  # where the records are read: no sync of its own
-                stopped = _agreed_stop(stop, grid.device)
-                if stopped:
-                    break
+            stopped = agreement.poll()
+            if stopped:
+                break
             began = time.perf_counter()
             opt.lr = learning_rate(cfg, step)
             inputs, targets = local_batch(job, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
@@ -383,6 +400,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
                 reporter.message(f"checkpoint {save(done)}")
                 saved_at = done
         read_window()  # the steps before a stop
+        agreement.finish()
         if stopped == signal.SIGTERM and saved_at != done:
             save(done)
     finally:
