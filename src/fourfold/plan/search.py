@@ -137,8 +137,10 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
         if (framework == "fourfold" and mem.fits and keep != job
                 and estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework).fits):
             # Memory allows keeping the linears' gathered inputs: no all-gather again in backward.
-            best = min(best, _best_placement(cfg, keep, orders, cluster, cal, rule80, framework),
-                       key=lambda r: r["step_seconds"])
+            # Taken when faster, unless it gives up the headroom the plain job has.
+            kept_inputs = _best_placement(cfg, keep, orders, cluster, cal, rule80, framework)
+            if kept_inputs["step_seconds"] < best["step_seconds"] and (best["tight"] or not kept_inputs["tight"]):
+                best = kept_inputs
         results.append(best)
         if mem.fits and not best["tight"]:
             bisect.insort(kept, best["step_seconds"])
