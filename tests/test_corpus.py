@@ -337,6 +337,22 @@ def test_packing_order_is_fixed_by_the_seed_and_resumes(tmp_path):
     assert stream.held_out_start == stream.train_sequences * seq
 
 
+def test_document_windows_are_made_once_and_read_by_every_loader(tmp_path, monkeypatch):
+    """The trainer's rank 0 makes the windows file in the cache; a loader reading it has the windows
+    and held-out tail of one that packs by itself, and a second call finds the file without packing."""
+    seq, batch = 8, 4
+    path = _documents_file(tmp_path / "t.npy", seq)
+    made = corpus.document_windows(path, seq, 0, tmp_path / "cache")
+    packed = corpus.TokenLoader(path, seq, batch, packing="documents", eos=0)
+    read = corpus.TokenLoader(path, seq, batch, packing="documents", windows=made)
+    np.testing.assert_array_equal(np.asarray(read.starts), packed.starts)
+    assert read.held_out_start == packed.held_out_start
+    np.testing.assert_array_equal(read.batch(3, 1, 2), packed.batch(3, 1, 2))
+    assert corpus.document_windows(path, seq + 1, 0, tmp_path / "cache") != made  # another key, another file
+    monkeypatch.setattr(corpus, "pack_documents", None)  # found in the cache: no packing again
+    assert corpus.document_windows(path, seq, 0, tmp_path / "cache") == made
+
+
 def test_document_packing_errors_name_the_fix(tokenizer, tmp_path):
     """Token files without an end-of-document id fail with the fix, the trainer's before launch."""
     from fourfold.trainconfig import check_data_files

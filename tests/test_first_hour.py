@@ -185,8 +185,10 @@ def test_a_signal_stops_one_step_later_whatever_the_records_rhythm(data, tmp_pat
     step 4 (the agreement is one step behind, never waits for a read), SIGTERM saves the 4 steps
     done, and each of them is recorded once."""
     done = _fourfold("train", "--grid.dp", "2", *data["options"],
-                     *_options(tmp_path, "--fault.signal_rank", "1", "--fault.signal_step", "3", "--log.every", "2"))
+                     *_options(tmp_path, "--fault.signal_rank", "1", "--fault.signal_step", "3", "--log.every", "2",
+                               "--data.packing", "documents"))  # (and windows that start at documents)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert list((data["folder"] / "cache").glob("windows-*.npy"))  # packed once, by rank 0, into the cache
     assert [p.name for p in checkpoint.complete(tmp_path / "checkpoints")] == ["step-00000004"]
     assert f"stopped by SIGTERM after 4 of {STEPS} steps" in done.stdout
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]

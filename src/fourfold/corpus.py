@@ -551,6 +551,45 @@ def pack_documents(docs: np.ndarray, end: int, seq: int) -> np.ndarray:
 PACKINGS = ("stream", "documents")
 
 
+def _document_windows(tokens: np.ndarray, seq: int, eos: int, train: int) -> tuple[np.ndarray, int]:
+    """("documents" packing) the window starts and the held-out boundary of a token file whose
+    first `train` windows' worth of tokens may be trained on. The held-out tail is whole documents,
+    from the last start at or before that boundary (the boundary itself when the first document
+    runs past it), and no training window reaches into it."""
+    docs = document_starts(tokens, eos)
+    kept = np.searchsorted(docs, train * seq, "right")
+    held_out_start = int(docs[kept - 1]) or train * seq
+    return pack_documents(docs[:kept], held_out_start, seq), held_out_start
+
+
+def _train_windows(tokens: int, seq: int, eval_fraction: float) -> int:
+    """Windows of seq+1 tokens before the held-out tail (about `eval_fraction` of the file)."""
+    total = (tokens - 1) // seq
+    return total - (max(1, int(total * eval_fraction)) if total > 1 else 0)
+
+
+def document_windows(tokens_path: str | Path, seq: int, eos: int, cache_dir: str | Path,
+                     eval_fraction: float = 0.01) -> Path:
+    """The "documents" packing's windows of a token file, computed once and kept in `cache_dir`
+    (keyed by the file's path, size and time, and the packing's arguments), as an .npy of the
+    window starts followed by the held-out boundary. The trainer's rank 0 makes it before the
+    other ranks memory-map it: no rank but one scans the file or holds the starts in its own memory."""
+    path = Path(tokens_path).resolve()
+    stat = path.stat()
+    out = Path(cache_dir).expanduser() / f"windows-{_digest(path, stat.st_size, stat.st_mtime_ns, seq, eos, eval_fraction)}.npy"
+    if not out.exists():
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        try:
+            starts, held_out_start = _document_windows(tokens, seq, eos, _train_windows(len(tokens), seq, eval_fraction))
+        except ValueError as e:
+            raise ValueError(f"the token file {tokens_path} {e}") from None
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(f".{os.getpid()}.partial.npy")
+        np.save(partial, np.append(starts, held_out_start))
+        os.replace(partial, out)
+    return out
+
+
 class TokenLoader:
     """Windows of seq+1 tokens (inputs and shifted targets) from a token file, in an order fixed
     by (seed, epoch). Step t's global batch is positions [t*B, (t+1)*B) of that order; the
@@ -562,24 +601,22 @@ class TokenLoader:
     --checkpoint` can score it."""
 
     def __init__(self, tokens_path: str | Path, seq: int, global_batch: int, *, seed: int = 0,
-                 eval_fraction: float = 0.01, packing: str = "stream", eos: int | None = None):
+                 eval_fraction: float = 0.01, packing: str = "stream", eos: int | None = None,
+                 windows: str | Path | None = None):
+        """`windows`: for "documents", the file `document_windows` made (else they are computed here)."""
         self.tokens = np.load(tokens_path, mmap_mode="r", allow_pickle=False)
         self.seq, self.global_batch, self.seed = seq, global_batch, seed
-        total = (len(self.tokens) - 1) // seq
-        train = total - (max(1, int(total * eval_fraction)) if total > 1 else 0)
+        train = _train_windows(len(self.tokens), seq, eval_fraction)
         if packing == "stream":
             self.held_out_start, self.starts = train * seq, range(0, train * seq, seq)
+        elif packing == "documents" and windows is not None:
+            made = np.load(windows, mmap_mode="r", allow_pickle=False)
+            self.starts, self.held_out_start = made[:-1], int(made[-1])
         elif packing == "documents":
             try:
-                docs = document_starts(self.tokens, eos)
+                self.starts, self.held_out_start = _document_windows(self.tokens, seq, eos, train)
             except ValueError as e:
                 raise ValueError(f"the token file {tokens_path} {e}") from None
-            # The held-out tail is whole documents, from the last start at or before the stream's
-            # boundary (the boundary itself when the first document runs past it), and no training
-            # window reaches into it.
-            kept = np.searchsorted(docs, train * seq, "right")
-            self.held_out_start = int(docs[kept - 1]) or train * seq
-            self.starts = pack_documents(docs[:kept], self.held_out_start, seq)
         else:
             raise ValueError(f"packing {packing!r} is none of {', '.join(PACKINGS)}")
         self.train_sequences = len(self.starts)

@@ -73,6 +73,15 @@ def schedule_changes(saved: dict, cfg: TrainConfig) -> list[str]:
     return out
 
 
+def packed_windows(cfg: TrainConfig, tokenizer_path: Path, tokens_path: Path) -> Path | None:
+    """With data.packing = "documents", the file of the windows (made by the first call, in the
+    cache, and found there by the others); else None."""
+    if cfg.data.packing != "documents":
+        return None
+    return corpus.document_windows(tokens_path, cfg.batch.seq, corpus.end_of_document(tokenizer_path),
+                                   cfg.data.cache_dir)
+
+
 def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
     """(tokenizer.json, tokens.npy): the user's, or the corpus prepared (and cached) now."""
     d = cfg.data
@@ -292,12 +301,13 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
 def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     validate(cfg, dist.get_world_size(), gpu=torch.cuda.is_available())
     grid = Grid(cfg.layout())
-    files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize once; the others find it cached
+    files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize (and pack) once; the others find it cached
+    if files:
+        packed_windows(cfg, *files)
     dist.barrier()
     tokenizer_path, tokens_path = files or tokens_files(cfg)
-    eos = corpus.end_of_document(tokenizer_path) if cfg.data.packing == "documents" else None
     loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
-                                packing=cfg.data.packing, eos=eos)
+                                packing=cfg.data.packing, windows=packed_windows(cfg, tokenizer_path, tokens_path))
     model_cfg = cfg.model_config()  # (the tokenizer and token ids were checked against it before launch)
     job = cfg.job()
     model = Model(grid, job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
