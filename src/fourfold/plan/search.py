@@ -12,7 +12,7 @@ from fourfold.job import RECOMPUTE, Job
 from fourfold.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
-from fourfold.plan.memory import GIB, estimate_memory
+from fourfold.plan.memory import GIB, Memory, estimate_memory
 from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, step_time
 from fourfold.rules import JobError, Problem, problems
 
@@ -45,8 +45,8 @@ def predict(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration = Cal
 
 
 def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule80: bool, framework: str,
-            t: StepTime | None = None) -> dict:
-    mem = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
+            t: StepTime | None = None, mem: Memory | None = None) -> dict:
+    mem = mem or estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
     t = t or step_time(cfg, job, cluster, cal, framework)
     tokens = job.global_batch * job.seq
     tflops = t.flops_per_gpu / t.total / 1e12
@@ -74,18 +74,18 @@ def rounded_seconds(seconds: float) -> float:
     return round(seconds, 3 - math.floor(math.log10(seconds))) if seconds > 0 else seconds
 
 
-def _best_placement(cfg: ModelConfig, job: Job, orders, cluster: Cluster, cal: Calibration, rule80: bool,
-                    framework: str) -> dict:
-    """The fastest placement order of `job`. The order changes time only through the bandwidth each
-    group gets: one order is evaluated per distinct set of bandwidths."""
+def _best_placement(cfg: ModelConfig, job: Job, mem: Memory, orders, cluster: Cluster, cal: Calibration,
+                    rule80: bool, framework: str) -> dict:
+    """The fastest placement order of `job` (whose memory, `mem`, no order changes). The order
+    changes time only through the bandwidth each group gets: one order is evaluated per distinct
+    set of bandwidths."""
     placements = {}
     for o in orders:
         placed = job.with_layout(order=o)
         placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
-    # the order never changes memory: only the fastest placement's result is built
     t, best = min(((step_time(cfg, placed, cluster, cal, framework), placed) for placed in placements.values()),
                   key=lambda timed: timed[0].total)
-    return _result(cfg, best, cluster, cal, rule80, framework, t)
+    return _result(cfg, best, cluster, cal, rule80, framework, t, mem)
 
 
 class Ranking(list):
@@ -132,13 +132,13 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
             heapq.heappush(queue, (compute_bound(cfg, next_job, cluster, cal, framework), next(arrival), next_job))
         if not (mem.fits or include_unfit):
             continue
-        best = _best_placement(cfg, job, orders, cluster, cal, rule80, framework)
+        best = _best_placement(cfg, job, mem, orders, cluster, cal, rule80, framework)
         keep = replace(job, keep_gathered_inputs=True)
         if (framework == "fourfold" and mem.fits and keep != job
-                and estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework).fits):
+                and (keep_mem := estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework)).fits):
             # Memory allows keeping the linears' gathered inputs: no all-gather again in backward.
             # Taken when faster, unless it gives up the headroom the plain job has.
-            kept_inputs = _best_placement(cfg, keep, orders, cluster, cal, rule80, framework)
+            kept_inputs = _best_placement(cfg, keep, keep_mem, orders, cluster, cal, rule80, framework)
             if kept_inputs["step_seconds"] < best["step_seconds"] and (best["tight"] or not kept_inputs["tight"]):
                 best = kept_inputs
         results.append(best)
