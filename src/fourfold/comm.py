@@ -55,6 +55,12 @@ class Ledger:
         return "\n".join(rows)
 
 
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """Gradients accumulate, are summed across ranks and master weights live in fp32 (float64
+    stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @dataclass(frozen=True)
 class Group:
     """A process group along one grid dim (or several, named like 'dp_cp'), with its ledger."""

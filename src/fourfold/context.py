@@ -113,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: Group):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        seq, acc = q.shape[2], torch.promote_types(q.dtype, torch.float32)
+        seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         out = lse = extra = None
         block_k, block_v = k, v
         for step in range(cp.size):
@@ -136,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp = ctx.cp
         scale = 1.0 / math.sqrt(q.shape[-1])
-        seq, acc = q.shape[2], torch.promote_types(q.dtype, torch.float32)
+        seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q, dtype=acc)
         block_k, block_v = k, v

@@ -23,15 +23,10 @@ import torch
 from torch import nn
 
 from fourfold import comm
-from fourfold.comm import Group, Pending
+from fourfold.comm import Group, Pending, at_least_fp32
 from fourfold.grid import Grid
 from fourfold.tensor.linear import ParallelLinear
 from fourfold.tensor.params import layouts
-
-
-def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
-    """Gradients accumulate and master weights live in fp32 (float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass

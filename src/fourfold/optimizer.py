@@ -18,7 +18,8 @@ import torch
 from torch.optim.adamw import adamw
 
 from fourfold import comm
-from fourfold.dataparallel import Bucket, GradientSync, at_least_fp32
+from fourfold.comm import at_least_fp32
+from fourfold.dataparallel import Bucket, GradientSync
 
 
 class AdamW:

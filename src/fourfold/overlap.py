@@ -79,7 +79,7 @@ class Overlapper:
         torchtitan's FSDP reduce_dtype and Megatron's fp32 reduction); the shard is cast back."""
         if self.z.size == 1:
             return flat_grad
-        wide = flat_grad.to(torch.promote_types(flat_grad.dtype, torch.float32))
+        wide = flat_grad.to(comm.at_least_fp32(flat_grad.dtype))
         if not self.options.defer_weight_grads:
             return comm.reduce_scatter(wide, self.z).to(flat_grad.dtype)
         if self._deferred:

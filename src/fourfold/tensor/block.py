@@ -11,7 +11,6 @@ path, and every linear layer's shape and collectives, come from the block plan
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from fourfold.context import ring_attention
 from fourfold.grid import Grid
 from fourfold.overlap import Overlapper, OverlapOptions
 from fourfold.tensor.linear import ParallelLinear, RowSource
-from fourfold.tensor.norm import ParallelNorm
+from fourfold.tensor.norm import ParallelNorm, compiled
 
 
 @dataclass(frozen=True)
@@ -122,12 +121,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gelu(u: torch.Tensor, approximate: str) -> torch.Tensor:
     return F.gelu(u, approximate=approximate)
-
-
-@functools.cache
-def compiled(fn):
-    """`fn` under torch.compile, compiled once per process (TensorOptions.compile)."""
-    return torch.compile(fn, dynamic=False)
 
 
 def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, seed: int, std: float,

@@ -68,8 +68,14 @@ _EAGER = dict(centre=_centre, sum=_sum, square_sum=_square_sum, output=_output, 
 
 
 @functools.cache
+def compiled(fn):
+    """`fn` under torch.compile, compiled once per process (TensorOptions.compile, train.compile)."""
+    return torch.compile(fn, dynamic=False)
+
+
+@functools.cache
 def _compiled() -> dict:
-    return {name: torch.compile(fn, dynamic=False) for name, fn in _EAGER.items()}
+    return {name: compiled(fn) for name, fn in _EAGER.items()}
 
 
 class _Normalise(torch.autograd.Function):
@@ -77,19 +83,19 @@ class _Normalise(torch.autograd.Function):
     ranks, times weight (plus bias), in fp32 at least."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool, compiled: bool):
-        k = _compiled() if compiled else _EAGER
+    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool, use_compile: bool):
+        k = _compiled() if use_compile else _EAGER
         mean = comm.all_reduce(k["sum"](k["centre"](h, None)), x) / hidden if centred else None
         f = k["centre"](h, mean)
         out, rstd = k["output"](f, comm.all_reduce(k["square_sum"](f), x), weight, bias, hidden, eps, h.dtype)
         ctx.save_for_backward(h, weight, mean, rstd)
-        ctx.x, ctx.hidden, ctx.has_bias, ctx.compiled = x, hidden, bias is not None, compiled
+        ctx.x, ctx.hidden, ctx.has_bias, ctx.use_compile = x, hidden, bias is not None, use_compile
         return out
 
     @staticmethod
     def backward(ctx, grad):
         h, weight, mean, rstd = ctx.saved_tensors
-        k = _compiled() if ctx.compiled else _EAGER
+        k = _compiled() if ctx.use_compile else _EAGER
         n, gn, grad_weight, grad_bias, n_projection, ones_projection = k["backward_sums"](h, mean, rstd, weight, grad,
                                                                                            ctx.has_bias)
         n_projection = comm.all_reduce(n_projection, ctx.x)

@@ -57,7 +57,7 @@ class _AllGatherWeight(_AllGather):
 
     @staticmethod
     def backward(ctx, grad):
-        wide = grad.to(torch.promote_types(grad.dtype, torch.float32))
+        wide = grad.to(comm.at_least_fp32(grad.dtype))
         return comm.reduce_scatter(wide, ctx.group, dim=ctx.dim).to(grad.dtype), None, None
 
 
