@@ -361,6 +361,9 @@ def test_document_packing_errors_name_the_fix(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r'holds no end-of-document id \(0\), so data.packing = "documents" finds no '
                                          r'documents .*; tokenize .* or use data.packing = "stream"'):
         corpus.TokenLoader(tmp_path / "flat.npy", 8, 2, packing="documents", eos=0)
+    corpus.check_document_ends(np.array([5] * 10 + [0]), 0, chunk=4)  # the one end, in the last chunk, is enough
+    with pytest.raises(ValueError, match=r"holds no end-of-document id \(0\)"):
+        corpus.check_document_ends(np.array([5] * 11), 0, chunk=4)
     with pytest.raises(ConfigError, match=r"data.packing 'docs' is none of stream, documents"):
         validate(load_train_config(None, ["--data.packing", "docs"]), 1)
     cfg = load_train_config(None, ["--data.tokens", str(tmp_path / "flat.npy"), "--data.tokenizer", str(tokenizer),

@@ -516,10 +516,23 @@ def document_starts(tokens: np.ndarray, eos: int, chunk: int = 1 << 24) -> np.nd
         found.append(np.flatnonzero(np.asarray(tokens[start : start + chunk]) == eos) + (start + 1))
     starts = np.concatenate(found)
     if len(starts) == 1:  # a file with no end-of-document id would be one document: most likely not what was meant
-        raise ValueError(f"holds no end-of-document id ({eos}), so data.packing = \"documents\" finds no documents "
-                         f"in it; tokenize the corpus with the end-of-document id after each document (fourfold's "
-                         f"own tokenizing of data.files or data.text does), or use data.packing = \"stream\"")
+        raise _no_documents(eos)
     return starts
+
+
+def check_document_ends(tokens: np.ndarray, eos: int, chunk: int = 1 << 24) -> None:
+    """Raise `document_starts`' ValueError if `tokens` holds no end-of-document id, reading only up
+    to the first one (the check before launch; rank 0 finds every start later, once)."""
+    for start in range(0, len(tokens), chunk):
+        if (np.asarray(tokens[start : start + chunk]) == eos).any():
+            return
+    raise _no_documents(eos)
+
+
+def _no_documents(eos: int) -> ValueError:
+    return ValueError(f"holds no end-of-document id ({eos}), so data.packing = \"documents\" finds no documents "
+                      f"in it; tokenize the corpus with the end-of-document id after each document (fourfold's "
+                      f"own tokenizing of data.files or data.text does), or use data.packing = \"stream\"")
 
 
 def pack_documents(docs: np.ndarray, end: int, seq: int) -> np.ndarray:

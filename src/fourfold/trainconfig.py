@@ -369,10 +369,10 @@ def _check_documents(path: str, tokenizer: str) -> None:
     data.tokens (fourfold's own token files have one after each document)."""
     import numpy as np
 
-    from fourfold.corpus import document_starts, end_of_document
+    from fourfold.corpus import check_document_ends, end_of_document
 
     try:
-        document_starts(np.load(path, mmap_mode="r", allow_pickle=False), end_of_document(tokenizer))
+        check_document_ends(np.load(path, mmap_mode="r", allow_pickle=False), end_of_document(tokenizer))
     except ValueError as e:
         raise ConfigError(f"data.tokens {path}: {e}") from None
 
