@@ -95,10 +95,11 @@ def _split_layers(layers: int, stages: int, stage_layers: tuple[int, ...]) -> tu
 def most_layers_on_a_rank(layers: int, job: "Job") -> int:
     """The layers of the most loaded pipeline rank (its virtual stages together): what bounds a
     stage's memory and the pipeline's pace."""
-    return _most_layers(layers, job.pp, job.virtual, job.stage_layers)
+    return max(rank_layers(layers, job.pp, job.virtual, job.stage_layers))
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for every candidate
-def _most_layers(layers: int, pp: int, virtual: int, stage_layers: tuple[int, ...]) -> int:
+def rank_layers(layers: int, pp: int, virtual: int, stage_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Layers of each pipeline rank (its virtual stages together)."""
     stages = split_layers(layers, pp * virtual, stage_layers)
-    return max(sum(len(stages[r + v * pp]) for v in range(virtual)) for r in range(pp))
+    return tuple(sum(len(stages[r + v * pp]) for v in range(virtual)) for r in range(pp))

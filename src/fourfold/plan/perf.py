@@ -15,7 +15,7 @@ from pathlib import Path
 from fourfold.blockspec import attention_chunks, block_plan
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
-from fourfold.job import Job, split_layers
+from fourfold.job import Job, rank_layers
 from fourfold.plan.memory import layer_params
 from fourfold.rules import padded_vocab
 from fourfold.volumes import (
@@ -300,13 +300,6 @@ def _exposed(traffic: float, compute: float, overlap: float) -> float:
     return (1 - overlap) * traffic + max(0.0, overlap * traffic - compute)
 
 
-@functools.lru_cache(maxsize=4096)
-def _rank_layers(layers: int, pp: int, virtual: int, stage_layers: tuple[int, ...]) -> tuple[int, ...]:
-    """Layers of each pipeline rank (its virtual stages together)."""
-    stages = split_layers(layers, pp * virtual, stage_layers)
-    return tuple(sum(len(stages[r + v * pp]) for v in range(virtual)) for r in range(pp))
-
-
 @dataclass(frozen=True)
 class _Compute:
     """The part of a step's time no placement order or collective changes."""
@@ -335,7 +328,7 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, frame
     vocab = padded_vocab(cfg.vocab, s.y) if framework == "fourfold" else cfg.vocab  # the head's GEMM columns
     head = 6 * T * cfg.hidden * vocab / (s.x * s.y if framework == "fourfold" else s.y)
     head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, vocab / s.y, cal)
-    ranks = _rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
+    ranks = rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
     optimizer = 16 * _params_per_rank(cfg, s, ranks, framework) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
     return _Compute(forward, dw, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
