@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from fourfold.plan.perf import Calibration
+from fourfold.plan.perf import Calibration, compute_bound, placement_bound, step_time
 from fourfold.plan.search import rounded_seconds
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +17,7 @@ from fourfold.plan.hardware import make_cluster
 from fourfold.job import Job
 from fourfold.layout import Layout
 from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
-from fourfold.plan.search import check, search
+from fourfold.plan.search import ORDERS, check, search
 
 LLAMA7 = load_config("llama-2-7b")
 
@@ -107,6 +107,21 @@ SETUPS = st.builds(
     x=st.sampled_from([1, 2, 4]), y=st.sampled_from([1, 2, 4]), z=st.sampled_from([1, 2]),
     micro_batch=st.sampled_from([2, 4]), seq=st.just(4096), global_batch=st.just(256),
     recompute=st.sampled_from(["none", "selective", "full"]))
+
+
+@given(s=SETUPS, framework=st.sampled_from(["fourfold", "megatron"]), per_node=st.sampled_from([2, 4, 8]))
+@settings(max_examples=150, deadline=None)
+def test_the_search_bounds_are_below_every_placements_step_time(s, framework, per_node):
+    # The search stops on these bounds, so a bound above a step time would drop a better job.
+    if framework == "megatron":
+        s = s.with_layout(x=1, z=1)
+    cluster = replace(CLUSTER, gpus_per_node=per_node)
+    variants = [s, replace(s, keep_gathered_inputs=True)] if framework == "fourfold" else [s]
+    loose = compute_bound(SMALL, s, cluster, framework=framework)
+    tight = placement_bound(SMALL, variants[-1], cluster, framework=framework)  # as the search asks it
+    times = [step_time(SMALL, v.with_layout(order=o), cluster, framework=framework).total
+             for v in variants for o in ORDERS]
+    assert loose <= tight * (1 + 1e-12) and tight <= min(times) * (1 + 1e-12)
 
 
 @given(s=SETUPS)

@@ -16,6 +16,7 @@ from fourfold.blockspec import attention_chunks, block_plan
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.job import Job, rank_layers
+from fourfold.layout import Layout
 from fourfold.plan.memory import layer_params
 from fourfold.rules import padded_vocab
 from fourfold.volumes import (
@@ -83,13 +84,13 @@ def attention_efficiency(queries: float, keys: float, head_dim: int, cal: Calibr
     return gemm_efficiency(queries, head_dim, keys, cal) * keys / (keys + cal.attention_half)
 
 
-def group_bandwidth(s: Job, cluster: Cluster, dims: tuple[str, ...], cal: Calibration | None = None) -> float:
+def group_bandwidth(layout: Layout, cluster: Cluster, dims: tuple[str, ...], cal: Calibration | None = None) -> float:
     """Bytes/s per GPU for a collective over `dims`: intra-node if the group fits in a node, else
     the node's NICs shared by the groups of this dim that cross the node boundary together; each
     at the calibrated fraction of the preset's figure (`cal`; None: the preset's own)."""
     if cal is None:
-        return _bandwidth(s.layout, cluster, dims, 1.0, 1.0)
-    return _bandwidth(s.layout, cluster, dims, cal.intra_node_efficiency, cal.inter_node_efficiency)
+        return _bandwidth(layout, cluster, dims, 1.0, 1.0)
+    return _bandwidth(layout, cluster, dims, cal.intra_node_efficiency, cal.inter_node_efficiency)
 
 
 @functools.lru_cache(maxsize=65536)  # the search asks the same question for many candidates
@@ -350,6 +351,19 @@ def compute_bound(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration =
     return (s.microbatches + (s.pp - 1) / s.virtual) * slowest + c.optimizer
 
 
+def placement_bound(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
+                    framework: str = "fourfold") -> float:
+    """A lower bound of `step_time(...).total` for every placement order, tighter than
+    `compute_bound`: the step as if the whole job were one node. No group gets more than the
+    intra-node bandwidth, and every exposed time only grows as bandwidth falls."""
+    return step_time(cfg, s, _one_node(cluster, s.world_size), cal, framework).total
+
+
+@functools.lru_cache(maxsize=64)
+def _one_node(cluster: Cluster, gpus: int) -> Cluster:
+    return dataclasses.replace(cluster, gpus_per_node=gpus)
+
+
 def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
               framework: str = "fourfold") -> StepTime:
     c = _compute(cfg, s, cluster, cal, framework)
@@ -377,7 +391,7 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     dp_comm = 0.0
     if g > 1:
         dims = ("dp", "cp")
-        bw = group_bandwidth(s, cluster, dims, cal)
+        bw = group_bandwidth(s.layout, cluster, dims, cal)
         reduce = float(bytes_sent("reduce_scatter", g, 4 * params_rank)) / bw
         gather = float(bytes_sent("all_gather", g, s.element_bytes * params_rank)) / bw
         # Both runtimes launch each gradient bucket as soon as it is final in the last

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -13,7 +14,7 @@ from fourfold.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
 from fourfold.plan.hardware import Cluster
 from fourfold.plan.memory import GIB, Memory, estimate_memory
-from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, step_time
+from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, placement_bound, step_time
 from fourfold.rules import JobError, Problem, problems
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
@@ -79,13 +80,20 @@ def _best_placement(cfg: ModelConfig, job: Job, mem: Memory, orders, cluster: Cl
     """The fastest placement order of `job` (whose memory, `mem`, no order changes). The order
     changes time only through the bandwidth each group gets: one order is evaluated per distinct
     set of bandwidths."""
-    placements = {}
-    for o in orders:
-        placed = job.with_layout(order=o)
-        placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
-    t, best = min(((step_time(cfg, placed, cluster, cal, framework), placed) for placed in placements.values()),
+    placements = [replace(job, layout=layout) for layout in _distinct_placements(job.layout, cluster, tuple(orders))]
+    t, best = min(((step_time(cfg, placed, cluster, cal, framework), placed) for placed in placements),
                   key=lambda timed: timed[0].total)
     return _result(cfg, best, cluster, cal, rule80, framework, t, mem)
+
+
+@functools.lru_cache(maxsize=4096)  # jobs of one grid differ in micro-batch and recompute only
+def _distinct_placements(layout: Layout, cluster: Cluster, orders: tuple) -> tuple[Layout, ...]:
+    """One layout per distinct set of group bandwidths among `orders` (the first order of each)."""
+    placements = {}
+    for o in orders:
+        placed = replace(layout, order=o)
+        placements.setdefault(tuple(group_bandwidth(placed, cluster, g) for g in COMM_GROUPS), placed)
+    return tuple(placements.values())
 
 
 class Ranking(list):
@@ -106,7 +114,10 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     them: jobs are evaluated in the order of a lower bound of their step time (`compute_bound`),
     and the search stops where that bound passes every time it keeps."""
     orders = ORDERS if framework == "fourfold" else [DEFAULT_ORDER]
-    queue = []  # (bound, arrival, job): a heap; a job's heavier recompute enters when a lighter one does not fit
+    # (bound, arrival, memory, job): a heap. A job enters with its compute bound; when it first
+    # reaches the top its memory is estimated and, if it fits, it goes back with its tighter
+    # placement bound. A job's heavier recompute enters when a lighter one does not fit.
+    queue = []
     arrival = itertools.count()
     for dp, pp, cp, x, y, z in factorisations(gpus):
         if framework == "megatron" and (x != 1 or z != 1):
@@ -117,21 +128,28 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
                 continue  # two of the rules, asked first: most of a large GPU count's grids fail them
             job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0])
             if not problems(cfg, job, gpu=True):
-                queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), job))
+                queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
     considered = len(queue)
     heapq.heapify(queue)
     results, kept = [], []
     while queue:
-        bound, _, job = heapq.heappop(queue)
+        bound, _, mem, job = heapq.heappop(queue)
         if top and len(kept) >= top and bound > _cutoff(kept, top, cal):
             break  # every job left is slower than what is kept
-        mem = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
-        heavier = recomputes.index(job.recompute) + 1
-        if not mem.fits and heavier < len(recomputes):  # a lighter recompute that fits makes heavier ones pointless
-            next_job = replace(job, recompute=recomputes[heavier])
-            heapq.heappush(queue, (compute_bound(cfg, next_job, cluster, cal, framework), next(arrival), next_job))
-        if not (mem.fits or include_unfit):
-            continue
+        if mem is None:
+            mem = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
+            heavier = recomputes.index(job.recompute) + 1
+            if not mem.fits and heavier < len(recomputes):  # a lighter recompute that fits makes heavier ones pointless
+                next_job = replace(job, recompute=recomputes[heavier])
+                heapq.heappush(queue, (compute_bound(cfg, next_job, cluster, cal, framework), next(arrival), None,
+                                       next_job))
+            if not (mem.fits or include_unfit):
+                continue
+            if top:  # kept inputs only take collectives away: its bound holds for both variants
+                lightest = replace(job, keep_gathered_inputs=True) if framework == "fourfold" else job
+                heapq.heappush(queue, (placement_bound(cfg, lightest, cluster, cal, framework), next(arrival), mem,
+                                       job))
+                continue
         best = _best_placement(cfg, job, mem, orders, cluster, cal, rule80, framework)
         keep = replace(job, keep_gathered_inputs=True)
         if (framework == "fourfold" and mem.fits and keep != job
