@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fourfold.shuffle import Permutation
+
 EOS = "<|endoftext|>"
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
            ".arrow": "arrow"}
@@ -637,18 +639,20 @@ class TokenLoader:
             raise ValueError(f"the token file holds {self.train_sequences} training windows of {seq} tokens, fewer "
                              f"than one global batch of {global_batch}; use a larger corpus, shorter sequences "
                              f"or a smaller global batch")
-        self._epoch, self._order = -1, None
 
     def _sequence(self, index: int) -> np.ndarray:
         start = int(self.starts[index])
         return np.asarray(self.tokens[start : start + self.seq + 1], dtype=np.int64)
 
-    def _position(self, position: int) -> int:
-        epoch, offset = divmod(position, self.train_sequences)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.train_sequences)
-        return int(self._order[offset])
+    def _windows(self, positions: np.ndarray) -> np.ndarray:
+        """The windows at these positions of the training order: epoch e is the permutation
+        (seed, e) of every window, computed per position (no per-epoch array on any rank)."""
+        epochs, offsets = np.divmod(positions, self.train_sequences)
+        windows = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            windows[here] = Permutation(self.train_sequences, self.seed, int(epoch))[offsets[here]]
+        return windows
 
     def held_out(self) -> np.ndarray:
         """The held-out tail of the token file (never in a training window)."""
@@ -660,4 +664,4 @@ class TokenLoader:
             raise ValueError(f"global batch {self.global_batch} does not split over {replicas} data-parallel replicas")
         per = self.global_batch // replicas
         start = step * self.global_batch + replica * per
-        return np.stack([self._sequence(self._position(p)) for p in range(start, start + per)])
+        return np.stack([self._sequence(w) for w in self._windows(np.arange(start, start + per))])
