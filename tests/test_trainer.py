@@ -370,8 +370,24 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
     model = Transformer(Grid(Layout()), ModelConfig.from_dict(checkpoint.read_meta(path)["model"]))
     checkpoint.load_checkpoint(path, model)
     serial = evaluate(model, Grid(Layout()), tokens, 32, 4)
+    capped = evaluate(model, Grid(Layout()), tokens, 32, 4, max_tokens=10 * 32 + 5)  # 10 whole windows
+    head = evaluate(model, Grid(Layout()), tokens[: 10 * 32 + 1], 32, 4)
     dist.destroy_process_group()
     assert parallel["tokens"] == serial["tokens"] and parallel["loss"] == pytest.approx(serial["loss"], rel=1e-5)
+    assert capped == head and capped["tokens"] == 320 and capped["loss"] != serial["loss"]
+
+
+def test_eval_windows_are_read_a_batch_at_a_time():
+    import numpy as np
+
+    from fourfold.evaluate import window_count, windows
+
+    tokens = np.arange(50, dtype=np.uint16)
+    whole = windows(tokens, 8, 0, window_count(len(tokens), 8))
+    assert whole.shape == (6, 9) and whole[:, 0].tolist() == [0, 8, 16, 24, 32, 40] and whole[-1, -1] == 48
+    np.testing.assert_array_equal(windows(tokens, 8, 2, 3), whole[2:5])
+    with pytest.raises(ValueError, match=r"holds no window of --seq 8 \+ 1; use a smaller --seq"):
+        window_count(8, 8)
 
 
 def test_auto_grid_takes_a_planner_candidate_this_run_can_use():

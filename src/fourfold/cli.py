@@ -47,11 +47,13 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     """Every problem of `fourfold eval`, found before any process starts."""
     import numpy as np
 
-    from fourfold.evaluate import windows
+    from fourfold.evaluate import window_count
     from fourfold.job import Job
     from fourfold.rules import check
     from fourfold.trainconfig import check_token_ids
 
+    if args.max_tokens < 0:
+        raise ConfigError("--max-tokens must be >= 0 (0: the whole file)")
     model = _eval_model_config(args)
     # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training
     job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
@@ -61,7 +63,7 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     check(model, job, world=args.nproc_per_node, gpu=torch.cuda.is_available())
     check_token_ids(args.tokens, model.vocab, "--tokens")
     try:
-        windows(np.load(args.tokens, mmap_mode="r")[: args.seq + 1], args.seq)
+        window_count(len(np.load(args.tokens, mmap_mode="r")), args.seq)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -120,7 +122,7 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
 
         checkpoint.load_checkpoint(checkpoint.latest(args.checkpoint) or args.checkpoint, model)
     tokens = np.load(args.tokens, mmap_mode="r")
-    result = evaluate(model, grid, tokens, args.seq, args.batch)
+    result = evaluate(model, grid, tokens, args.seq, args.batch, args.max_tokens)
     if grid.rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -326,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--tokens", required=True, help="a .npy file of token ids (1-D)")
     ev.add_argument("--seq", type=int, required=True, help="sequence length of each window")
     ev.add_argument("--batch", type=int, default=1, help="windows per data shard per step")
+    ev.add_argument("--max-tokens", type=int, default=0,
+                    help="score only the first windows, up to this many tokens (default 0: the whole file)")
     ev.add_argument("--precision", choices=PRECISIONS, default="float32",
                     help="parameters and activations (auto: bf16 on GPUs, float32 on CPU)")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')

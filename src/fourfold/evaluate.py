@@ -11,32 +11,43 @@ from fourfold import comm, context
 from fourfold.grid import Grid
 
 
-def windows(tokens: np.ndarray, seq: int) -> np.ndarray:
-    """Consecutive windows of seq + 1 tokens, overlapping by one, so every token after the first
-    is predicted exactly once: [n, seq + 1]."""
-    n = (len(tokens) - 1) // seq
+def window_count(tokens: int, seq: int) -> int:
+    """How many windows of seq + 1 tokens, overlapping by one, a file of `tokens` ids holds."""
+    n = (tokens - 1) // seq
     if n < 1:
-        raise ValueError(f"a token file of {len(tokens)} tokens holds no window of --seq {seq} + 1; use a smaller --seq")
-    index = np.arange(n)[:, None] * seq + np.arange(seq + 1)[None, :]
-    return tokens[index]
+        raise ValueError(f"a token file of {tokens} tokens holds no window of --seq {seq} + 1; use a smaller --seq")
+    return n
+
+
+def windows(tokens: np.ndarray, seq: int, first: int, count: int) -> np.ndarray:
+    """Windows first .. first+count-1 of seq + 1 tokens, overlapping by one so that every token
+    after the first is predicted exactly once: [count, seq + 1]. Reads only their tokens (a
+    memory-mapped file is never loaded whole)."""
+    part = np.asarray(tokens[first * seq : (first + count) * seq + 1], dtype=np.int64)
+    return part[np.arange(count)[:, None] * seq + np.arange(seq + 1)[None, :]]
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1) -> dict:
-    """{"loss", "perplexity", "tokens"} of `model` on `tokens` (a 1-D array of ids).
+def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1,
+             max_tokens: int = 0) -> dict:
+    """{"loss", "perplexity", "tokens"} of `model` on `tokens` (a 1-D array of ids; `max_tokens`
+    > 0: only the first windows, up to that many scored tokens).
 
     Windows are dealt to the dp*z token shards in turn, each cut into cp chunks as in training;
     the last batch is padded with windows whose targets are -1 (scored 0, not counted)."""
     cp = grid.group("cp")
-    data = windows(tokens, seq)
+    count = window_count(len(tokens), seq)
+    if max_tokens:
+        count = min(count, max(1, max_tokens // seq))
     shards = grid.size(("dp", "z"))
     shard = grid.coords["dp"] * grid.size("z") + grid.coords["z"]
     per_step = shards * batch_per_rank
-    steps = -(-len(data) // per_step)
+    steps = -(-count // per_step)
     total = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, scored tokens
     for step in range(steps):
         ids = np.full((per_step, seq + 1), -1, dtype=np.int64)
-        chunk = data[step * per_step : (step + 1) * per_step]
+        first = step * per_step
+        chunk = windows(tokens, seq, first, min(per_step, count - first))
         ids[: len(chunk)] = chunk
         mine = torch.from_numpy(ids[shard::shards])
         inputs = context.shard_sequence(mine[:, :-1].clamp_min(0), cp).to(grid.device)

@@ -67,6 +67,7 @@ class TrainSection:
     overlap: bool = True
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
     eval_every: int = 0  # score the held-out tail every N steps (0: never; needs pp = 1)
+    eval_tokens: int = 1 << 20  # tokens of the held-out tail each evaluation scores (0: all of it)
     # norms, RoPE and activations under torch.compile (needs a C++ compiler on CPU, Triton on GPUs);
     # off until a GPU run confirms it pays (docs/benchmarks.md)
     compile: bool = False
@@ -289,6 +290,8 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         raise ConfigError(f"grid: {e}") from None
     if cfg.train.eval_every < 0:
         found.append("train.eval_every must be >= 0 (0: never)")
+    if cfg.train.eval_tokens < 0:
+        found.append("train.eval_tokens must be >= 0 (0: the whole held-out tail)")
     if cfg.train.eval_every and cfg.grid.pp > 1:
         found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
                      "with `fourfold eval --checkpoint` on a grid without pp")

@@ -403,7 +403,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
                 read_window()
             if evaluating:
                 held_out = evaluate(model.module, grid, loader.held_out(), cfg.batch.seq,
-                                    max(1, cfg.batch.micro_batch // grid.size("z")))
+                                    max(1, cfg.batch.micro_batch // grid.size("z")), cfg.train.eval_tokens)
                 reporter.evaluation(done, held_out)
                 last_eval = held_out["loss"]
             if saving:
