@@ -149,6 +149,9 @@ def test_slurm_script_runs_unchanged_on_a_cluster(tmp_path, monkeypatch):
     assert "--rdzv-id=123456" in args and "--nnodes=2" in args and "--nproc-per-node=8" in args
     assert args[args.index("--log.run_dir") + 1] == str(run_dir)  # absolute, whatever the cwd of sbatch
     assert args[args.index("--checkpoint.dir") + 1] == odd  # a user's value arrives as one literal argument
+    # the corpus was tokenized here, before the job: its ranks are handed the files
+    tokens = Path(args[args.index("--data.tokens") + 1])
+    assert tokens.is_absolute() and tokens.is_file() and Path(args[args.index("--data.tokenizer") + 1]).is_file()
     assert args[-1] == "OMP=8 NCCL_DEBUG=WARN PWD=" + str(tmp_path)  # (the fake srun runs where bash was started)
     assert main(["slurm", str(EXAMPLE), "--nodes", "2", "--grid.dp", "4", "--cpus-per-task", "96",
                  "--output", "job.sbatch"]) == 0

@@ -160,10 +160,7 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
 
         validate(cfg, world, gpu=torch.cuda.is_available())
         check_data_files(cfg)
-        from fourfold.trainer import tokens_files
-
-        tokenizer, tokens = tokens_files(cfg)  # the ranks are given the files: none re-reads the corpus
-        argv = argv + ["--data.tokenizer", str(tokenizer), "--data.tokens", str(tokens)]
+        argv = argv + _data_prepared(cfg)
         return relaunch_with_torchrun(world, _launcher_options_removed(argv), max_restarts=args.max_restarts)
     stop = StopRequest()  # before torch is imported: a signal from now on stops the run at a step boundary
     import torch.distributed as dist
@@ -240,6 +237,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_prepared(cfg) -> list[str]:
+    """Tokenize (and, for data.packing = documents, pack) the corpus here, before any rank starts;
+    the overrides that hand the ranks the files. No rank then reads the corpus, and rank 0 does
+    not prepare it while every other rank waits at the start-up barrier (whose timeout a large
+    corpus would pass)."""
+    from fourfold.trainer import packed_windows, tokens_files
+
+    tokenizer, tokens = tokens_files(cfg)
+    packed_windows(cfg, tokenizer, tokens)  # into the cache, where the job's rank 0 finds it
+    return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())]
+
+
 def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from fourfold.slurm import sbatch_script
     from fourfold.trainconfig import check_data_files, load_train_config, resolve_auto_grid, validate
@@ -254,6 +263,7 @@ def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
         _check_slurm_world(cfg.layout(), args.nodes, args.gpus_per_node)
     validate(cfg, world, gpu=True)  # an sbatch script runs on GPU nodes
     check_data_files(cfg)
+    overrides = overrides + _data_prepared(cfg)
     # The run directory absolute, so that the job writes to the same place wherever sbatch is called;
     # it must exist before the job starts, since SLURM opens the job's output files in it.
     run_dir = Path(cfg.log.run_dir).expanduser().resolve()
