@@ -383,9 +383,10 @@ def test_eval_windows_are_read_a_batch_at_a_time():
     from fourfold.evaluate import window_count, windows
 
     tokens = np.arange(50, dtype=np.uint16)
-    whole = windows(tokens, 8, 0, window_count(len(tokens), 8))
+    whole = windows(tokens, 8, range(window_count(len(tokens), 8)))
     assert whole.shape == (6, 9) and whole[:, 0].tolist() == [0, 8, 16, 24, 32, 40] and whole[-1, -1] == 48
-    np.testing.assert_array_equal(windows(tokens, 8, 2, 3), whole[2:5])
+    np.testing.assert_array_equal(windows(tokens, 8, range(1, 6, 2)), whole[1:6:2])
+    assert windows(tokens, 8, range(6, 6)).shape == (0, 9)
     with pytest.raises(ValueError, match=r"holds no window of --seq 8 \+ 1; use a smaller --seq"):
         window_count(8, 8)
 

@@ -19,12 +19,12 @@ def window_count(tokens: int, seq: int) -> int:
     return n
 
 
-def windows(tokens: np.ndarray, seq: int, first: int, count: int) -> np.ndarray:
-    """Windows first .. first+count-1 of seq + 1 tokens, overlapping by one so that every token
-    after the first is predicted exactly once: [count, seq + 1]. Reads only their tokens (a
+def windows(tokens: np.ndarray, seq: int, indices) -> np.ndarray:
+    """Windows `indices` of seq + 1 tokens, overlapping by one so that every token after the
+    first is predicted exactly once: [len(indices), seq + 1]. Reads only their tokens (a
     memory-mapped file is never loaded whole)."""
-    part = np.asarray(tokens[first * seq : (first + count) * seq + 1], dtype=np.int64)
-    return part[np.arange(count)[:, None] * seq + np.arange(seq + 1)[None, :]]
+    rows = [np.asarray(tokens[i * seq : (i + 1) * seq + 1], dtype=np.int64) for i in indices]
+    return np.stack(rows) if rows else np.empty((0, seq + 1), dtype=np.int64)
 
 
 @torch.no_grad()
@@ -45,11 +45,11 @@ def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, b
     steps = -(-count // per_step)
     total = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, scored tokens
     for step in range(steps):
-        ids = np.full((per_step, seq + 1), -1, dtype=np.int64)
-        first = step * per_step
-        chunk = windows(tokens, seq, first, min(per_step, count - first))
+        ids = np.full((batch_per_rank, seq + 1), -1, dtype=np.int64)
+        # this shard's windows of the step: every shards-th from its own (each rank reads only those)
+        chunk = windows(tokens, seq, range(step * per_step + shard, min((step + 1) * per_step, count), shards))
         ids[: len(chunk)] = chunk
-        mine = torch.from_numpy(ids[shard::shards])
+        mine = torch.from_numpy(ids)
         inputs = context.shard_sequence(mine[:, :-1].clamp_min(0), cp).to(grid.device)
         targets = context.shard_sequence(mine[:, 1:], cp).to(grid.device)
         total[0] += model(inputs, targets).double().sum()
