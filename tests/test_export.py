@@ -38,9 +38,14 @@ def _save(name, root):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("name", list(MODELS))
-def test_export_writes_shards_transformers_loads(ranks, tmp_path, name):
+def test_export_writes_shards_transformers_loads(ranks, tmp_path, name, monkeypatch):
     expected = ranks.run(_save, 4, name, tmp_path / "run")[0]
+    reads = []
+    read_metadata = torch.distributed.checkpoint.FileSystemReader.read_metadata
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemReader, "read_metadata",
+                        lambda self: reads.append(1) or read_metadata(self))
     export(tmp_path / "run", tmp_path / "hf", shard_bytes=20_000)  # several shards
+    assert len(reads) == 1  # the metadata file is read once, not once per tensor
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)

@@ -46,7 +46,8 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
     if not (path / checkpoint.META).is_file():
         path = checkpoint.latest(path) or path
     cfg = ModelConfig.from_dict(checkpoint.read_meta(path)["model"])
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    reader = _MetadataOnce(str(path))
+    saved = reader.read_metadata().state_dict_metadata
     if path.resolve().is_relative_to(out.resolve()):
         raise checkpoint.CheckpointError(f"{out} holds the checkpoint {path}; give another output directory")
     partial = out.with_name(out.name + ".partial")
@@ -56,7 +57,7 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
     def read(name: str) -> torch.Tensor:
         md = saved[f"model/{name}"]
         t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        dcp.load({f"model/{name}": t}, checkpoint_id=str(path), no_dist=True)
+        dcp.load({f"model/{name}": t}, storage_reader=reader, no_dist=True)
         return t
 
     shard: dict[str, torch.Tensor] = {}  # the one being filled: number len(files)
@@ -86,6 +87,17 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
     shutil.rmtree(out, ignore_errors=True)
     os.replace(partial, out)
     return path
+
+
+class _MetadataOnce(dcp.FileSystemReader):
+    """A checkpoint's reader that reads its metadata file once: each `dcp.load` asks for it, and
+    an export loads tensor by tensor (the metadata of a large job's checkpoint is hundreds of MB:
+    its ZeRO-1 optimizer states are chunks of every rank)."""
+
+    def read_metadata(self):
+        if not hasattr(self, "_metadata"):
+            self._metadata = super().read_metadata()
+        return self._metadata
 
 
 def _write(tensors: dict[str, torch.Tensor], directory: Path, number: int) -> str:
