@@ -93,17 +93,21 @@ def test_a_z_piece_is_at_most_three_rectangles():
 
 
 def _saves_after_resuming_from_an_earlier_step(root):
+    (root / ".step-00000001.pruned" / "sub").mkdir(parents=True)  # an earlier process's, half deleted
     grid, model, _ = _model({})
     for step in (3, 6):  # a first run
         checkpoint.save(root, step, model, None, {"run": "first"}, keep=2)
     for step in (4, 5, 6):  # resumed from step 3 in the same directory
         checkpoint.save(root, step, model, None, {"run": "second"}, keep=2)
-    return [(p.name, checkpoint.read_meta(p)["run"]) for p in checkpoint.complete(root)]
+    kept = [(p.name, checkpoint.read_meta(p)["run"]) for p in checkpoint.complete(root)]
+    checkpoint.wait_for_pruning()  # it runs in the background
+    return kept, sorted(p.name for p in root.iterdir())
 
 
 def test_a_run_resumed_from_an_earlier_step_replaces_and_prunes_only_up_to_its_step(ranks, tmp_path):
-    kept = ranks.run(_saves_after_resuming_from_an_earlier_step, 1, tmp_path)[0]
+    kept, left = ranks.run(_saves_after_resuming_from_an_earlier_step, 1, tmp_path)[0]
     assert kept == [("step-00000005", "second"), ("step-00000006", "second")]
+    assert left == ["step-00000005", "step-00000006"]  # the pruned ones deleted, an earlier process's too
 
 
 def _train_and_save_async(sizes, root, asynchronous):

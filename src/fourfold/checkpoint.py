@@ -105,8 +105,31 @@ def _publish(root: Path, final: Path, partial: Path, meta: dict, keep: int, file
         os.replace(partial, final)
     # keep the last K up to this step; later ones (from a run this one resumed before) are left alone
     up_to_now = [c for c in complete(root) if c.name <= final.name]
-    for old in up_to_now[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+    _prune(root, up_to_now[:-keep] if keep > 0 else [])
+
+
+PRUNING = "fourfold-prune"  # the background threads' name
+
+
+def _prune(root: Path, old: list[Path]) -> None:
+    """Older checkpoints out of the way at once (renamed: no reader sees them any more), then
+    deleted by a background thread, with any an earlier process left half deleted. A large job's
+    checkpoint is a file per rank: deleting it here held every rank at the save's last barrier."""
+    for checkpoint_dir in old:
+        aside = root / f".{checkpoint_dir.name}.pruned"
+        shutil.rmtree(aside, ignore_errors=True)  # the same step pruned before, not all deleted then
+        os.replace(checkpoint_dir, aside)
+    doomed = sorted(root.glob(".step-*.pruned"))
+    if doomed:
+        threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True,
+                         name=PRUNING).start()
+
+
+def wait_for_pruning() -> None:
+    """Until the background deletions of pruned checkpoints are done (at the end of a run)."""
+    for thread in threading.enumerate():
+        if thread.name == PRUNING:
+            thread.join()
 
 
 def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,

@@ -416,6 +416,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     finally:
         if saver:  # a save in flight ends (or fails) before the process group goes away
             saver.wait()
+        checkpoint.wait_for_pruning()  # no old checkpoint left half deleted at exit
     if stopped:
         reporter.message(_stop_message(cfg, stopped, done))
     reporter.close()
