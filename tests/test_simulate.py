@@ -41,6 +41,8 @@ def test_groups_over_dims_of_size_one_share_the_other_dims_communicator():
         assert groups[("dp", "cp")].process_group is grid.group("dp").process_group
         assert groups[("dp", "cp", "y", "z")].process_group is grid.group(("dp", "y")).process_group
         assert grid.group(("dp", "cp")).name == "cp_dp"  # the ledger keeps the name asked for (innermost first)
+        # every dim: the default group itself, not a copy of it
+        assert grid.group(("dp", "pp", "cp", "x", "y", "z")).process_group is dist.group.WORLD
         # one communicator per distinct set of ranks (of more than one rank: DeviceMesh makes its
         # size-1 dims' own): dp, x, y, (dp, x), (dp, y) and (dp, x, y); 6 communicators for 9 groups of more than one rank
         shared = [g for g in groups.values() if g.size > 1]

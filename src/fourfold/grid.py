@@ -101,6 +101,10 @@ class Grid:
             return Group(name, same.process_group, same.ranks, same.rank, self.ledger)
         if len(dims) == 1:
             process_group = self.mesh.get_group(dims[0])
+        elif self.layout.size(dims) == self.layout.world_size:
+            # Every rank, numbered as the global ranks (the mesh is the ranks in order): the
+            # default group, not a second world-sized communicator (the gradient norm's group).
+            process_group = dist.group.WORLD
         else:
             # DeviceMesh's own flattening: one split of the parent communicator where the backend
             # can split (NCCL bound to a device), otherwise one cheap call per group; never a Python
