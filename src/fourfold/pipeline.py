@@ -49,8 +49,9 @@ def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             setattr(module, name, nn.Parameter(torch.empty_like(p, device=grid.device), p.requires_grad))
-    for layer in parallel_layers(model):
-        layer.reset_parameters()
+    with torch.device(grid.device):  # the initial values computed where they live, as without pp
+        for layer in parallel_layers(model):
+            layer.reset_parameters()
     return model
 
 
