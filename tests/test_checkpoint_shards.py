@@ -47,11 +47,19 @@ def _train_and_save(sizes, root):
 
 
 def _load_and_save(sizes, source, root):
+    """Loaded the way the trainer loads (the dp*cp replicas each read a part and all-gather);
+    returns the model elements this rank read and its share if the replicas split them evenly."""
     grid, model, opt = _model(sizes)
-    checkpoint.load_checkpoint(source, model, opt)
+    replicas, read, whole = grid.group(("dp", "cp")), [], checkpoint._read
+    checkpoint._read = lambda path, rects: read.append(sum(r.data.numel() for r in rects)) or whole(path, rects)
+    try:
+        checkpoint.load_checkpoint(source, model, opt, replicas=replicas)
+    finally:
+        checkpoint._read = whole
     _backward(grid, model)
     opt._init_state(opt.sync.finish())  # the optimizer's state is read once its buckets are traced
     checkpoint.save(root, 2, model, opt, {}, keep=1)
+    return read[0], sum(-(-p.numel() // replicas.size) for p in model.parameters())
 
 
 def _read_whole(path):
@@ -71,7 +79,8 @@ def test_a_checkpoint_read_on_another_grid_and_written_again_is_the_same(ranks, 
     sent = ranks.run(_train_and_save, world(first), first, tmp_path / "a")
     assert sent == [{}] * world(first)  # no parameter or optimizer state gathered (DCP exchanges only plans)
     a = checkpoint.latest(tmp_path / "a")
-    ranks.run(_load_and_save, world(second), second, a, tmp_path / "b")
+    reads = ranks.run(_load_and_save, world(second), second, a, tmp_path / "b")
+    assert all(read <= share for read, share in reads)  # each replica read its part of the model only
     original, again = _read_whole(a), _read_whole(checkpoint.latest(tmp_path / "b"))
     assert original.keys() == again.keys() and any(k.startswith("optim/m/") for k in original)
     for key, value in original.items():

@@ -223,6 +223,25 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 16) * 16  # every staged tensor starts at a multiple of any element size
 
 
+def _read_shared(path: Path, module: nn.Module, replicas: comm.Group) -> None:
+    """Each rank of `replicas` reads its 1/n of every local parameter (a contiguous flat range, as
+    a ZeRO-1 slice is cut), then the group all-gathers the parameter whole."""
+    layouts = params.layouts(module)
+    g, mine = replicas.size, replicas.rank
+    rects = []
+    for p, layout in layouts.items():
+        flat, per = p.detach().reshape(-1), -(-p.numel() // g)
+        lo, hi = min(mine * per, p.numel()), min((mine + 1) * per, p.numel())
+        rects += rectangles(layout, flat[lo:hi], lo=lo, prefix="model/")
+    _read(path, rects)
+    for p in layouts:
+        flat, per = p.detach().reshape(-1), -(-p.numel() // g)
+        part = flat.new_zeros(per)
+        lo = min(mine * per, p.numel())
+        part[: len(flat[lo : lo + per])] = flat[lo : lo + per]
+        flat.copy_(comm.all_gather(part, replicas)[: p.numel()])
+
+
 def dry_run(module: nn.Module, opt: AdamW) -> tuple[dict, dict]:
     """Plan this rank's part of a save and of a same-grid load of it, as `save` and
     `load_checkpoint` do, without files (`fourfold simulate`, `memory --measure`): the rectangles
@@ -264,14 +283,21 @@ def _read(path: Path, rects: list[Rectangle]) -> None:
         raise
 
 
-def load_checkpoint(path: str | Path, module: nn.Module, opt: AdamW | None = None) -> dict:
+def load_checkpoint(path: str | Path, module: nn.Module, opt: AdamW | None = None,
+                    replicas: comm.Group | None = None) -> dict:
     """Set the model (and the optimizer's state, read at its first step, once its buckets are
     traced) from a checkpoint written on any grid: each rank reads only the rectangles it holds,
-    into its own tensors; returns the checkpoint's meta."""
+    into its own tensors; returns the checkpoint's meta. `replicas`: a group of ranks that hold
+    the same model tensors (the trainer's dp*cp). Each of them reads 1/n of every tensor and they
+    all-gather the rest, so the files are read once per model-parallel part, not once per replica
+    (at 405B on 128 replicas: 0.8 TB read instead of 104 TB at every restart)."""
     path = Path(path)
     meta = read_meta(path)
     with torch.no_grad():
-        _read(path, local_rectangles(module, None))
+        if replicas is None or replicas.size == 1:
+            _read(path, local_rectangles(module, None))
+        else:
+            _read_shared(path, module, replicas)
     if opt is not None and meta.get("optimizer_steps"):
         opt.restore(lambda: _read(path, local_rectangles(module, opt, model=False)), meta["optimizer_steps"])
     return meta

@@ -324,7 +324,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         for part in getattr(model.pipeline, "models", [model.module]):
             load_hf(part, cfg.model.hf)
     if source is not None:
-        meta = checkpoint.load_checkpoint(source, model.module, opt)
+        meta = checkpoint.load_checkpoint(source, model.module, opt, replicas=grid.group(("dp", "cp")))
         start, saved_config = meta["step"], meta.get("config", {})
     reporter = Reporter(cfg, start, model_flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
                         grid.device)
