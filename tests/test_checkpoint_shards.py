@@ -42,7 +42,11 @@ def _train_and_save(sizes, root):
         _backward(grid, model)
         opt.step()
     grid.ledger.reset()
-    checkpoint.save(root, 2, model, opt, {}, keep=1)
+    replicas = grid.group(("dp", "cp"))
+    checkpoint.save(root, 2, model, opt, {}, keep=1, replicas=replicas)
+    # each replica offers only its parameters; together, every one
+    offered = {r.name for r in checkpoint.local_rectangles(model, None, replicas=replicas)}
+    assert replicas.size == 1 or offered < {r.name for r in checkpoint.local_rectangles(model, None)}
     return grid.ledger.calls()  # fourfold's own collectives during the save
 
 
@@ -126,8 +130,8 @@ def _train_and_save_async(sizes, root, asynchronous):
         _backward(grid, model)
         opt.step()
     if asynchronous:
-        saver = checkpoint.AsyncSaver()
-        path = saver.save(root, 2, model, opt, {}, keep=1)
+        saver = checkpoint.AsyncSaver()  # as the trainer saves: each dp replica writes its share of the model
+        path = saver.save(root, 2, model, opt, {}, keep=1, replicas=grid.group(("dp", "cp")))
         with torch.no_grad():  # spoil the live state at once: the staged copy is what gets written
             for t in [*model.parameters(), *(state[kind] for state in opt.state for kind in AdamW.STATE)]:
                 t.fill_(float("nan"))

@@ -4,6 +4,7 @@ ranks, and `fourfold simulate` against the other measurement of the same runtime
 import dataclasses
 import json
 
+import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -13,6 +14,7 @@ from fourfold.job import Job
 from fourfold.layout import Layout
 from fourfold.measure import measure_peak
 from fourfold.models.config import load_config
+from fourfold.plan.memory import estimate_memory
 from fourfold.simulate import TRAINER_GROUPS, simulate
 
 
@@ -63,6 +65,8 @@ def test_simulated_step_peaks_where_the_measured_one_does():
     assert abs(step_peak - measured.peak_bytes) <= 256
     assert sim.device_peak_bytes["checkpoint save"] < measured.peak_bytes  # the save adds nothing over the step
     assert sim.save["chunks"] > 0 and sim.save["bytes_written"] > 0
+    # the dp replicas share the weights' writing: a rank stages its optimizer share and about half the weights
+    assert sim.save["bytes_written"] == pytest.approx(estimate_memory(cfg, job, 80.0).checkpoint_host_bytes, rel=0.01)
     ops = {(c["group"], c["op"]) for c in sim.collectives_per_step}
     assert ("cp_dp", "reduce_scatter") in ops  # ZeRO-1: the weight gradients reduced over the replicas
 

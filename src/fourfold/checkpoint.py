@@ -60,15 +60,20 @@ def latest(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True) -> list[Rectangle]:
+def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True,
+                     replicas: comm.Group | None = None) -> list[Rectangle]:
     """The serial rectangles this rank holds: of its parameters ("model/NAME", with `model`) and of
     its ZeRO-1 slices of the optimizer state ("optim/master|m|v/NAME", once it has state). Views of
-    the local tensors: nothing is copied or gathered."""
+    the local tensors: nothing is copied or gathered. `replicas`: a group of ranks holding the
+    same parameters (dp*cp); each offers only those assigned to it (`_assigned`), so none plans,
+    stages or sends a chunk DCP would drop as another replica's duplicate."""
     layouts = params.layouts(module)
     out = []
     if model:
+        owned = _assigned(list(layouts), replicas)
         for p, layout in layouts.items():
-            out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
+            if p in owned:
+                out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
     if opt is not None and opt.state:
         for bucket, state in zip(opt.sync.buckets, opt.state):
             # each parameter's part of this rank's slice of the bucket
@@ -76,6 +81,20 @@ def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True
                 for kind in AdamW.STATE:
                     out += rectangles(layouts[p], state[kind][at : at + b - a], lo=a, prefix=f"optim/{kind}/")
     return out
+
+
+def _assigned(parameters: list[nn.Parameter], replicas: comm.Group | None) -> set[nn.Parameter]:
+    """The parameters this rank of `replicas` writes: whole ones, each to the replica with the
+    fewest elements so far, largest first (every replica computes the same assignment: they hold
+    the same shapes in the same order)."""
+    if replicas is None or replicas.size == 1:
+        return set(parameters)
+    loads, owners = [0] * replicas.size, {}
+    for i in sorted(range(len(parameters)), key=lambda i: -parameters[i].numel()):
+        owner = loads.index(min(loads))
+        loads[owner] += parameters[i].numel()
+        owners[i] = owner
+    return {p for i, p in enumerate(parameters) if owners[i] == replicas.rank}
 
 
 def _prepare(root: Path, step: int) -> tuple[Path, Path]:
@@ -133,12 +152,14 @@ def wait_for_pruning() -> None:
 
 
 def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
-         files: dict[str, Path] | None = None) -> Path:
+         files: dict[str, Path] | None = None, replicas: comm.Group | None = None) -> Path:
     """Write checkpoint `step` (collective: every rank calls it) and return its directory; `files`
-    (name -> path, e.g. the tokenizer) are copied in so that the checkpoint stands alone."""
+    (name -> path, e.g. the tokenizer) are copied in so that the checkpoint stands alone;
+    `replicas`: see `local_rectangles`."""
     root = Path(root)
     final, partial = _prepare(root, step)
-    dcp.save({}, checkpoint_id=partial, planner=RectangleSavePlanner(local_rectangles(module, opt)))
+    dcp.save({}, checkpoint_id=partial,
+             planner=RectangleSavePlanner(local_rectangles(module, opt, replicas=replicas)))
     dist.barrier()
     if dist.get_rank() == 0:
         _publish(root, final, partial, dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0), keep,
@@ -183,12 +204,13 @@ class AsyncSaver:
         return staged
 
     def save(self, root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
-             files: dict[str, Path] | None = None) -> Path:
-        """Start writing checkpoint `step` (collective) and return its directory-to-be."""
+             files: dict[str, Path] | None = None, replicas: comm.Group | None = None) -> Path:
+        """Start writing checkpoint `step` (collective) and return its directory-to-be; `replicas`:
+        see `local_rectangles` (a replica stages only its share of the model)."""
         self.wait()
         root = Path(root)
         final, partial = _prepare(root, step)
-        staged = self._stage(local_rectangles(module, opt))
+        staged = self._stage(local_rectangles(module, opt, replicas=replicas))
         meta = dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0)
         self.published.clear()
         future = dcp.async_save({}, checkpoint_id=partial, planner=RectangleSavePlanner(staged),
@@ -223,39 +245,51 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 16) * 16  # every staged tensor starts at a multiple of any element size
 
 
-def _read_shared(path: Path, module: nn.Module, replicas: comm.Group) -> None:
-    """Each rank of `replicas` reads its 1/n of every local parameter (a contiguous flat range, as
-    a ZeRO-1 slice is cut), then the group all-gathers the parameter whole."""
-    layouts = params.layouts(module)
-    g, mine = replicas.size, replicas.rank
+def _shared_rectangles(module: nn.Module, replicas: comm.Group) -> list[Rectangle]:
+    """This rank's 1/n of every local parameter, n the size of `replicas` (a contiguous flat range,
+    as a ZeRO-1 slice is cut): what it reads when the replicas share a load."""
     rects = []
-    for p, layout in layouts.items():
-        flat, per = p.detach().reshape(-1), -(-p.numel() // g)
-        lo, hi = min(mine * per, p.numel()), min((mine + 1) * per, p.numel())
-        rects += rectangles(layout, flat[lo:hi], lo=lo, prefix="model/")
-    _read(path, rects)
-    for p in layouts:
-        flat, per = p.detach().reshape(-1), -(-p.numel() // g)
-        part = flat.new_zeros(per)
-        lo = min(mine * per, p.numel())
-        part[: len(flat[lo : lo + per])] = flat[lo : lo + per]
+    for p, layout in params.layouts(module).items():
+        lo, hi = _share(p.numel(), replicas)
+        rects += rectangles(layout, p.detach().reshape(-1)[lo:hi], lo=lo, prefix="model/")
+    return rects
+
+
+def _share(numel: int, replicas: comm.Group) -> tuple[int, int]:
+    per = -(-numel // replicas.size)
+    return min(replicas.rank * per, numel), min((replicas.rank + 1) * per, numel)
+
+
+def _read_shared(path: Path, module: nn.Module, replicas: comm.Group) -> None:
+    """Each rank of `replicas` reads its share of every local parameter, then the group
+    all-gathers the parameter whole."""
+    _read(path, _shared_rectangles(module, replicas))
+    for p in params.layouts(module):
+        flat, (lo, hi) = p.detach().reshape(-1), _share(p.numel(), replicas)
+        part = flat.new_zeros(-(-p.numel() // replicas.size))
+        part[: hi - lo] = flat[lo:hi]
         flat.copy_(comm.all_gather(part, replicas)[: p.numel()])
 
 
-def dry_run(module: nn.Module, opt: AdamW) -> tuple[dict, dict]:
+def dry_run(module: nn.Module, opt: AdamW, replicas: comm.Group | None = None) -> tuple[dict, dict]:
     """Plan this rank's part of a save and of a same-grid load of it, as `save` and
-    `load_checkpoint` do, without files (`fourfold simulate`, `memory --measure`): the rectangles
-    offered, the size of the plan DCP's coordinator gathers from this rank, and the local views the
-    reads land in (a load allocates nothing: a memory counter running meanwhile shows it)."""
+    `load_checkpoint` do (with the trainer's `replicas`), without files (`fourfold simulate`,
+    `memory --measure`): the rectangles offered, the size of the plan DCP's coordinator gathers
+    from this rank, and the local views the reads land in (the reads allocate nothing: a memory
+    counter running meanwhile shows it; a shared load's all-gather adds a parameter's buffer)."""
     start = time.perf_counter()
-    rects = local_rectangles(module, opt)
+    rects = local_rectangles(module, opt, replicas=replicas)
     plan = RectangleSavePlanner(rects).create_local_plan()
     save = dict(seconds=time.perf_counter() - start, chunks=len(plan.items),
                 bytes_written=sum(r.data.numel() * r.data.element_size() for r in rects),
                 plan_bytes=len(pickle.dumps(plan)))
     start = time.perf_counter()
-    _, metadata = create_default_global_save_plan([plan])  # this rank's chunks only: what it reads back
-    loader = RectangleLoadPlanner(rects)
+    # the chunks of this rank's tensors, as its replicas together wrote them: what it reads back
+    written = RectangleSavePlanner(local_rectangles(module, opt)).create_local_plan()
+    _, metadata = create_default_global_save_plan([written])
+    shared = replicas is not None and replicas.size > 1
+    loader = RectangleLoadPlanner(_shared_rectangles(module, replicas) + local_rectangles(module, opt, model=False)
+                                  if shared else local_rectangles(module, opt))
     loader.set_up_planner({}, metadata, is_coordinator=True)
     reads = loader.create_local_plan().items
     views = [loader.resolve_tensor(item) for item in reads]

@@ -148,7 +148,7 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
                     opt.step()
                     del loss
                 counter.enter("checkpoint save and load")
-                checkpoint.dry_run(model, opt)  # a save and a load read and write the live tensors
+                checkpoint.dry_run(model, opt, grid.group(("dp", "cp")))  # a save and a load use the live tensors
         return Measurement(counter.peak, counter.phase_peaks, counter.largest_at_peak(top))
     finally:
         with contextlib.suppress(Exception):

@@ -144,7 +144,7 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
                     counter.enter(f"step {n}")
                     step()
                 counter.enter("checkpoint save")
-                save, load = checkpoint.dry_run(model.module, opt)
+                save, load = checkpoint.dry_run(model.module, opt, grid.group(("dp", "cp")))  # as the trainer
                 counter.enter("checkpoint load")
             grid.ledger.reset()
             seconds = []

@@ -344,7 +344,8 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
                     model=dataclasses.asdict(model_cfg))
         path = (saver.save if saver else checkpoint.save)(cfg.checkpoint_dir, done, model.module, opt, meta,
-                                                          cfg.checkpoint.keep, files={"tokenizer.json": tokenizer_path})
+                                                          cfg.checkpoint.keep, files={"tokenizer.json": tokenizer_path},
+                                                          replicas=grid.group(("dp", "cp")))
         return f"{path} (being written in the background)" if saver else str(path)
 
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses

@@ -32,6 +32,7 @@ BUCKET_BYTES = 25 * 2**20  # GradientSync's default bucket (fp32)
 class Memory:
     terms: dict[str, float] = field(default_factory=dict)  # bytes
     limit_bytes: float = 0.0
+    replicas: int = 1  # ranks holding the same weights (dp*cp): they share the writing of them
 
     @property
     def total(self) -> float:
@@ -47,9 +48,12 @@ class Memory:
 
     @property
     def checkpoint_host_bytes(self) -> float:
-        """Host memory an async checkpoint save stages: the rank's weights and its optimizer share
-        (what it writes). A save or load adds nothing on the GPU: both use the rank's own tensors."""
-        return self.terms.get("weights", self.terms.get("weights_and_grads", 0.0) / 3) + self.terms["optimizer"]
+        """Host memory an async checkpoint save stages: its share of the weights (the `replicas`
+        write whole parameters, about 1/n each: a rank may stage up to one parameter more) and
+        its optimizer share (what it writes). A save or load adds nothing on the GPU: both use
+        the rank's own tensors."""
+        weights = self.terms.get("weights", self.terms.get("weights_and_grads", 0.0) / 3)
+        return weights / self.replicas + self.terms["optimizer"]
 
     def breakdown_gib(self) -> dict[str, float]:
         return {k: v / GIB for k, v in self.terms.items()}
@@ -90,7 +94,7 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     if p == 1:
         terms["logits"] = 4 * (seq / c) * b * h * (1 + v / h) / t
     limit = memory_gib * GIB * (0.8 if rule80 else 1.0)
-    return Memory(terms, limit)
+    return Memory(terms, limit, replicas=d * c)
 
 
 def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention: bool = True,
@@ -194,7 +198,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "cuda_context": CUDA_CONTEXT_BYTES,
         "fragmentation": FRAGMENTATION * dynamic,
     }
-    return Memory(terms, memory_gib * GIB)
+    return Memory(terms, memory_gib * GIB, replicas=s.dp * s.cp)
 
 
 def estimate_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True,
