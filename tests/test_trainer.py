@@ -315,6 +315,12 @@ def test_config_errors_name_the_fix(tmp_path, monkeypatch):
         (["--train.recompute", "some"], 1, "recompute 'some' is unknown; use one of"),
         (["--data.text", "no/such/corpus.txt"], 1, "data.text names no/such/corpus.txt, which is not a file"),
         (["--data.tokens", __file__], 1, "data.tokens needs data.tokenizer"),
+        # a lower lr under the default min_lr would make the cosine "decay" climb
+        (["--optimizer.lr", "1e-4"], 1, "optimizer.min_lr=0.0003 is outside \\[0, optimizer.lr=0.0001\\]: the rate "
+                                        "would rise as it decays; set --optimizer.min_lr 1e-05"),
+        (["--optimizer.lr", "-1"], 1, "optimizer.lr=-1.0 must be > 0"),
+        (["--optimizer.beta1", "1.5", "--optimizer.warmup", "-2"], 1, "(?s)warmup=-2 must be >= 0.*beta1=1.5 must be in"),
+        (["--optimizer.weight_decay", "-0.1"], 1, "optimizer.weight_decay=-0.1 must be >= 0"),
     ]
     for overrides, world, message in cases:
         with pytest.raises(ConfigError, match=message):

@@ -293,8 +293,9 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     if cfg.train.eval_tokens < 0:
         found.append("train.eval_tokens must be >= 0 (0: the whole held-out tail)")
     if cfg.train.eval_every and cfg.grid.pp > 1:
-        found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or score the checkpoints "
-                     "with `fourfold eval --checkpoint` on a grid without pp")
+        found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or --train.eval_every 0 and "
+                     "score the checkpoints with `fourfold eval --checkpoint` on a grid without pp")
+    found += _optimizer_problems(cfg.optimizer)
     found += _data_problems(cfg.data, cfg.tokenizer, model.vocab)
     if cfg.log.wandb_project:
         from fourfold.metrics import WANDB, installed
@@ -313,6 +314,24 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
             found.append(f"{name} must be >= 1")
     if found:
         raise ConfigError(describe(found, "this run cannot start:"))
+
+
+def _optimizer_problems(o: OptimizerSection) -> list[str]:
+    found = []
+    if not o.lr > 0:
+        found.append(f"optimizer.lr={o.lr} must be > 0")
+    elif not 0 <= o.min_lr <= o.lr:
+        found.append(f"optimizer.min_lr={o.min_lr} is outside [0, optimizer.lr={o.lr}]: the rate would rise as it "
+                     f"decays; set --optimizer.min_lr {o.lr / 10:g} (a tenth of lr) or lower")
+    if o.warmup < 0:
+        found.append(f"optimizer.warmup={o.warmup} must be >= 0 (steps of linear warmup)")
+    for name, beta in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0 <= beta < 1:
+            found.append(f"optimizer.{name}={beta} must be in [0, 1)")
+    for name, value in (("weight_decay", o.weight_decay), ("clip", o.clip)):
+        if value < 0:
+            found.append(f"optimizer.{name}={value} must be >= 0 (0: {'none' if name == 'weight_decay' else 'no clipping'})")
+    return found
 
 
 def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str]:
