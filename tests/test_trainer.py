@@ -405,3 +405,35 @@ def test_auto_grid_takes_a_planner_candidate_this_run_can_use():
     assert not cfg.grid.auto and cfg.layout().world_size == 8
     assert cfg.layout() == chosen.layout and cfg.job() == chosen  # the planner's job, as it is
     validate(cfg, 8)  # the chosen grid passes every check
+
+
+def test_the_run_starts_from_its_own_latest_checkpoint_then_from_checkpoint_load(tmp_path):
+    """Running the same command again (or a torchrun restart) continues from the run's own latest
+    checkpoint, not from checkpoint.load again; checkpoint.load may name a run's checkpoint
+    directory; a checkpoint of another model is refused before launch, naming the fix."""
+    import dataclasses as dc
+
+    from fourfold.trainer import check_checkpoint, checkpoint_source
+
+    def fake_checkpoint(root, step, **model_changes):
+        path = root / f"step-{step:08d}"
+        path.mkdir(parents=True)
+        model = dc.replace(load_train_config(None).model_config(), **model_changes)
+        (path / checkpoint.META).write_text(json.dumps({"step": step, "model": dc.asdict(model)}))
+        return path
+
+    start = fake_checkpoint(tmp_path / "pretrained" / "checkpoints", 4)
+    options = ["--log.run_dir", str(tmp_path / "run"), "--checkpoint.load", str(tmp_path / "pretrained" / "checkpoints")]
+    cfg = load_train_config(None, options)
+    assert checkpoint_source(cfg) == start  # the run has none of its own yet; a run's directory: its latest
+    check_checkpoint(cfg)
+    own = fake_checkpoint(tmp_path / "run" / "checkpoints", 6)
+    assert checkpoint_source(cfg) == own
+    assert checkpoint_source(load_train_config(None, [*options, "--checkpoint.resume", "false"])) == start
+    fake_checkpoint(tmp_path / "run" / "checkpoints", 8, hidden=96)  # (the default model has 128)
+    with pytest.raises(ConfigError, match=r"holds another model \(hidden 96 there, 128 here\): give another "
+                                          r"--log.run_dir, or --checkpoint.resume false, to start anew"):
+        check_checkpoint(cfg)
+    missing = load_train_config(None, ["--log.run_dir", str(tmp_path / "new"), "--checkpoint.load", str(tmp_path / "x")])
+    with pytest.raises(ConfigError, match="checkpoint.load .*x is not a fourfold checkpoint"):
+        check_checkpoint(missing)

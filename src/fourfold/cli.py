@@ -147,7 +147,7 @@ def _launcher_options_removed(argv: list[str]) -> list[str]:
 
 
 def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
-    from fourfold.trainconfig import check_data_files, load_train_config, resolve_auto_grid, validate
+    from fourfold.trainconfig import load_train_config, resolve_auto_grid, validate
 
     cfg = load_train_config(args.config, overrides)
     if not inside_torchrun():  # check everything and prepare the data before any process starts
@@ -159,8 +159,7 @@ def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> i
         import torch
 
         validate(cfg, world, gpu=torch.cuda.is_available())
-        check_data_files(cfg)
-        argv = argv + _data_prepared(cfg)
+        argv = argv + _before_launch(cfg)
         return relaunch_with_torchrun(world, _launcher_options_removed(argv), max_restarts=args.max_restarts)
     stop = StopRequest()  # before torch is imported: a signal from now on stops the run at a step boundary
     import torch.distributed as dist
@@ -237,13 +236,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_prepared(cfg) -> list[str]:
-    """Tokenize (and, for data.packing = documents, pack) the corpus here, before any rank starts;
-    the overrides that hand the ranks the files. No rank then reads the corpus, and rank 0 does
-    not prepare it while every other rank waits at the start-up barrier (whose timeout a large
-    corpus would pass)."""
-    from fourfold.trainer import packed_windows, tokens_files
+def _before_launch(cfg) -> list[str]:
+    """The checks that read files (the data's, the checkpoint the run starts from), then the data
+    prepared here, before any rank starts: tokenized (and, for data.packing = documents, packed).
+    Returns the overrides that hand the ranks the files. No rank then reads the corpus, and rank
+    0 does not prepare it while every other rank waits at the start-up barrier (whose timeout a
+    large corpus would pass)."""
+    from fourfold.trainconfig import check_data_files
+    from fourfold.trainer import check_checkpoint, packed_windows, tokens_files
 
+    check_data_files(cfg)
+    check_checkpoint(cfg)
     tokenizer, tokens = tokens_files(cfg)
     packed_windows(cfg, tokenizer, tokens)  # into the cache, where the job's rank 0 finds it
     return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())]
@@ -251,7 +254,7 @@ def _data_prepared(cfg) -> list[str]:
 
 def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from fourfold.slurm import sbatch_script
-    from fourfold.trainconfig import check_data_files, load_train_config, resolve_auto_grid, validate
+    from fourfold.trainconfig import load_train_config, resolve_auto_grid, validate
 
     cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
     world = args.nodes * args.gpus_per_node
@@ -262,8 +265,7 @@ def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         _check_slurm_world(cfg.layout(), args.nodes, args.gpus_per_node)
     validate(cfg, world, gpu=True)  # an sbatch script runs on GPU nodes
-    check_data_files(cfg)
-    overrides = overrides + _data_prepared(cfg)
+    overrides = overrides + _before_launch(cfg)
     # The run directory absolute, so that the job writes to the same place wherever sbatch is called;
     # it must exist before the job starts, since SLURM opens the job's output files in it.
     run_dir = Path(cfg.log.run_dir).expanduser().resolve()

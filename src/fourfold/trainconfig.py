@@ -98,7 +98,7 @@ class CheckpointSection:
     every: int = 50
     keep: int = 2
     resume: bool = True  # continue from the latest complete checkpoint in `dir`
-    load: str = ""  # start from this checkpoint (any grid), ignoring `resume`
+    load: str = ""  # start from this checkpoint (any grid; or a run's checkpoint dir: its latest) when `dir` has none
     async_save: bool = False  # write in the background (host memory: one rank's share of the state)
 
 

@@ -82,6 +82,39 @@ def packed_windows(cfg: TrainConfig, tokenizer_path: Path, tokens_path: Path) ->
                                    cfg.data.cache_dir)
 
 
+def checkpoint_source(cfg: TrainConfig) -> Path | None:
+    """The checkpoint this run starts from: its own latest (checkpoint.resume), else
+    checkpoint.load (a step-N directory, or a run's checkpoint directory: its latest), else none.
+    The run's own wins, so that running the same command again, or a torchrun restart, continues
+    instead of going back to checkpoint.load."""
+    c = cfg.checkpoint
+    own = checkpoint.latest(cfg.checkpoint_dir) if c.resume else None
+    if own is not None or not c.load:
+        return own
+    return checkpoint.latest(c.load) or Path(c.load)
+
+
+def check_checkpoint(cfg: TrainConfig) -> None:
+    """The checkpoint the run would start from, before any process starts: complete, and of the
+    configured model. Raises ConfigError naming the fix."""
+    source = checkpoint_source(cfg)
+    if source is None:
+        return
+    own = source.parent == Path(cfg.checkpoint_dir)
+    try:
+        saved = ModelConfig.from_dict(checkpoint.read_meta(source)["model"])
+    except checkpoint.CheckpointError:
+        raise ConfigError(f"checkpoint.load {cfg.checkpoint.load} is not a fourfold checkpoint (no {checkpoint.META}); "
+                          f"give a step-N directory or a run's checkpoint directory written by `fourfold train`") from None
+    model = cfg.model_config()
+    differ = [f"{f.name} {getattr(saved, f.name)} there, {getattr(model, f.name)} here"
+              for f in dataclasses.fields(model) if getattr(saved, f.name) != getattr(model, f.name)]
+    if differ:
+        fix = ("give another --log.run_dir, or --checkpoint.resume false, to start anew" if own else
+               "give a checkpoint of this model, or the model it was trained with")
+        raise ConfigError(f"the checkpoint {source} holds another model ({'; '.join(differ)}): {fix}")
+
+
 def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
     """(tokenizer.json, tokens.npy): the user's, or the corpus prepared (and cached) now."""
     d = cfg.data
@@ -316,8 +349,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     o = cfg.optimizer
     opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
     start, saved_config = 0, {}
-    source = Path(cfg.checkpoint.load) if cfg.checkpoint.load else (
-        checkpoint.latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None)
+    source = checkpoint_source(cfg)
     if source is None and cfg.model.hf:
         from fourfold.models.hf import load_hf
 
