@@ -209,12 +209,12 @@ def test_resume_with_another_schedule_says_what_changed(data, stopped, tmp_path)
     assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000008"
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm to the launcher"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigint to the launcher", "sigterm to the launcher"])
 def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, how):
-    """Ctrl-C: SIGINT to the launching process group, as a terminal sends it; nothing is saved and
-    the command returns 130. SIGTERM to the launching process alone (a scheduler's): it is passed
-    on, every rank saves the step it stopped after, and the command returns 143. Neither prints a
-    traceback."""
+    """Ctrl-C: SIGINT to the launching process group, as a terminal sends it, or to the launching
+    process alone (`kill -INT`); nothing is saved and the command returns 130. SIGTERM to the
+    launching process alone (a scheduler's): it is passed on, every rank saves the step it stopped
+    after, and the command returns 143. None prints a traceback."""
     cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
            *_options(tmp_path, "--train.steps", "100000", "--log.every", "1")]  # a record each step
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -226,7 +226,7 @@ def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, ho
     if how == "ctrl-c":
         os.killpg(proc.pid, signal.SIGINT)
     else:
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGINT if how == "sigint to the launcher" else signal.SIGTERM)
     try:
         out, err = proc.communicate(timeout=120)
     finally:
@@ -235,7 +235,7 @@ def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, ho
     assert "Traceback" not in err and err.strip() == "", err[-3000:]
     assert out.count("stopped by") == 1, out[-3000:]
     saved = checkpoint.complete(tmp_path / "checkpoints")
-    if how == "ctrl-c":
+    if how != "sigterm to the launcher":
         assert proc.returncode == 130
         assert "stopped by SIGINT after" in out and "no checkpoint yet: the same command starts over" in out
         assert not saved

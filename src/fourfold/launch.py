@@ -22,10 +22,15 @@ def inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def relaunch_with_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Run `python -m fourfold.cli ARGV` on `nproc` ranks with torchrun (which restarts every rank
-    up to `max_restarts` times when one fails); returns its exit code, or 130 after a Ctrl-C. A
-    SIGTERM sent to this process is passed on to torchrun (and so to the ranks)."""
+    up to `max_restarts` times when one fails); returns its exit code, or 128 + the signal after
+    one stopped it. torchrun runs in a process group of its own, so that a signal reaches it once,
+    passed on from here, whether a terminal's Ctrl-C sent it to this group or `kill` (a
+    scheduler, a user) to this process alone (which torchrun would not have seen)."""
     cmd = [
         sys.executable, "-m", "fourfold.launch", "--standalone", f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}", "-m", "fourfold.cli", *argv,
@@ -33,24 +38,26 @@ def relaunch_with_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # many ranks on few cores: one thread each
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    torchrun = subprocess.Popen(cmd, env=env)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: torchrun.send_signal(signum))
+    received: list[int] = []
+    torchrun = None
+
+    def forward(signum: int, frame) -> None:
+        received.append(signum)
+        if torchrun is not None:
+            torchrun.send_signal(signum)
+
+    previous = {s: signal.getsignal(s) for s in FORWARDED}
+    for s in FORWARDED:  # before torchrun starts: no signal may find the default handler meanwhile
+        signal.signal(s, forward)
     try:
-        return _wait(torchrun)
+        torchrun = subprocess.Popen(cmd, env=env, process_group=0)
+        if received:  # one came while it started
+            torchrun.send_signal(received[0])
+        code = torchrun.wait()  # (interrupted by a forwarded signal, the wait goes on: PEP 475)
+        return 128 + received[0] if received else code
     finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _wait(torchrun: subprocess.Popen) -> int:
-    """torchrun's exit code. A Ctrl-C reaches torchrun too (same process group), which passes it to
-    the ranks: wait for them to stop rather than leave them running, and return 130."""
-    interrupted = False
-    while True:
-        try:
-            code = torchrun.wait()
-            return 128 + signal.SIGINT if interrupted else code
-        except KeyboardInterrupt:
-            interrupted = True
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class StopRequest:
