@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from fourfold.cli import main
@@ -110,14 +111,15 @@ def test_calibrate_command_on_a_csv_predicts_other_runs(tmp_path, capsys):
     assert first["tie"] or first["step_seconds"] == fastest
 
 
-def _run_dir(path, grid: dict, seconds: list[float], checkpoint: bool = True):
-    """What `fourfold train` leaves in a run directory: log.jsonl and a checkpoint's meta.json."""
+def _run_dir(path, grid: dict, seconds: list[float], checkpoint: bool = True, mfu: float | None = 0.3):
+    """What `fourfold train` leaves in a run directory: log.jsonl and a checkpoint's meta.json (a run
+    on GPUs; `mfu=None`: on CPU)."""
     path.mkdir()
     cfg = TrainConfig()
     for dim, n in grid.items():
         setattr(cfg.grid, dim, n)
     cfg.batch.global_batch, cfg.batch.micro_batch, cfg.batch.seq = 16, 2, 128
-    records = [dict(step=i, loss=5.0, seconds=s, skipped=False, peak_memory_gib=0.5, mfu=None)
+    records = [dict(step=i, loss=5.0, seconds=s, skipped=False, peak_memory_gib=0.5, mfu=mfu)
                for i, s in enumerate(seconds)]
     (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if checkpoint:
@@ -131,7 +133,7 @@ def test_a_run_directory_gives_its_job_and_median_step(tmp_path, capsys):
     _run_dir(tmp_path / "a", {"dp": 2, "x": 2}, [9.0, 1.0, 1.2, 1.1])
     run = read_run_dir(tmp_path / "a")
     assert run.jobs[0].layout.sizes == dict(dp=2, pp=1, cp=1, x=2, y=1, z=1)
-    assert run.jobs[0].precision == "float32"  # no MFU logged: a CPU run
+    assert run.jobs[0].precision == "bf16"  # precision auto, on GPUs
     assert run.seconds == 1.1 and run.framework == "fourfold"  # the first step (warm-up) left out
     _run_dir(tmp_path / "b", {"dp": 4}, [5.0, 2.0, 2.2])
     _run_dir(tmp_path / "c", {"y": 2, "dp": 2}, [5.0, 1.5, 1.5])
@@ -143,6 +145,32 @@ def test_a_run_directory_gives_its_job_and_median_step(tmp_path, capsys):
         read_run_dir(tmp_path / "bare")
     with pytest.raises(ValueError, match="has no log.jsonl"):
         read_run_dir(tmp_path)
+    _run_dir(tmp_path / "wide", {"dp": 16}, [1.0, 1.0])  # 16 sequences over dp16 * micro-batch 2
+    with pytest.raises(ValueError, match="wide: batch.global_batch=16 must be a multiple of dp\\*micro_batch"):
+        read_run_dir(tmp_path / "wide")
+
+
+def test_runs_on_cpu_are_refused_by_name_before_any_fit(tmp_path, capsys):
+    _run_dir(tmp_path / "gpu", {"dp": 2}, [1.0, 1.0, 1.1])
+    _run_dir(tmp_path / "cpu", {"dp": 2, "cp": 2}, [1.0, 1.0, 1.1], mfu=None)  # cp: the rules ask GPUs' flash kernel
+    assert main(["calibrate", str(tmp_path / "gpu"), str(tmp_path / "cpu"), "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'cpu'} ran on CPU" in err and "give runs of `fourfold train` on GPUs, or" in err
+    assert "--csv rows" in err and not (tmp_path / "c.json").exists()
+
+
+def test_a_singular_fit_names_the_cause(monkeypatch):
+    """Runs too alike to determine the constants make the normal equations singular (how soon depends
+    on the runs' numbers: the solver is made to fail here)."""
+    def singular(*_):
+        raise np.linalg.LinAlgError("Singular matrix")
+
+    monkeypatch.setattr(np.linalg, "solve", singular)
+    cfg, cluster = load_config("llama-3.1-8b"), make_cluster("dgx-a100")
+    job = Job(Layout(dp=2, y=4), global_batch=512, micro_batch=1, seq=4096, seq_parallel=True, precision="bf16")
+    runs = [make_run(cfg, job, cluster, "fourfold", seconds, "made") for seconds in (1.0, 1.1)]
+    with pytest.raises(ValueError, match="the fit on 1 runs is singular: too few distinct runs or groups for 9"):
+        calibrate(runs)
 
 
 def test_plan_marks_candidates_within_the_error_as_ties(tmp_path, capsys):
@@ -161,7 +189,9 @@ def test_plan_marks_candidates_within_the_error_as_ties(tmp_path, capsys):
     assert "  ~ " not in table and "the model's error is unknown" in table
 
 
-def test_calibration_files_name_what_is_wrong(tmp_path):
+def test_calibration_files_name_what_is_wrong(tmp_path, capsys):
+    assert main(["estimate", "--model", "llama-3.1-8b", "--calibrate", str(tmp_path / "none.json")]) == 2
+    assert f"--calibrate {tmp_path / 'none.json'}: no such file; give the cal.json" in capsys.readouterr().err
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"efficiency_max": 0.7, "bandwidth_factor": 0.8}))
     with pytest.raises(ValueError, match="give its value as intra_node_efficiency and inter_node_efficiency"):

@@ -227,6 +227,41 @@ def test_cli_error_is_clear():
     assert out.returncode == 2 and "32 layers cannot fill 40 pipeline stages; use pp*virtual of at most 32" in out.stderr
 
 
+def test_plan_says_what_the_rules_refuse_when_they_refuse_every_grid(capsys):
+    from fourfold.cli import main
+
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq", "1000000"]) == 2
+    out = capsys.readouterr()
+    assert "nothing fits" not in out.out
+    assert "the rules refuse every configuration of 8 GPUs; with dp=8:\n  --seq 1000000 is longer than the model's " \
+           "131072 positions; use a sequence of at most 131072 tokens" in out.err
+    for gpus in ("0", "-2"):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "llama-3.1-8b", "--gpus", gpus])
+        assert f"argument --gpus: {gpus} is not a positive count; give 1 or more" in capsys.readouterr().err
+
+
+def test_tp_with_a_3d_grid_is_refused(capsys):
+    from fourfold.cli import main
+
+    assert main(["estimate", "--model", "llama-3.1-8b", "--tp", "8", "--x", "2"]) == 2
+    assert "--tp 8 is Megatron's 1D tensor parallelism (y=8, x = z = 1) and cannot go with --x 2: give either --tp " \
+           "or --x/--y/--z" in capsys.readouterr().err
+
+
+def test_rule_errors_name_the_planners_flags(capsys):
+    from fourfold.cli import main
+
+    assert main(["estimate", "--model", "llama-3.1-8b", "--global-batch", "16", "--dp", "32", "--seq", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq is 0; set --seq >= 1" in err and "batch." not in err
+    assert main(["estimate", "--model", "llama-3.1-8b", "--global-batch", "16", "--dp", "32", "--y", "8",
+                 "--seq", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--global-batch 16 must be a multiple of dp*micro_batch = 32*1" in err
+    assert "or give --no-seq-parallel" in err and "batch." not in err
+
+
 def test_cli_memory_measured_under_fake_tensors(capsys):
     """`fourfold memory --measure`: the runtime's peak (FakeTensorMode) beside the estimate, as a
     table and as JSON; a pipeline is refused with the fix. In-process (it builds its own fake world)."""

@@ -215,6 +215,10 @@ def read_run_dir(path: str | Path, cluster: Cluster | None = None) -> Run:
     if len(steps) < 2:
         raise ValueError(f"{log} has {len(steps)} timed steps; calibration needs 2 or more (the first is the "
                          f"warm-up): train longer")
+    if steps[-1].get("mfu") is None:  # the trainer logs an MFU on GPUs only
+        raise ValueError(f"{path} ran on CPU (its log.jsonl has no MFU), and runs on CPU do not calibrate: the "
+                         f"presets and the constants' ranges are GPUs'; give runs of `fourfold train` on GPUs, or "
+                         f"measured GPU runs as --csv rows (docs/planner.md, Calibration)")
     metas = sorted((path / "checkpoints").glob("step-*/meta.json"))
     if not metas:
         raise ValueError(f"{path}/checkpoints has no complete checkpoint, and the run's job is saved only with its "
@@ -228,12 +232,15 @@ def read_run_dir(path: str | Path, cluster: Cluster | None = None) -> Run:
         raise ValueError(f"{metas[-1]}: the saved configuration does not fit this fourfold ({e}): write the run as "
                          f"a CSV row (docs/planner.md, Calibration) and give it with --csv") from None
     job = config.job()
-    if job.precision == "auto":  # what the trainer chose: bf16 on GPUs (which log an MFU), float32 on CPU
-        job = replace(job, precision="bf16" if steps[-1].get("mfu") is not None else "float32")
+    if job.precision == "auto":  # what the trainer chooses on GPUs
+        job = replace(job, precision="bf16")
     h = config.hardware
     cluster = cluster or make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
     seconds = statistics.median(r["seconds"] for r in steps[1:])
-    return make_run(ModelConfig.from_dict(meta["model"]), job, cluster, "fourfold", seconds, path.name)
+    try:
+        return make_run(ModelConfig.from_dict(meta["model"]), job, cluster, "fourfold", seconds, path.name)
+    except ValueError as e:  # the rules' problems: name the run they belong to
+        raise ValueError(f"{path}: {e}") from None
 
 
 # ----- the fit -------------------------------------------------------------------------------------
@@ -300,7 +307,14 @@ def fit(runs: list[Run], start: Calibration = START, knobs: tuple[Knob, ...] = K
         jacobian = np.column_stack(columns)
         a, g = jacobian.T @ jacobian, jacobian.T @ r
         while damping < 1e8:
-            trial_theta = np.clip(theta - np.linalg.solve(a + damping * np.diag(np.diag(a) + 1e-12), g), low, high)
+            try:
+                step = np.linalg.solve(a + damping * np.diag(np.diag(a) + 1e-12), g)
+            except np.linalg.LinAlgError:  # runs too alike to tell the constants apart
+                raise ValueError(f"the fit on {len(runs)} runs is singular: too few distinct runs or groups for "
+                                 f"{len(knobs)} constants (cross-validation leaves a group, or with one group a run, "
+                                 f"out of each fit); add runs that differ (other grids, micro-batches, GPU counts)"
+                                 ) from None
+            trial_theta = np.clip(theta - step, low, high)
             trial = log_errors(runs, calibration(trial_theta))
             if trial @ trial < cost:
                 break

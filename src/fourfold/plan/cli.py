@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
 from fourfold.job import PRECISIONS, RECOMPUTE, Job
 from fourfold.layout import DEFAULT_ORDER, DIMS, GridError, Layout
@@ -15,6 +16,25 @@ from fourfold.plan.hardware import CLUSTERS, GPUS, make_cluster
 from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
 from fourfold.plan.search import HEADROOM, as_json, predict, search
+from fourfold.rules import problems
+
+# The rules name the training config's keys; the planner's commands take these flags instead.
+FLAGS = {"batch.global_batch": "--global-batch", "batch.micro_batch": "--micro-batch", "batch.seq": "--seq",
+         "turn seq_parallel off": "give --no-seq-parallel"}
+
+
+def as_flags(message: str) -> str:
+    for key, flag in FLAGS.items():
+        message = message.replace(f"{key}=", f"{flag} ").replace(key, flag)
+    return message
+
+
+def positive(text: str) -> int:
+    """An argparse type: a count of 1 or more (argparse names the flag in the error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
+    return value
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -65,6 +85,9 @@ def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
 def _context(args):
     cluster = make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs,
                            args.latency_us)
+    if args.calibrate and not Path(args.calibrate).is_file():
+        raise ValueError(f"--calibrate {args.calibrate}: no such file; give the cal.json `fourfold calibrate ... -o` "
+                         f"wrote")
     cal = Calibration.load(args.calibrate) if args.calibrate else Calibration()
     if args.latency_us is not None:  # the flag wins over a calibrated latency
         cal = dataclasses.replace(cal, latency_us=None)
@@ -78,6 +101,10 @@ def _one(args) -> tuple[ModelConfig, Job, dict]:
     cfg, cluster, cal = _context(args)
     sizes = {d: getattr(args, d) for d in DIMS}
     if args.tp:
+        given = [f"--{d} {sizes[d]}" for d in ("x", "y", "z") if sizes[d] != 1]
+        if given:  # --tp sets x, y and z: a --x it overrode would be silently ignored
+            raise ValueError(f"--tp {args.tp} is Megatron's 1D tensor parallelism (y={args.tp}, x = z = 1) and cannot "
+                             f"go with {' '.join(given)}: give either --tp or --x/--y/--z")
         sizes.update(x=1, y=args.tp, z=1)
     order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
     job = _job(args, Layout(**sizes, order=order), args.virtual)
@@ -174,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
         top = None if args.plot or args.all else args.top if args.json else args.top or 10
         found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
                        rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework, top=top)
+        if not found.considered:  # not a question of memory: say what the rules refuse, with its fix
+            simplest = problems(cfg, _job(args, Layout(dp=args.gpus)), gpu=True)
+            raise ValueError("\n  ".join([f"the rules refuse every configuration of {args.gpus} GPUs; "
+                                          f"with dp={args.gpus}:", *map(str, simplest)]))
         if args.json:
             shown = found[: args.top] if args.top else found
             print(json.dumps({"cv_error": cal.cv_error, "candidates": [as_json(r) for r in shown]}))
@@ -198,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             plot_candidates(found, args.plot, f"{args.model} on {args.gpus} GPUs")
         return 0
     except (ValueError, GridError, OSError) as err:
-        print(f"fourfold: error: {err}", file=sys.stderr)
+        print(f"fourfold: error: {err if args.command == 'calibrate' else as_flags(str(err))}", file=sys.stderr)
         return 2
 
 
@@ -241,7 +272,7 @@ def add_commands(commands) -> None:
     add_config(estimate)
     plan = commands.add_parser("plan", help="search every configuration of a GPU count, best first")
     add_common(plan)
-    plan.add_argument("--gpus", type=int, required=True)
+    plan.add_argument("--gpus", type=positive, required=True)
     plan.add_argument("--all", action="store_true", help="also list candidates that do not fit")
     plan.add_argument("--top", type=int, default=0, help="how many to print (table default 10, JSON default all)")
     plan.add_argument("--plot", help="write a PNG: throughput against memory, and the top time breakdowns")
