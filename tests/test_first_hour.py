@@ -99,6 +99,13 @@ def test_train_checks_tokenizer_and_token_ids_against_the_model_before_launch(da
     assert "give a .npy file of token ids" in err
 
 
+def test_eval_on_pipeline_stages_is_refused_naming_the_fix(capsys, tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int32))
+    err = _error(capsys, ["eval", "--checkpoint", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8",
+                          "--grid", "pp=2,x=2"])
+    assert "without pipeline stages: leave pp out of --grid pp=2,x=2" in err
+
+
 # ----- fourfold slurm ------------------------------------------------------------------------------
 
 def test_slurm_grid_against_nodes_names_both_fixes(capsys):

@@ -322,6 +322,16 @@ def test_config_errors_name_the_fix(tmp_path, monkeypatch):
         (["--optimizer.beta1", "1.5", "--optimizer.warmup", "-2"], 1, "(?s)warmup=-2 must be >= 0.*beta1=1.5 must be in"),
         (["--optimizer.weight_decay", "-0.1"], 1, "optimizer.weight_decay=-0.1 must be >= 0"),
     ]
+    hf = tmp_path / "hf"  # a Hugging Face directory without its tokenizer.json
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=256)))
+    cases += [
+        (["--model.hf", "no/such/dir"], 1, "model.hf names no/such/dir, which is not a directory"),
+        (["--model.hf", str(hf), "--model.preset", "tiny-gpt"], 1, "model.hf .* and model.preset \\(tiny-gpt\\) both"),
+        (["--model.hf", str(hf)], 1, "has no tokenizer.json, and a tokenizer trained on the corpus would not match"),
+    ]
     for overrides, world, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_train_config(None, overrides), world)

@@ -54,6 +54,9 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
 
     if args.max_tokens < 0:
         raise ConfigError("--max-tokens must be >= 0 (0: the whole file)")
+    if layout.pp > 1:
+        raise ConfigError(f"fourfold eval runs the whole model on each rank, without pipeline stages: leave pp out "
+                          f"of --grid {args.grid} (dp, cp, x, y and z all work)")
     model = _eval_model_config(args)
     # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training
     job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,

@@ -109,7 +109,7 @@ class LogSection:
     # evaluation or a checkpoint); a step's seconds are then the mean over those N; printed every N.
     # (A stop signal is agreed on every step, host to host, one step behind: it needs no read.)
     every: int = 1
-    progress: bool = True
+    progress: bool = True  # a progress bar when stderr is a terminal (else a JSON line every `every` steps)
     tensorboard: bool = True  # event files in RUN/tensorboard, when the tensorboard package is installed
     wandb_project: str = ""  # a Weights & Biases project to log to (needs the wandb package); empty = none
 
@@ -280,6 +280,12 @@ def load_train_config(path: str | None, overrides: list[str] = ()) -> TrainConfi
 def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     """Every check that needs no process group, for a run on `gpu`s or CPU processes: raises
     ConfigError listing each problem with its fix."""
+    hf = cfg.model.hf
+    if hf and not Path(hf).expanduser().is_dir():
+        raise ConfigError(f"model.hf names {hf}, which is not a directory; give a Hugging Face model directory "
+                          f"(config.json and *.safetensors, as save_pretrained writes it)")
+    if hf and cfg.model.preset != ModelSection.preset:
+        raise ConfigError(f"model.hf ({hf}) and model.preset ({cfg.model.preset}) both name a model; give one")
     try:
         model = cfg.model_config()
     except (FileNotFoundError, ValueError) as e:
@@ -295,6 +301,9 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     if cfg.train.eval_every and cfg.grid.pp > 1:
         found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or --train.eval_every 0 and "
                      "score the checkpoints with `fourfold eval --checkpoint` on a grid without pp")
+    if hf and not cfg.tokenizer:
+        found.append(f"model.hf {hf} has no tokenizer.json, and a tokenizer trained on the corpus would not match its "
+                     f"embeddings: give data.tokenizer (the model's tokenizer.json, or a directory holding one)")
     found += _optimizer_problems(cfg.optimizer)
     found += _data_problems(cfg.data, cfg.tokenizer, model.vocab)
     if cfg.log.wandb_project:

@@ -21,6 +21,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -190,7 +191,7 @@ class Reporter:
         if self.rank0:
             self.metrics = metrics.Metrics(Path(cfg.log.run_dir), start=start, tensorboard=tensorboard,
                                            wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
-            if cfg.log.progress:
+            if cfg.log.progress and sys.stderr.isatty():  # redirected (a scheduler's log): the JSON lines instead
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
