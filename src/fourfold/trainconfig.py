@@ -20,7 +20,7 @@ from fourfold.rules import describe, problems
 @dataclass
 class ModelSection:
     preset: str = "tiny-llama"  # a preset name or a config.json path
-    hf: str = ""  # a Hugging Face checkpoint directory to start from (overrides preset)
+    hf: str = ""  # a Hugging Face checkpoint directory to start from (instead of a preset)
     seed: int = 0
     init_std: float = 0.02
 
