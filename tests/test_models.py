@@ -1,16 +1,19 @@
 """Llama and GPT-2 on the 3D grid against Hugging Face transformers, with import and export."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from fourfold import checkpoint as fourfold_checkpoint
 from fourfold import comm
+from fourfold.export import export
 from fourfold.grid import Grid
 from fourfold.layout import GridError, Layout
 from fourfold.models.config import ModelConfig, load_config, preset_names
 from fourfold.checkpoint import CheckpointError
-from fourfold.models.hf import load_hf, save_hf, to_hf_tensors
+from fourfold.models.hf import load_hf, to_hf_tensors
 from fourfold.models.transformer import Transformer
 from fourfold.rules import padded_vocab
 from fourfold.tensor.block import TensorOptions
@@ -136,18 +139,20 @@ def test_float32_within_1e5(ranks, checkpoint):
     ranks.run(_compare, 8, path, dict(x=2, y=2, z=2), ids, loss, logits, grads, torch.float32, 1e-5)
 
 
-def _export(src, dst, sizes):
+def _import_and_save(src, root, sizes):
     grid = Grid(Layout(**sizes))
     model = Transformer(grid, load_config(src), TensorOptions(dtype=torch.float64))
     load_hf(model, src)
-    save_hf(model, dst)
+    fourfold_checkpoint.save(root, 1, model, None, {"model": dataclasses.asdict(model.cfg)}, keep=1)
     return True
 
 
 @pytest.mark.parametrize("sizes", [dict(x=2, y=2, z=2), dict(y=2, z=4)])
 def test_round_trip_gives_identical_tensors(ranks, checkpoint, tmp_path, sizes):
+    """Imported on a grid, checkpointed, exported (the users' route): transformers' tensors again."""
     name, path, *_ = checkpoint
-    ranks.run(_export, 8, path, str(tmp_path / "out"), sizes)
+    ranks.run(_import_and_save, 8, path, str(tmp_path / "run"), sizes)
+    export(tmp_path / "run", tmp_path / "out")
     original = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float64)
     a, b = original.state_dict(), exported.state_dict()

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints (config.json + safetensors, as `save_pretrained` writes them): import
-into any grid, each rank reading only the blocks it owns, and export back.
+into any grid, each rank reading only the blocks it owns (export back: `fourfold.export`, from a
+checkpoint).
 
 Every loader asks a `Reader` for a slice of a *serial* tensor by fourfold's name; the reader
 maps the name to the checkpoint's tensor (transposing GPT-2's Conv1D weights, cutting its fused
@@ -13,12 +14,11 @@ import os
 from pathlib import Path
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from fourfold.checkpoint import META, CheckpointError, latest
 from fourfold.models.config import ModelConfig
-from fourfold.tensor.params import Read, full_weights, load
+from fourfold.tensor.params import Read, load
 
 
 def llama_names(cfg: ModelConfig) -> dict[str, str]:
@@ -155,18 +155,3 @@ def to_hf_tensors(cfg: ModelConfig, serial: dict[str, torch.Tensor]) -> dict[str
         parts = [t for _, t in sorted(parts, key=lambda p: p[0])]
         fused[hf] = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).contiguous()
     return fused
-
-
-def save_hf(model: nn.Module, directory: str | os.PathLike) -> None:
-    """Write config.json and model.safetensors as save_pretrained does (rank 0 writes; all ranks
-    take part in gathering). Writes to a temporary name first, so a failed save leaves no half file."""
-    serial = full_weights(model)
-    if model.grid.rank != 0:
-        return
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_tensors(model.cfg, serial)
-    tmp = directory / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=1))
