@@ -2,11 +2,13 @@
 in several safetensors shards with an index; transformers loads it with the same weights."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from fourfold import checkpoint
+from fourfold import checkpoint, corpus
 from fourfold.export import export
 from fourfold.grid import Grid
 from fourfold.layout import Layout
@@ -14,6 +16,7 @@ from fourfold.models.config import ModelConfig
 from fourfold.models.hf import to_hf_tensors
 from fourfold.models.transformer import Transformer
 from fourfold.tensor.params import full_weights
+from fourfold.trainer import tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,11 +57,81 @@ def test_export_writes_shards_transformers_loads(ranks, tmp_path, name, monkeypa
         assert torch.equal(state[key], value), key
 
 
-def test_export_never_deletes_a_directory_that_is_not_a_model(tmp_path):
-    from fourfold.checkpoint import CheckpointError
+@pytest.mark.parametrize("holding", [["keep.txt"], ["config.json", "NOTES.md", "generation_config.json"]])
+def test_export_never_replaces_an_existing_directory(tmp_path, holding):
+    """Not even a model directory: a typo naming the source model must not delete it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in holding:
+        (out / name).write_text("mine")
+    with pytest.raises(checkpoint.CheckpointError, match=f"{out} exists and is not empty; .* give a new directory "
+                                                          f"or remove {out} first"):
+        export(tmp_path / "run", out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(holding)
+    assert all((out / name).read_text() == "mine" for name in holding)
 
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "keep.txt").write_text("mine")
-    with pytest.raises(CheckpointError, match="is not a model directory"):
-        export(tmp_path / "run", tmp_path / "notes")
-    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+def _tokenizer(path, eos="<|endoftext|>", bos=None):
+    """A word-level tokenizer of the models' vocabulary: [UNK], its end token (id 1), a BOS its
+    post-processor puts before each text (id 2), w3 w4 ..."""
+    vocab = {"[UNK]": 0, eos: 1, bos or "unused": 2, **{f"w{i}": i for i in range(3, 40)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([eos] + [bos] * bool(bos))
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 2)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return path
+
+
+def _save_with(name, root, tokenizer):
+    """A checkpoint with the tokenizer files the trainer gives it."""
+    model = Transformer(Grid(Layout()), MODELS[name], seed=7)
+    checkpoint.save(root, 1, model, None, {"model": dataclasses.asdict(MODELS[name])}, keep=1,
+                    files=tokenizer_files(tokenizer))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("name,bos", [("llama", "<s>"), ("gpt2", None)])
+def test_transformers_reads_the_end_token_of_the_export(ranks, tmp_path, name, bos):
+    """AutoTokenizer's eos_token is the end-of-document token training put after each document,
+    bos the one the tokenizer prepends (GPT-2: its <|endoftext|>), and config.json's ids match."""
+    ranks.run(_save_with, 1, name, tmp_path / "run", _tokenizer(tmp_path / "tok" / "tokenizer.json", bos=bos))
+    (tmp_path / "hf").mkdir()  # an empty directory is fine
+    export(tmp_path / "run", tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    bos_id = 2 if bos else 1
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, config.eos_token_id) == ("<|endoftext|>", 1, 1)
+    assert tokenizer.bos_token == (bos or "<|endoftext|>") and tokenizer.bos_token_id == config.bos_token_id == bos_id
+    assert tokenizer.encode("w5 w6") == ([2, 5, 6] if bos else [5, 6])  # tokenizer.json as training used it
+    assert corpus.end_of_document(tmp_path / "hf" / "tokenizer.json") == 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_end_token_named_by_the_source_tokenizer_config_survives_export(ranks, tmp_path):
+    """Fine-tuning a Hugging Face directory whose eos_token (<|im_end|>) only its
+    tokenizer_config.json names: the checkpoint keeps that file too, and the export names that end
+    token, or `--model.hf EXPORT` would find no end of document."""
+    source = _tokenizer(tmp_path / "base" / "tokenizer.json", eos="<|im_end|>")
+    (tmp_path / "base" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    ranks.run(_save_with, 1, "llama", tmp_path / "run", source)
+    export(tmp_path / "run", tmp_path / "hf")
+    assert corpus.end_of_document(tmp_path / "hf" / "tokenizer.json") == 1
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, config.eos_token_id) == ("<|im_end|>", 1, 1)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_failed_export_leaves_no_directory(ranks, tmp_path, monkeypatch):
+    ranks.run(_save_with, 1, "llama", tmp_path / "run", _tokenizer(tmp_path / "tok" / "tokenizer.json"))
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("fourfold.export._write", fail)  # the first shard
+    with pytest.raises(OSError, match="disk full"):
+        export(tmp_path / "run", tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tok"]

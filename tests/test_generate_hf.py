@@ -1,6 +1,9 @@
 """`fourfold generate DIR` on a Hugging Face directory (config.json, safetensors, tokenizer.json, as
 save_pretrained writes them): greedy decoding equals transformers' `generate`, token for token."""
 
+import json
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,15 +42,44 @@ def directory(request, tmp_path_factory):
 
 def test_greedy_generation_equals_transformers(directory, capsys):
     path, hf = directory
-    model, tokenizer, window = open_model(path)
+    model, tokenizer, window, eos = open_model(path)
     prompt = tokenizer.encode(PROMPT).ids
     try:
-        ours = continue_ids(model, prompt, window, NEW)
+        ours = continue_ids(model, prompt, window, NEW, eos=eos)
     finally:
         dist.destroy_process_group()
-    hf.generation_config.eos_token_id = None  # a random model may emit its end token: generate all NEW
+    assert eos is None  # the tokenizer names no end token: all NEW are generated
+    hf.generation_config.eos_token_id = None  # (a random model may emit its config's end token)
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0].tolist()
     assert ours == theirs and len(ours) == len(prompt) + NEW
+    assert cli.main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer.decode(theirs)
+
+
+def test_generation_stops_at_the_end_of_document_token_as_transformers_does(directory, tmp_path, capsys):
+    """A token the model emits midway, named as the tokenizer's eos_token: the sample ends with it,
+    as transformers' generate with that eos_token_id."""
+    source, hf = directory
+    path = tmp_path / "model"
+    shutil.copytree(source, path)
+    model, tokenizer, window, _ = open_model(path)
+    prompt = tokenizer.encode(PROMPT).ids
+    try:
+        free = continue_ids(model, prompt, window, NEW)
+    finally:
+        dist.destroy_process_group()
+    end = free[len(prompt) + NEW // 2]
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": tokenizer.id_to_token(end)}))
+    model, tokenizer, window, eos = open_model(path)
+    try:
+        ours = continue_ids(model, prompt, window, NEW, eos=eos)
+    finally:
+        dist.destroy_process_group()
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                         eos_token_id=end)[0].tolist()
+    assert eos == end and ours == theirs == free[: free.index(end, len(prompt)) + 1]
+    assert len(ours) <= len(prompt) + NEW // 2 + 1
     assert cli.main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out.strip() == tokenizer.decode(theirs)
 

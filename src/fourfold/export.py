@@ -5,7 +5,10 @@ whatever pieces the ranks wrote), renamed (and for GPT-2 fused and transposed) a
 names it, and added to the current safetensors shard; a shard is written when it reaches the
 size limit. Memory is bounded by one shard plus the largest tensor, whatever the model's size.
 The directory is written under OUT_DIR.partial and renamed at the end (a failed export leaves no
-half directory); config.json, the index and the checkpoint's tokenizer go with it.
+half directory); config.json, the index and the checkpoint's tokenizer go with it, with a
+tokenizer_config.json naming its end-of-document token, so that transformers and a later
+`--model.hf OUT_DIR` agree with training on it. An existing non-empty OUT_DIR is refused, never
+replaced: a typo naming the source model must not delete it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from fourfold import checkpoint
+from fourfold import checkpoint, corpus
 from fourfold.models.config import ModelConfig
 from fourfold.models.hf import gpt2_layout, llama_names
 
@@ -40,19 +43,30 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
     """Write the checkpoint `source` (a step-N directory, or a run's checkpoint directory: its
     latest) to `out_dir`; returns the step-N directory it read."""
     out = Path(out_dir)
-    if out.exists() and not (out / "config.json").is_file() and any(out.iterdir()):
-        raise checkpoint.CheckpointError(f"{out} exists and is not a model directory; give a new or empty directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # (also the checkpoint's own directory)
+        raise checkpoint.CheckpointError(f"{out} exists and is not empty; export writes a whole model directory and "
+                                         f"replaces nothing: give a new directory or remove {out} first")
     path = Path(source)
     if not (path / checkpoint.META).is_file():
         path = checkpoint.latest(path) or path
     cfg = ModelConfig.from_dict(checkpoint.read_meta(path)["model"])
-    reader = _MetadataOnce(str(path))
-    saved = reader.read_metadata().state_dict_metadata
-    if path.resolve().is_relative_to(out.resolve()):
-        raise checkpoint.CheckpointError(f"{out} holds the checkpoint {path}; give another output directory")
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
+    try:
+        _write_model(cfg, path, partial, shard_bytes)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_model(cfg: ModelConfig, path: Path, partial: Path, shard_bytes: int) -> None:
+    reader = _MetadataOnce(str(path))
+    saved = reader.read_metadata().state_dict_metadata
 
     def read(name: str) -> torch.Tensor:
         md = saved[f"model/{name}"]
@@ -80,13 +94,47 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {hf: names[i] for hf, i in weight_map.items()}}
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (partial / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
-    for extra in ("tokenizer.json",):
-        if (path / extra).is_file():
-            shutil.copyfile(path / extra, partial / extra)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(partial, out)
-    return path
+    token_ids = _write_tokenizer(cfg, path, partial)
+    (partial / "config.json").write_text(json.dumps(cfg.to_hf() | token_ids, indent=1))
+
+
+def _write_tokenizer(cfg: ModelConfig, path: Path, out: Path) -> dict:
+    """The checkpoint's tokenizer.json and a tokenizer_config.json naming its end-of-document token
+    (eos_token, as `corpus.end_of_document` found it for training) and BOS; returns config.json's
+    bos_token_id and eos_token_id. An id not known is null: left out, transformers would take its
+    class default (Llama's 1 and 2, GPT-2's 50256), another token or none of the vocabulary."""
+    if not (path / "tokenizer.json").is_file():
+        return {"bos_token_id": None, "eos_token_id": None}
+    shutil.copyfile(path / "tokenizer.json", out / "tokenizer.json")
+    # the user's own tokenizer_config.json (its class, EOS, chat template) when the run had one
+    settings = (json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+                if (path / "tokenizer_config.json").is_file() else {"tokenizer_class": "PreTrainedTokenizerFast"})
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))  # read by end_of_document
+    tokenizer = corpus.load_tokenizer(out / "tokenizer.json")
+    try:
+        eos = corpus.end_of_document(out / "tokenizer.json")  # as `--model.hf OUT` will find it
+    except ValueError:  # a tokenizer without one (trained on data.tokens): transformers gets none either
+        eos = None
+    bos = settings.get("bos_token")
+    bos = tokenizer.token_to_id(bos.get("content") if isinstance(bos, dict) else bos) if bos else None
+    if bos is None:  # the token the tokenizer puts before each document
+        bos = _prepended(tokenizer)
+    if bos is None and cfg.family == "gpt2":  # GPT-2's convention: one <|endoftext|> is both
+        bos = eos
+    for key, token in (("eos_token", eos), ("bos_token", bos)):
+        if token is not None:
+            settings[key] = tokenizer.id_to_token(token)
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))
+    return {"bos_token_id": bos, "eos_token_id": eos}
+
+
+def _prepended(tokenizer) -> int | None:
+    """The id the tokenizer puts before a text (a BOS its post-processor adds), if any."""
+    try:
+        ids, plain = tokenizer.encode("a").ids, tokenizer.encode("a", add_special_tokens=False).ids
+    except Exception:  # a vocabulary that cannot encode "a" (word level, without an unknown token)
+        return None
+    return ids[0] if len(ids) == len(plain) + 1 and ids[1:] == plain else None
 
 
 class _MetadataOnce(dcp.FileSystemReader):

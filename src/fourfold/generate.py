@@ -29,11 +29,11 @@ def _single_process_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def open_model(path: str | Path) -> tuple[Transformer, object, int]:
-    """(model, tokenizer, window) on one process from `path`: a fourfold training checkpoint (a
+def open_model(path: str | Path) -> tuple[Transformer, object, int, int | None]:
+    """(model, tokenizer, window, eos) on one process from `path`: a fourfold training checkpoint (a
     step-N directory, or a run's checkpoint directory: its latest) or a Hugging Face directory
     (config.json, safetensors, tokenizer.json, as save_pretrained writes); window is the most
-    tokens one forward may attend to."""
+    tokens one forward may attend to, eos the tokenizer's end-of-document id (None: it has none)."""
     path, hf = model_directory(path)
     if hf:
         try:
@@ -48,19 +48,25 @@ def open_model(path: str | Path) -> tuple[Transformer, object, int]:
         raise checkpoint.CheckpointError(f"{path} has no tokenizer.json; put the model's tokenizer.json there "
                                          "(save_pretrained of its tokenizer writes it)")
     tokenizer = corpus.load_tokenizer(path / "tokenizer.json")
+    try:
+        eos = corpus.end_of_document(path / "tokenizer.json")
+    except ValueError:  # a tokenizer without an end token: samples run to max_new_tokens
+        eos = None
     _single_process_group()
     model = Transformer(Grid(Layout()), cfg)
     if hf:
         load_hf(model, path)
     else:
         checkpoint.load_checkpoint(path, model)
-    return model, tokenizer, window
+    return model, tokenizer, window, eos
 
 
 @torch.no_grad()
 def continue_ids(model: Transformer, ids: list[int], window: int, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> list[int]:
-    """`ids` and `max_new_tokens` more: greedy (temperature 0) or sampled at `temperature` > 0."""
+                 seed: int = 0, eos: int | None = None) -> list[int]:
+    """`ids` and up to `max_new_tokens` more: greedy (temperature 0) or sampled at `temperature` > 0;
+    a sample ends with the end-of-document id `eos`, as transformers' generate with eos_token_id
+    (the model's text ended: what it gives after is the start of some other document)."""
     if max(ids) >= model.cfg.vocab:
         raise ValueError(f"the prompt has token id {max(ids)}, outside the model's vocabulary of {model.cfg.vocab}; "
                          "use the model's own tokenizer.json")
@@ -73,6 +79,8 @@ def continue_ids(model: Transformer, ids: list[int], window: int, max_new_tokens
         else:
             token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
         ids.append(token)
+        if token == eos:
+            break
     return ids
 
 
@@ -80,7 +88,7 @@ def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperatur
     """The prompt and its continuation, from a checkpoint or Hugging Face directory (see `open_model`)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-    model, tokenizer, window = open_model(path)
-    ids = continue_ids(model, tokenizer.encode(prompt).ids or [0], window, max_new_tokens, temperature, seed)
+    model, tokenizer, window, eos = open_model(path)
+    ids = continue_ids(model, tokenizer.encode(prompt).ids or [0], window, max_new_tokens, temperature, seed, eos)
     dist.destroy_process_group()
     return tokenizer.decode(ids)

@@ -116,6 +116,15 @@ def check_checkpoint(cfg: TrainConfig) -> None:
         raise ConfigError(f"the checkpoint {source} holds another model ({'; '.join(differ)}): {fix}")
 
 
+def tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
+    """The files each checkpoint keeps a copy of (name there -> path): the tokenizer, and the
+    tokenizer_config.json beside it if there is one (its EOS, class, chat template: without it an
+    end token only that file names is lost to `fourfold export` and a later fine-tune)."""
+    tokenizer_path = Path(tokenizer_path)
+    config = tokenizer_path.with_name("tokenizer_config.json")
+    return {"tokenizer.json": tokenizer_path, **({"tokenizer_config.json": config} if config.is_file() else {})}
+
+
 def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
     """(tokenizer.json, tokens.npy): the user's, or the corpus prepared (and cached) now."""
     d = cfg.data
@@ -372,12 +381,13 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
                          f"raise --train.steps, or start over with another --log.run_dir")
 
     saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
+    tokenizer = tokenizer_files(tokenizer_path)
 
     def save(done: int) -> str:
         meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
                     model=dataclasses.asdict(model_cfg))
         path = (saver.save if saver else checkpoint.save)(cfg.checkpoint_dir, done, model.module, opt, meta,
-                                                          cfg.checkpoint.keep, files={"tokenizer.json": tokenizer_path},
+                                                          cfg.checkpoint.keep, files=tokenizer,
                                                           replicas=grid.group(("dp", "cp")))
         return f"{path} (being written in the background)" if saver else str(path)
 
