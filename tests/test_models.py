@@ -147,6 +147,45 @@ def _import_and_save(src, root, sizes):
     return True
 
 
+def _load_shared(path, sizes):
+    """Loaded as the trainer loads (the dp*cp replicas share the reading), against a plain load;
+    returns the elements this rank read, and what a plain load reads."""
+    import fourfold.models.hf as hf
+
+    grid = Grid(Layout(**sizes))
+    counted = []
+
+    def counting(*args):
+        read = reader(*args)
+
+        def counted_read(*where):
+            t = read(*where)
+            counted.append(t.numel())
+            return t
+        return counted_read
+
+    reader, hf.checkpoint_reader = hf.checkpoint_reader, counting
+    try:
+        shared = Transformer(grid, load_config(path), TensorOptions(dtype=torch.float64))
+        load_hf(shared, path, replicas=grid.group(("dp", "cp")))
+        read_shared = sum(counted)
+        counted.clear()
+        plain = Transformer(grid, load_config(path), TensorOptions(dtype=torch.float64), seed=1)
+        load_hf(plain, path)
+    finally:
+        hf.checkpoint_reader = reader
+    for p, q in zip(shared.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    return read_shared, sum(counted)
+
+
+def test_replicas_share_the_reading_of_a_hugging_face_directory(ranks, checkpoint):
+    name, path, *_ = checkpoint
+    reads = ranks.run(_load_shared, 8, path, dict(dp=2, cp=2, x=2))
+    assert all(shared < plain for shared, plain in reads)  # each read a part; together, all of it
+    assert sum(shared for shared, _ in reads) == sum(plain for _, plain in reads) / 4
+
+
 @pytest.mark.parametrize("sizes", [dict(x=2, y=2, z=2), dict(y=2, z=4)])
 def test_round_trip_gives_identical_tensors(ranks, checkpoint, tmp_path, sizes):
     """Imported on a grid, checkpointed, exported (the users' route): transformers' tensors again."""

@@ -65,14 +65,14 @@ def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True
     """The serial rectangles this rank holds: of its parameters ("model/NAME", with `model`) and of
     its ZeRO-1 slices of the optimizer state ("optim/master|m|v/NAME", once it has state). Views of
     the local tensors: nothing is copied or gathered. `replicas`: a group of ranks holding the
-    same parameters (dp*cp); each offers only those assigned to it (`_assigned`), so none plans,
+    same parameters (dp*cp); each offers only those assigned to it (`params.assigned`), so none plans,
     stages or sends a chunk DCP would drop as another replica's duplicate."""
     layouts = params.layouts(module)
     out = []
     if model:
-        owned = _assigned(list(layouts), replicas)
-        for p, layout in layouts.items():
-            if p in owned:
+        owned = params.assigned([p.numel() for p in layouts], replicas)
+        for i, (p, layout) in enumerate(layouts.items()):
+            if i in owned:
                 out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
     if opt is not None and opt.state:
         for bucket, state in zip(opt.sync.buckets, opt.state):
@@ -81,20 +81,6 @@ def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True
                 for kind in AdamW.STATE:
                     out += rectangles(layouts[p], state[kind][at : at + b - a], lo=a, prefix=f"optim/{kind}/")
     return out
-
-
-def _assigned(parameters: list[nn.Parameter], replicas: comm.Group | None) -> set[nn.Parameter]:
-    """The parameters this rank of `replicas` writes: whole ones, each to the replica with the
-    fewest elements so far, largest first (every replica computes the same assignment: they hold
-    the same shapes in the same order)."""
-    if replicas is None or replicas.size == 1:
-        return set(parameters)
-    loads, owners = [0] * replicas.size, {}
-    for i in sorted(range(len(parameters)), key=lambda i: -parameters[i].numel()):
-        owner = loads.index(min(loads))
-        loads[owner] += parameters[i].numel()
-        owners[i] = owner
-    return {p for i, p in enumerate(parameters) if owners[i] == replicas.rank}
 
 
 def _prepare(root: Path, step: int) -> tuple[Path, Path]:

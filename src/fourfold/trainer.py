@@ -364,7 +364,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         from fourfold.models.hf import load_hf
 
         for part in getattr(model.pipeline, "models", [model.module]):
-            load_hf(part, cfg.model.hf)
+            load_hf(part, cfg.model.hf, replicas=grid.group(("dp", "cp")))
     if source is not None:
         meta = checkpoint.load_checkpoint(source, model.module, opt, replicas=grid.group(("dp", "cp")))
         start, saved_config = meta["step"], meta.get("config", {})

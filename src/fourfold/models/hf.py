@@ -16,9 +16,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from fourfold import comm
 from fourfold.checkpoint import META, CheckpointError, latest
+from fourfold.comm import Group
 from fourfold.models.config import ModelConfig
-from fourfold.tensor.params import Read, load
+from fourfold.tensor.params import Read, assigned, copy_into, load, parallel_layers
 
 
 def llama_names(cfg: ModelConfig) -> dict[str, str]:
@@ -134,12 +136,32 @@ def _check_config(directory: Path, cfg: ModelConfig) -> None:
         raise CheckpointError(f"checkpoint {directory} does not match the model config: {'; '.join(diffs)}")
 
 
-def load_hf(model: nn.Module, directory: str | os.PathLike) -> None:
-    """Fill a fourfold `Transformer` (on any grid) from a Hugging Face checkpoint directory."""
+def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Group | None = None) -> None:
+    """Fill a fourfold `Transformer` (on any grid) from a Hugging Face checkpoint directory.
+    `replicas`: a group of ranks holding the same parameters (the trainer's dp*cp). Each reads
+    the layers assigned to it (whole ones, balanced by size) and the group sums each parameter
+    into every rank (the others give zeros: exact), so the files are read once per
+    model-parallel part, not once per replica."""
     directory = Path(directory)
     _check_config(directory, model.cfg)
     dtype = next(model.parameters()).dtype
-    load(model, checkpoint_reader(directory, model.cfg, dtype))
+    read = checkpoint_reader(directory, model.cfg, dtype)
+    if replicas is None or replicas.size == 1:
+        load(model, read)
+        return
+    layers = parallel_layers(model)
+    mine = assigned([sum(p.numel() for p in layer.parameters()) for layer in layers], replicas)
+    owners: dict[nn.Parameter, int] = {}  # a parameter's first layer (a tied weight has two) gives it
+    for i, layer in enumerate(layers):
+        if i in mine:
+            layer.load(read, copy_into)
+        for p in layer.parameters():
+            owners.setdefault(p, i)
+    with torch.no_grad():
+        for p, i in owners.items():
+            if i not in mine:
+                p.zero_()
+            comm.all_reduce(p.data, replicas)
 
 
 def to_hf_tensors(cfg: ModelConfig, serial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -111,12 +111,27 @@ def dict_reader(weights: dict[str, torch.Tensor]) -> Read:
     return read
 
 
-def _copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
+def copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
     with torch.no_grad():
         param.copy_(value)
 
 
-def load(module: nn.Module, read: Read, put: Put = _copy_into) -> None:
+def assigned(sizes: list[int], replicas: comm.Group | None) -> set[int]:
+    """Which of some items (parameters, layers) of these `sizes` this rank of `replicas` reads or
+    writes for the group (a checkpoint's, a Hugging Face directory's): each whole item to the
+    replica with the fewest elements so far, largest first. Every replica computes the same
+    assignment: they hold the same shapes in the same order."""
+    if replicas is None or replicas.size == 1:
+        return set(range(len(sizes)))
+    loads, owners = [0] * replicas.size, {}
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner = loads.index(min(loads))
+        loads[owner] += sizes[i]
+        owners[i] = owner
+    return {i for i in range(len(sizes)) if owners[i] == replicas.rank}
+
+
+def load(module: nn.Module, read: Read, put: Put = copy_into) -> None:
     """Set every parallel layer of `module` from serial tensors; with `put`, hand each parameter's
     local value to `put(param, value)` instead (to restore optimizer state the same way)."""
     for layer in parallel_layers(module):
