@@ -299,3 +299,11 @@ def test_fine_tuning_a_hugging_face_directory_on_jsonl_uses_its_tokenizer(data, 
     assert saved.read_bytes() == (hf / "tokenizer.json").read_bytes()
     assert main(["export", str(fine / "checkpoints"), str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+
+
+def test_an_override_without_its_value_names_it(capsys):
+    for argv in (["train", "--train.steps", "--train.eval_every", "0"], ["train", "--train.steps"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "--train.steps needs a value: --train.steps VALUE (or --train.steps=VALUE)" in capsys.readouterr().err

@@ -308,14 +308,20 @@ def _check_slurm_world(layout: Layout, nodes: int, gpus_per_node: int) -> None:
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the command's own arguments, the `--section.key value` config overrides)."""
+    """(the command's own arguments, the `--section.key value` config overrides); ValueError for
+    an override without its value."""
+    def override(arg: str) -> bool:
+        return arg.startswith("--") and "." in arg.split("=")[0]
+
     known, overrides, i = [], [], 0
     while i < len(argv):
-        if argv[i].startswith("--") and "." in argv[i].split("=")[0]:
+        if override(argv[i]):
             flag, eq, value = argv[i].partition("=")
             if eq:
                 overrides += [flag, value]
                 i += 1
+            elif i + 1 == len(argv) or override(argv[i + 1]):
+                raise ValueError(f"{flag} needs a value: {flag} VALUE (or {flag}=VALUE)")
             else:
                 overrides += argv[i : i + 2]
                 i += 2
@@ -401,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     from fourfold.plan.cli import add_commands, run as run_planner
 
     add_commands(commands)
-    known, extra = _split_overrides(argv)
+    try:
+        known, extra = _split_overrides(argv)
+    except ValueError as err:
+        parser.error(str(err))
     args = parser.parse_args(known)
     if extra and args.command not in ("train", "slurm", "demo"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
