@@ -381,6 +381,13 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
                            "--json"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     parallel = json.loads(done.stdout.strip().splitlines()[-1])
+    # the text itself, tokenized by eval with the checkpoint's tokenizer: the same first windows
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli", "eval", str(reference / "checkpoints"), "--text",
+                           data[1], "--cache-dir", str(tmp_path / "cache"), "--max-tokens", str(62 * 32), "--seq", "32",
+                           "--batch", "4", "--json"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    from_text = json.loads(done.stdout.strip().splitlines()[-1])
     path = checkpoint.latest(reference / "checkpoints")
     _single_process_group()
     model = Transformer(Grid(Layout()), ModelConfig.from_dict(checkpoint.read_meta(path)["model"]))
@@ -390,6 +397,8 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
     head = evaluate(model, Grid(Layout()), tokens[: 10 * 32 + 1], 32, 4)
     dist.destroy_process_group()
     assert parallel["tokens"] == serial["tokens"] and parallel["loss"] == pytest.approx(serial["loss"], rel=1e-5)
+    assert from_text["tokens"] == serial["tokens"] == 62 * 32 and from_text["loss"] == pytest.approx(serial["loss"],
+                                                                                                      rel=1e-5)
     assert capped == head and capped["tokens"] == 320 and capped["loss"] != serial["loss"]
 
 

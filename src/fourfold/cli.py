@@ -101,6 +101,9 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
         args.hf, args.checkpoint = (str(path), None) if hf else (None, str(path))
     layout = Layout.parse(args.grid, args.order)
     if not inside_torchrun():
+        if args.text:  # tokenized here, once, with the model's own tokenizer: the ranks get the token file
+            args.tokens = _eval_tokens(args)
+            argv = _launcher_options_removed(argv, also=("--text", "--field", "--cache-dir")) + ["--tokens", args.tokens]
         _eval_job(args, layout)
         return relaunch_with_torchrun(args.nproc_per_node or layout.world_size, _launcher_options_removed(argv))
     model_cfg = _eval_model_config(args)
@@ -135,18 +138,38 @@ def _eval(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _launcher_options_removed(argv: list[str]) -> list[str]:
-    """`argv` for the ranks: without the options that only the launching process reads (torchrun
-    would also take `--nproc...` for an abbreviation of its own options)."""
+def _launcher_options_removed(argv: list[str], also: tuple[str, ...] = ()) -> list[str]:
+    """`argv` for the ranks: without the options (and their values) that only the launching
+    process reads (torchrun would also take `--nproc...` for an abbreviation of its own options),
+    and without the options `also` names."""
+    dropped = ("--nproc-per-node", "--max-restarts", *also)
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg in ("--nproc-per-node", "--max-restarts"):
+        elif arg in dropped:
             skip = True
-        elif not arg.startswith(("--nproc-per-node=", "--max-restarts=")):
+        elif not arg.startswith(tuple(f"{option}=" for option in dropped)):
             out.append(arg)
     return out
+
+
+def _eval_tokens(args: argparse.Namespace) -> str:
+    """The token file of `--text` (text, JSONL, Parquet files or globs, as data.files takes them),
+    tokenized with the model's tokenizer.json as training tokenizes (an end-of-document id after
+    each document), and cached."""
+    from fourfold import checkpoint, corpus
+
+    folder = Path(args.hf) if args.hf else checkpoint.latest(args.checkpoint) or Path(args.checkpoint)
+    tokenizer = folder / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise ConfigError(f"--text needs the model's tokenizer.json, and {folder} has none: tokenize the text with it "
+                          f"into a .npy and give --tokens")
+    try:
+        return str(corpus.prepare(None, 0, args.cache_dir, files=args.text, tokenizer=str(tokenizer),
+                                  field=args.field)[1])
+    except ValueError as e:
+        raise ConfigError(f"--text {args.text}: {e}") from None
 
 
 def _train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
@@ -346,7 +369,12 @@ def main(argv: list[str] | None = None) -> int:
                                                  "--checkpoint, told apart by what the directory holds)")
     source.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json + safetensors)")
     source.add_argument("--checkpoint", help="a training checkpoint (step-N), or a run's checkpoint directory (latest)")
-    ev.add_argument("--tokens", required=True, help="a .npy file of token ids (1-D)")
+    text = ev.add_mutually_exclusive_group(required=True)
+    text.add_argument("--tokens", help="a .npy file of token ids (1-D)")
+    text.add_argument("--text", help="text to score: text, JSONL or Parquet files or globs, comma-separated (as "
+                                     "data.files), tokenized with the model's tokenizer.json")
+    ev.add_argument("--field", default="text", help="with --text: the JSONL field or Parquet column of each document")
+    ev.add_argument("--cache-dir", default="~/.cache/fourfold", help="with --text: where its token file is kept")
     ev.add_argument("--seq", type=int, required=True, help="sequence length of each window")
     ev.add_argument("--batch", type=int, default=1, help="windows per data shard per step")
     ev.add_argument("--max-tokens", type=int, default=0,
