@@ -176,14 +176,18 @@ def _load_shared(path, sizes):
         hf.checkpoint_reader = reader
     for p, q in zip(shared.parameters(), plain.parameters()):
         assert torch.equal(p, q)
-    return read_shared, sum(counted)
+    return read_shared, sum(counted), sum(p.numel() for p in plain.parameters())
 
 
-def test_replicas_share_the_reading_of_a_hugging_face_directory(ranks, checkpoint):
+@pytest.mark.parametrize("sizes", [dict(dp=2, cp=2, x=2), dict(dp=2, x=2, z=2)])
+def test_replicas_share_the_reading_of_a_hugging_face_directory(ranks, checkpoint, sizes):
     name, path, *_ = checkpoint
-    reads = ranks.run(_load_shared, 8, path, dict(dp=2, cp=2, x=2))
-    assert all(shared < plain for shared, plain in reads)  # each read a part; together, all of it
-    assert sum(shared for shared, _ in reads) == sum(plain for _, plain in reads) / 4
+    reads = ranks.run(_load_shared, 8, path, sizes)
+    assert all(shared < plain for shared, plain, _ in reads)  # each read a part; together, all of it
+    replicas = sizes["dp"] * sizes.get("cp", 1)
+    assert sum(shared for shared, *_ in reads) == sum(plain for _, plain, _ in reads) / replicas
+    if sizes.get("z", 1) > 1:  # a z shard reads the rows it overlaps, not its whole (x, y) block (z times more)
+        assert all(plain < 1.5 * local for _, plain, local in reads), reads
 
 
 @pytest.mark.parametrize("sizes", [dict(x=2, y=2, z=2), dict(y=2, z=4)])

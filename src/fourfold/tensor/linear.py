@@ -99,13 +99,19 @@ class ShardedMatrix:
         return tuple(out)
 
     def read_shard(self, read) -> torch.Tensor:
-        """This rank's shard, reading only its block of the serial matrices (see params.Read)."""
+        """This rank's shard, reading only the rows of its block of the serial matrices that its z
+        shard overlaps (see params.Read): a z-sharded rank reads about 1/z of the block."""
         n_local, k_local = self.block_shape
-        first = self.grid.coords[self.out_dim] * n_local
-        cols = slice(self.grid.coords[self.in_dim] * k_local, (self.grid.coords[self.in_dim] + 1) * k_local)
-        block = torch.cat(self._read_rows(read, first, n_local, cols, ""))
         start = self.grid.coords["z"] * self.shard_numel
-        return self.pad(block)[start : start + self.shard_numel].clone()
+        stop = min(start + self.shard_numel, self.block_numel)
+        if start >= stop:  # a z shard of padding only (a block smaller than z shards)
+            return torch.zeros(self.shard_numel)
+        r0, r1 = start // k_local, -(-stop // k_local)
+        first = self.grid.coords[self.out_dim] * n_local + r0
+        cols = slice(self.grid.coords[self.in_dim] * k_local, (self.grid.coords[self.in_dim] + 1) * k_local)
+        rows = torch.cat(self._read_rows(read, first, r1 - r0, cols, "")).reshape(-1)
+        part = rows[start - r0 * k_local : stop - r0 * k_local]
+        return torch.cat([part, part.new_zeros(self.shard_numel - len(part))])  # the last shard's padding
 
     def read_bias(self, read) -> torch.Tensor:
         n_local = self.block_shape[0]
