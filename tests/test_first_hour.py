@@ -219,7 +219,8 @@ def test_resume_with_another_schedule_says_what_changed(data, stopped, tmp_path)
 @pytest.mark.parametrize("how", ["ctrl-c", "sigint to the launcher", "sigterm to the launcher"])
 def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, how):
     """Ctrl-C: SIGINT to the launching process group, as a terminal sends it, or to the launching
-    process alone (`kill -INT`); nothing is saved and the command returns 130. SIGTERM to the
+    process alone (`kill -INT`); both reach the launcher only (torchrun has a process group of its
+    own), which passes the signal on once; nothing is saved and the command returns 130. SIGTERM to the
     launching process alone (a scheduler's): it is passed on, every rank saves the step it stopped
     after, and the command returns 143. None prints a traceback."""
     cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
@@ -251,6 +252,41 @@ def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, ho
         done = json.loads((tmp_path / "summary.json").read_text())["steps"]
         assert [p.name for p in saved] == [f"step-{done:08d}"]
         assert f"stopped by SIGTERM after {done} of 100000 steps; last checkpoint {saved[0]}" in out
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The live processes whose command line holds `text` (Linux's /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_torchrun_and_the_ranks_stop_when_the_launcher_is_killed(data, tmp_path):
+    """torchrun runs in a process group of its own; a SIGKILL to the launcher, which passes nothing
+    on, still stops it and its ranks (they do not run on, holding GPUs and ports)."""
+    cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
+           *_options(tmp_path, "--train.steps", "100000", "--log.every", "1")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log, deadline = tmp_path / "log.jsonl", time.monotonic() + 180
+    while proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_processes_naming(str(tmp_path))) >= 4  # the launcher, torchrun and two ranks
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 120
+    while _processes_naming(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _processes_naming(str(tmp_path))
+    for pid in left:  # (cleaned up, then reported)
+        os.kill(pid, signal.SIGKILL)
+    assert not left
 
 
 # ----- help, export and fine-tuning from the exported directory --------------------------------------

@@ -329,7 +329,6 @@ def test_config_errors_name_the_fix(tmp_path, monkeypatch):
         intermediate_size=128, vocab_size=512, max_position_embeddings=256)))
     cases += [
         (["--model.hf", "no/such/dir"], 1, "model.hf names no/such/dir, which is not a directory"),
-        (["--model.hf", str(hf), "--model.preset", "tiny-gpt"], 1, "model.hf .* and model.preset \\(tiny-gpt\\) both"),
         (["--model.hf", str(hf)], 1, "has no tokenizer.json, and a tokenizer trained on the corpus would not match"),
     ]
     for overrides, world, message in cases:
@@ -446,8 +445,10 @@ def test_the_run_starts_from_its_own_latest_checkpoint_then_from_checkpoint_load
     cfg = load_train_config(None, options)
     assert checkpoint_source(cfg) == start  # the run has none of its own yet; a run's directory: its latest
     check_checkpoint(cfg)
-    own = fake_checkpoint(tmp_path / "run" / "checkpoints", 6)
+    own = fake_checkpoint(tmp_path / "run" / "checkpoints", 6, rope_theta=5e5, max_positions=128)
     assert checkpoint_source(cfg) == own
+    # settings that shape no tensor may change (a long-context extension): reported, not refused
+    assert check_checkpoint(cfg) == ["max_positions 128 there, 512 here", "rope_theta 500000.0 there, 10000.0 here"]
     assert checkpoint_source(load_train_config(None, [*options, "--checkpoint.resume", "false"])) == start
     fake_checkpoint(tmp_path / "run" / "checkpoints", 8, hidden=96)  # (the default model has 128)
     with pytest.raises(ConfigError, match=r"holds another model \(hidden 96 there, 128 here\): give another "

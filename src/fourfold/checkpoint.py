@@ -3,8 +3,10 @@
 Every tensor is stored under its serial name ("model/layers.0.attn.q", "optim/m/...") and full
 shape, written in pieces: each rank writes only the rectangles of it that it holds (its z piece of
 its (x, y) block, its ZeRO-1 slice of master/m/v: `fourfold.sharded_io`), straight from its own
-tensors; replicas offer identical rectangles and DCP writes them once. Loading onto any grid reads,
-on each rank, only the rectangles it holds, into its own tensors.
+tensors; ranks holding the same parameters (the trainer's dp*cp replicas) split them, each
+offering whole ones (otherwise DCP writes identical rectangles once). Loading onto any grid reads,
+on each rank, only the rectangles it holds, into its own tensors (replicas: a share each, then
+an all-gather).
 
 A save goes to `.step-N.partial/` and is renamed to `step-N/` only after every rank finished
 and `meta.json` (step, data position, config) is written; older checkpoints beyond `keep` are

@@ -272,7 +272,10 @@ def _before_launch(cfg) -> list[str]:
     from fourfold.trainer import check_checkpoint, packed_windows, tokens_files
 
     check_data_files(cfg)
-    check_checkpoint(cfg)
+    changed = check_checkpoint(cfg)
+    if changed:
+        print(f"the model's settings differ from its checkpoint's ({'; '.join(changed)}): training goes on with "
+              f"this config's", file=sys.stderr)  # (slurm prints its script on stdout)
     tokenizer, tokens = tokens_files(cfg)
     packed_windows(cfg, tokenizer, tokens)  # into the cache, where the job's rank 0 finds it
     return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())]

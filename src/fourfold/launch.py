@@ -22,7 +22,7 @@ def inside_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # the ones torchrun stops on
 
 
 def relaunch_with_torchrun(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
@@ -85,11 +85,25 @@ class _QuietOnSignal(logging.Filter):
 
 def torchrun() -> int:
     """torchrun's command line (sys.argv), returning 128 + the signal that stopped it."""
+    _stop_with_the_launcher()
     try:
         return _torchrun()
     except KeyboardInterrupt:  # before torchrun handles signals (importing torch, rendezvous): no rank started
         print("fourfold: interrupted before the ranks started", file=sys.stderr)
         return 128 + signal.SIGINT
+
+
+def _stop_with_the_launcher() -> None:
+    """A SIGTERM for this torchrun (and so its ranks) when the launching process dies without
+    passing a signal on (SIGKILL, a crash): in a process group of its own, nothing else tells it
+    (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher died before that took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _torchrun() -> int:

@@ -20,7 +20,7 @@ from fourfold.rules import describe, problems
 @dataclass
 class ModelSection:
     preset: str = "tiny-llama"  # a preset name or a config.json path
-    hf: str = ""  # a Hugging Face checkpoint directory to start from (instead of a preset)
+    hf: str = ""  # a Hugging Face checkpoint directory to start from (overrides preset)
     seed: int = 0
     init_std: float = 0.02
 
@@ -150,7 +150,7 @@ class TrainConfig:
 
     # ----- derived values ---------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
-        return load_config(self.model.hf or self.model.preset)
+        return load_config(str(Path(self.model.hf).expanduser()) if self.model.hf else self.model.preset)
 
     def layout(self) -> Layout:
         g = self.grid
@@ -284,8 +284,6 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     if hf and not Path(hf).expanduser().is_dir():
         raise ConfigError(f"model.hf names {hf}, which is not a directory; give a Hugging Face model directory "
                           f"(config.json and *.safetensors, as save_pretrained writes it)")
-    if hf and cfg.model.preset != ModelSection.preset:
-        raise ConfigError(f"model.hf ({hf}) and model.preset ({cfg.model.preset}) both name a model; give one")
     try:
         model = cfg.model_config()
     except (FileNotFoundError, ValueError) as e:

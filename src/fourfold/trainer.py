@@ -95,12 +95,20 @@ def checkpoint_source(cfg: TrainConfig) -> Path | None:
     return checkpoint.latest(c.load) or Path(c.load)
 
 
-def check_checkpoint(cfg: TrainConfig) -> None:
+# The model settings that shape its tensors: a checkpoint of other values cannot be loaded. (The
+# others, RoPE's theta and scaling, the positions of a RoPE model, eps, the sliding window, may
+# change between runs: a long-context extension does.)
+SHAPES = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "tied", "head_dim", "qkv_bias",
+          "out_bias", "mlp_bias")
+
+
+def check_checkpoint(cfg: TrainConfig) -> list[str]:
     """The checkpoint the run would start from, before any process starts: complete, and of the
-    configured model. Raises ConfigError naming the fix."""
+    configured model's shapes (raises ConfigError naming the fix). Returns the other settings
+    that differ from the checkpoint's, as "key there -> here", for the user to see."""
     source = checkpoint_source(cfg)
     if source is None:
-        return
+        return []
     own = source.parent == Path(cfg.checkpoint_dir)
     try:
         saved = ModelConfig.from_dict(checkpoint.read_meta(source)["model"])
@@ -108,12 +116,15 @@ def check_checkpoint(cfg: TrainConfig) -> None:
         raise ConfigError(f"checkpoint.load {cfg.checkpoint.load} is not a fourfold checkpoint (no {checkpoint.META}); "
                           f"give a step-N directory or a run's checkpoint directory written by `fourfold train`") from None
     model = cfg.model_config()
-    differ = [f"{f.name} {getattr(saved, f.name)} there, {getattr(model, f.name)} here"
-              for f in dataclasses.fields(model) if getattr(saved, f.name) != getattr(model, f.name)]
-    if differ:
+    shapes = SHAPES + (("max_positions",) if model.family == "gpt2" else ())  # GPT-2's learned positions
+    differ = {f.name: f"{f.name} {getattr(saved, f.name)} there, {getattr(model, f.name)} here"
+              for f in dataclasses.fields(model) if getattr(saved, f.name) != getattr(model, f.name)}
+    refused = [text for name, text in differ.items() if name in shapes]
+    if refused:
         fix = ("give another --log.run_dir, or --checkpoint.resume false, to start anew" if own else
                "give a checkpoint of this model, or the model it was trained with")
-        raise ConfigError(f"the checkpoint {source} holds another model ({'; '.join(differ)}): {fix}")
+        raise ConfigError(f"the checkpoint {source} holds another model ({'; '.join(refused)}): {fix}")
+    return [text for name, text in differ.items() if name not in shapes]
 
 
 def tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
