@@ -217,6 +217,30 @@ def test_config_mismatch_is_a_clear_error(ranks, checkpoint):
     assert ranks.run(_mismatch, 2, checkpoint[1]) == [True, True]
 
 
+def _missing(path, victim):
+    import re
+
+    grid = Grid(Layout(dp=2))
+    with pytest.raises(CheckpointError, match=rf"has no tensor '{re.escape(victim)}' \(1 missing\)"):
+        load_hf(Transformer(grid, load_config(path)), path, replicas=grid.group("dp"))
+    return True
+
+
+def test_a_missing_tensor_is_named_on_every_rank_before_any_is_read(ranks, checkpoint, tmp_path):
+    """With shared reading a rank reads only some layers: the check comes first, on every rank."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    name, path, *_ = checkpoint
+    shutil.copytree(path, tmp_path / "cut")
+    tensors = load_file(tmp_path / "cut" / "model.safetensors")
+    victim = sorted(name for name in tensors if "layers.1." in name or ".h.1." in name)[-1]
+    del tensors[victim]
+    save_file(tensors, tmp_path / "cut" / "model.safetensors", metadata={"format": "pt"})
+    assert ranks.run(_missing, 2, str(tmp_path / "cut"), victim) == [True, True]
+
+
 def test_presets_read_as_hf_configs():
     names = preset_names()
     for n in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-2-7b", "llama-2-13b", "llama-2-70b",

@@ -77,9 +77,16 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
 
 
 def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> Read:
-    """A `Read` over a Hugging Face checkpoint directory; checks names and shapes as it reads."""
+    """A `Read` over a Hugging Face checkpoint directory; checks that every tensor the model needs
+    is there before any is read (on every rank alike: with shared reading a rank reads only some),
+    and shapes as it reads."""
     directory = Path(directory)
     files = _tensor_files(directory)
+    needed = [hf for hf, *_ in gpt2_layout(cfg).values()] if cfg.family == "gpt2" else list(llama_names(cfg).values())
+    missing = sorted(set(needed) - set(files))
+    if missing:
+        raise CheckpointError(f"{directory} has no tensor {missing[0]!r} ({len(missing)} missing): the checkpoint does "
+                              f"not match config ({cfg.family}, {cfg.layers} layers, tied={cfg.tied})")
     handles: dict[Path, object] = {}
 
     def sliced(name: str):
