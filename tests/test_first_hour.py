@@ -343,3 +343,25 @@ def test_an_override_without_its_value_names_it(capsys):
             main(argv)
         assert exit_.value.code == 2
         assert "--train.steps needs a value: --train.steps VALUE (or --train.steps=VALUE)" in capsys.readouterr().err
+
+
+def test_prepare_tokenizes_and_packs_into_the_cache_train_reads(tmp_path, capsys, monkeypatch):
+    """`fourfold prepare` does before the job what train and slurm would do at launch: they then find
+    the token and window files in the cache and tokenize nothing."""
+    text = tmp_path / "corpus.txt"
+    text.write_text(corpus.bundled_text()[:20_000])
+    options = ["--data.text", str(text), "--data.vocab", "300", "--data.cache_dir", str(tmp_path / "cache"),
+               "--data.packing", "documents", "--batch.seq", "32"]
+    assert main(["prepare", *options, "--grid.cp", "2"]) == 0  # (a GPU grid's rules are not asked on this machine)
+    out = capsys.readouterr().out
+    assert "packed windows:" in out and "--data.tokens" in out
+    from fourfold.trainconfig import load_train_config
+    from fourfold.trainer import packed_windows, tokens_files
+
+    monkeypatch.setattr(corpus, "_tokenize", None)  # found in the cache: nothing is tokenized again
+    monkeypatch.setattr(corpus, "pack_documents", None)
+    cfg = load_train_config(None, options)
+    tokenizer, tokens = tokens_files(cfg)
+    assert str(tokens.resolve()) in out and packed_windows(cfg, tokenizer, tokens).is_file()
+    assert main(["prepare", "--data.text", str(tmp_path / "none.txt")]) == 2
+    assert "data.text names" in capsys.readouterr().err

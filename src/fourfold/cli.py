@@ -281,6 +281,24 @@ def _before_launch(cfg) -> list[str]:
     return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())]
 
 
+def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Tokenize (and pack) a config's corpus here, as its own job (a large corpus takes hours on
+    many cores: `data.workers`), so that `train` and `slurm` find it in data.cache_dir."""
+    from fourfold.trainconfig import check_data_files, load_train_config, validate_data
+    from fourfold.trainer import packed_windows, tokens_files
+
+    cfg = load_train_config(args.config, overrides)
+    validate_data(cfg)
+    check_data_files(cfg)
+    tokenizer, tokens = tokens_files(cfg)
+    windows = packed_windows(cfg, tokenizer, tokens)
+    print(f"prepared in {cfg.data.cache_dir}, where `fourfold train` and `fourfold slurm` with this config find it"
+          f"{f' (packed windows: {windows})' if windows else ''}; or give them "
+          f"--data.tokenizer {shlex.quote(str(Path(tokenizer).resolve()))} "
+          f"--data.tokens {shlex.quote(str(Path(tokens).resolve()))}")
+    return 0
+
+
 def _slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from fourfold.slurm import sbatch_script
     from fourfold.trainconfig import load_train_config, resolve_auto_grid, validate
@@ -402,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     ex = commands.add_parser("export", help="write a training checkpoint as a Hugging Face model directory")
     ex.add_argument("checkpoint", help="a step-N checkpoint directory, or a run's checkpoint directory (latest)")
     ex.add_argument("output", help="the directory to write config.json, model.safetensors and tokenizer.json to")
+    pr = commands.add_parser("prepare", help="tokenize (and pack) a config's corpus now, into the cache train and "
+                                             "slurm read (for a large corpus: run it as a CPU job of its own)",
+                             usage="fourfold prepare [CONFIG.toml] [--section.key value ...]", **with_overrides)
+    pr.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
     sl = commands.add_parser("slurm", help="write an sbatch script that runs `fourfold train` on N nodes",
                              usage="fourfold slurm [CONFIG.toml] --nodes N [options] [--section.key value ...]",
                              **with_overrides)
@@ -443,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     args = parser.parse_args(known)
-    if extra and args.command not in ("train", "slurm", "demo"):
+    if extra and args.command not in ("train", "slurm", "demo", "prepare"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("memory", "estimate", "plan", "calibrate"):
         return run_planner(args)
@@ -452,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, argv, extra)
         if args.command == "slurm":
             return _slurm(args, extra)
+        if args.command == "prepare":
+            return _prepare(args, extra)
         if args.command == "generate":
             return _generate(args)
         if args.command == "simulate":

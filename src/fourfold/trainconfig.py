@@ -323,6 +323,18 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         raise ConfigError(describe(found, "this run cannot start:"))
 
 
+def validate_data(cfg: TrainConfig) -> None:
+    """The data checks of `validate` alone (`fourfold prepare`, on a machine that may not be the
+    training one): raises ConfigError listing each problem with its fix."""
+    try:
+        model = cfg.model_config()
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model: {e}") from None
+    found = _data_problems(cfg.data, cfg.tokenizer, model.vocab)
+    if found:
+        raise ConfigError(describe(found, "the data cannot be prepared:"))
+
+
 def _optimizer_problems(o: OptimizerSection) -> list[str]:
     found = []
     if not o.lr > 0:
