@@ -24,19 +24,9 @@ from safetensors.torch import save_file
 
 from fourfold import checkpoint, corpus
 from fourfold.models.config import ModelConfig
-from fourfold.models.hf import gpt2_layout, llama_names
+from fourfold.models.hf import hf_sources, hf_tensor
 
 SHARD_BYTES = 2 * 2**30
-
-
-def _hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
-    """transformers name -> the fourfold tensors it is made of, in order, each (name, transposed)."""
-    if cfg.family == "llama":
-        return {hf: [(ours, False)] for ours, hf in llama_names(cfg).items()}
-    out: dict[str, list[tuple[int, str, bool]]] = {}
-    for ours, (hf, offset, conv1d) in gpt2_layout(cfg).items():
-        out.setdefault(hf, []).append((offset, ours, conv1d))
-    return {hf: [(ours, conv1d) for _, ours, conv1d in sorted(parts)] for hf, parts in out.items()}
 
 
 def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
@@ -78,10 +68,8 @@ def _write_model(cfg: ModelConfig, path: Path, partial: Path, shard_bytes: int) 
     files: list[str] = []
     weight_map: dict[str, int] = {}
     size = total = 0
-    for hf, parts in _hf_sources(cfg).items():
-        pieces = [read(ours) for ours, _ in parts]
-        pieces = [t.T if conv1d and t.dim() == 2 else t for t, (_, conv1d) in zip(pieces, parts)]
-        tensor = (torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]).contiguous()
+    for hf, parts in hf_sources(cfg).items():
+        tensor = hf_tensor(parts, [read(ours) for ours, _ in parts])
         nbytes = tensor.numel() * tensor.element_size()
         if shard and size + nbytes > shard_bytes:  # write the full shard, start the next
             files.append(_write(shard, partial, len(files)))

@@ -171,16 +171,22 @@ def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Group | No
             comm.all_reduce(p.data, replicas)
 
 
+def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
+    """transformers name -> the fourfold tensors it is made of, in order, each (name, transposed)."""
+    if cfg.family == "llama":
+        return {hf: [(ours, False)] for ours, hf in llama_names(cfg).items()}
+    out: dict[str, list[tuple[int, str, bool]]] = {}
+    for ours, (hf, offset, conv1d) in gpt2_layout(cfg).items():
+        out.setdefault(hf, []).append((offset, ours, conv1d))
+    return {hf: [(ours, conv1d) for _, ours, conv1d in sorted(parts)] for hf, parts in out.items()}
+
+
+def hf_tensor(parts: list[tuple[str, bool]], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One transformers tensor from the fourfold tensors `hf_sources` names for it."""
+    tensors = [t.T if conv1d and t.dim() == 2 else t for t, (_, conv1d) in zip(tensors, parts)]
+    return (torch.cat(tensors, dim=-1) if len(tensors) > 1 else tensors[0]).contiguous()
+
+
 def to_hf_tensors(cfg: ModelConfig, serial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """fourfold's serial tensors under the checkpoint's names (and layouts)."""
-    if cfg.family == "llama":
-        return {hf: serial[ours].contiguous() for ours, hf in llama_names(cfg).items()}
-    out: dict[str, list] = {}
-    for ours, (hf, offset, conv1d) in gpt2_layout(cfg).items():
-        t = serial[ours]
-        out.setdefault(hf, []).append((offset, t.T if conv1d and t.dim() == 2 else t))
-    fused = {}
-    for hf, parts in out.items():
-        parts = [t for _, t in sorted(parts, key=lambda p: p[0])]
-        fused[hf] = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).contiguous()
-    return fused
+    return {hf: hf_tensor(parts, [serial[ours] for ours, _ in parts]) for hf, parts in hf_sources(cfg).items()}
