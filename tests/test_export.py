@@ -3,6 +3,7 @@ in several safetensors shards with an index; transformers loads it with the same
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -49,6 +50,10 @@ def test_export_writes_shards_transformers_loads(ranks, tmp_path, name, monkeypa
                         lambda self: reads.append(1) or read_metadata(self))
     export(tmp_path / "run", tmp_path / "hf", shard_bytes=20_000)  # several shards
     assert len(reads) == 1  # the metadata file is read once, not once per tensor
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in (tmp_path / "hf").iterdir():  # readable by others as the umask allows, the weights too
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)

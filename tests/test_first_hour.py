@@ -104,6 +104,12 @@ def test_eval_on_pipeline_stages_is_refused_naming_the_fix(capsys, tmp_path):
     err = _error(capsys, ["eval", "--checkpoint", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8",
                           "--grid", "pp=2,x=2"])
     assert "without pipeline stages: leave pp out of --grid pp=2,x=2" in err
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=64)))
+    err = _error(capsys, ["eval", "--hf", str(tmp_path / "hf"), "--tokens", str(tmp_path / "t.npy"), "--seq", "80"])
+    assert "--seq 80 is longer than" in err and "batch.seq" not in err  # eval's own flag
 
 
 # ----- fourfold slurm ------------------------------------------------------------------------------
@@ -214,6 +220,13 @@ def test_resume_with_another_schedule_says_what_changed(data, stopped, tmp_path)
     assert done.stdout.count("train.steps 6 -> 8, optimizer.lr 0.003 -> 0.001") == 1
     assert "the learning-rate schedule differs from the checkpoint's" in done.stdout
     assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000008"
+    again = _fourfold("train", "--grid.dp", "2", *data["options"], *_options(tmp_path, "--train.steps", "8",
+                                                                            "--optimizer.lr", "1e-3"))
+    assert again.returncode == 0 and "nothing to train" in again.stdout
+    def no_nan(token):
+        raise ValueError(f"{token} is not JSON")
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_nan)  # strict JSON
+    assert summary["steps"] == 0 and summary["last_loss"] is None
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigint to the launcher", "sigterm to the launcher"])

@@ -63,7 +63,10 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
               seq=args.seq, precision=args.precision)
     import torch
 
-    check(model, job, world=args.nproc_per_node, gpu=torch.cuda.is_available())
+    try:
+        check(model, job, world=args.nproc_per_node, gpu=torch.cuda.is_available())
+    except JobError as e:  # the rules name the training config's key: eval's flag is --seq
+        raise ConfigError(str(e).replace("batch.seq=", "--seq ")) from None
     check_token_ids(args.tokens, model.vocab, "--tokens")
     try:
         window_count(len(np.load(args.tokens, mmap_mode="r")), args.seq)

@@ -139,6 +139,10 @@ class _MetadataOnce(dcp.FileSystemReader):
 def _write(tensors: dict[str, torch.Tensor], directory: Path, number: int) -> str:
     name = f"shard-{number:05d}.safetensors"
     save_file(tensors, str(directory / name), metadata={"format": "pt"})
+    # safetensors creates the file readable by its owner only; a model directory is for others too
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory / name, 0o666 & ~umask)
     tensors.clear()  # free the shard's memory before the next is filled
     return name
 

@@ -475,7 +475,8 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     if stopped:
         reporter.message(_stop_message(cfg, stopped, done))
     reporter.close()
-    summary = dict(first_loss=first_loss, last_loss=last_loss, eval_loss=last_eval, steps=done - start,
+    summary = dict(first_loss=first_loss, last_loss=None if math.isnan(last_loss) else last_loss,  # (JSON has no NaN)
+                   eval_loss=last_eval, steps=done - start,
                    seconds=time.perf_counter() - t_start, tokens=(done - start) * cfg.batch.global_batch
                    * cfg.batch.seq, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
                    stopped=stopped.name if stopped else None)
