@@ -15,7 +15,7 @@ from pathlib import Path
 from fourfold.launch import StopRequest, inside_torchrun, relaunch_with_torchrun
 from fourfold.job import PRECISIONS, RECOMPUTE
 from fourfold.layout import DEFAULT_ORDER, GridError, Layout
-from fourfold.rules import JobError
+from fourfold.rules import JobError, with_flags
 from fourfold.trainconfig import ConfigError, sections_help
 
 
@@ -66,7 +66,7 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     try:
         check(model, job, world=args.nproc_per_node, gpu=torch.cuda.is_available())
     except JobError as e:  # the rules name the training config's key: eval's flag is --seq
-        raise ConfigError(str(e).replace("batch.seq=", "--seq ")) from None
+        raise ConfigError(with_flags(str(e), {"batch.seq": "--seq"})) from None
     check_token_ids(args.tokens, model.vocab, "--tokens")
     try:
         window_count(len(np.load(args.tokens, mmap_mode="r")), args.seq)
@@ -272,33 +272,37 @@ def _before_launch(cfg) -> list[str]:
     0 does not prepare it while every other rank waits at the start-up barrier (whose timeout a
     large corpus would pass)."""
     from fourfold.trainconfig import check_data_files
-    from fourfold.trainer import check_checkpoint, packed_windows, tokens_files
+    from fourfold.trainer import check_checkpoint
 
     check_data_files(cfg)
     changed = check_checkpoint(cfg)
     if changed:
         print(f"the model's settings differ from its checkpoint's ({'; '.join(changed)}): training goes on with "
               f"this config's", file=sys.stderr)  # (slurm prints its script on stdout)
+    return _prepared_data(cfg)[0]
+
+
+def _prepared_data(cfg) -> tuple[list[str], Path | None]:
+    """The corpus tokenized (and, for data.packing = documents, packed) into the cache, where the
+    job's rank 0 finds it: the overrides that hand the ranks its files, and the windows file."""
+    from fourfold.trainer import packed_windows, tokens_files
+
     tokenizer, tokens = tokens_files(cfg)
-    packed_windows(cfg, tokenizer, tokens)  # into the cache, where the job's rank 0 finds it
-    return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())]
+    windows = packed_windows(cfg, tokenizer, tokens)
+    return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())], windows
 
 
 def _prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     """Tokenize (and pack) a config's corpus here, as its own job (a large corpus takes hours on
     many cores: `data.workers`), so that `train` and `slurm` find it in data.cache_dir."""
     from fourfold.trainconfig import check_data_files, load_train_config, validate_data
-    from fourfold.trainer import packed_windows, tokens_files
 
     cfg = load_train_config(args.config, overrides)
     validate_data(cfg)
     check_data_files(cfg)
-    tokenizer, tokens = tokens_files(cfg)
-    windows = packed_windows(cfg, tokenizer, tokens)
+    files, windows = _prepared_data(cfg)
     print(f"prepared in {cfg.data.cache_dir}, where `fourfold train` and `fourfold slurm` with this config find it"
-          f"{f' (packed windows: {windows})' if windows else ''}; or give them "
-          f"--data.tokenizer {shlex.quote(str(Path(tokenizer).resolve()))} "
-          f"--data.tokens {shlex.quote(str(Path(tokens).resolve()))}")
+          f"{f' (packed windows: {windows})' if windows else ''}; or give them {shlex.join(files)}")
     return 0
 
 

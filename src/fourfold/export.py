@@ -97,10 +97,9 @@ def _write_tokenizer(cfg: ModelConfig, path: Path, out: Path) -> dict:
     # the user's own tokenizer_config.json (its class, EOS, chat template) when the run had one
     settings = (json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
                 if (path / "tokenizer_config.json").is_file() else {"tokenizer_class": "PreTrainedTokenizerFast"})
-    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))  # read by end_of_document
     tokenizer = corpus.load_tokenizer(out / "tokenizer.json")
-    try:
-        eos = corpus.end_of_document(out / "tokenizer.json")  # as `--model.hf OUT` will find it
+    try:  # beside the checkpoint's copy: the same settings, as `--model.hf OUT` will find them
+        eos = corpus.end_of_document(path / "tokenizer.json")
     except ValueError:  # a tokenizer without one (trained on data.tokens): transformers gets none either
         eos = None
     bos = settings.get("bos_token")

@@ -31,6 +31,14 @@ def describe(found: list, header: str) -> str:
     return "\n  ".join([header, *map(str, found)]) if len(found) > 1 else str(found[0])
 
 
+def with_flags(message: str, flags: dict[str, str]) -> str:
+    """A rule message for a command whose flags are not the training config's keys: each key
+    (`batch.seq`) and its `key=value` form named as that command's flag (`--seq value`)."""
+    for key, flag in flags.items():
+        message = message.replace(f"{key}=", f"{flag} ").replace(key, flag)
+    return message
+
+
 class JobError(ValueError):
     """A job the runtime cannot run; the message lists every problem with its fix."""
 

@@ -370,14 +370,15 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     o = cfg.optimizer
     opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
     start, saved_config = 0, {}
+    replicas = grid.group(("dp", "cp"))  # ranks holding the same parameters: they share loads and saves
     source = checkpoint_source(cfg)
     if source is None and cfg.model.hf:
         from fourfold.models.hf import load_hf
 
         for part in getattr(model.pipeline, "models", [model.module]):
-            load_hf(part, cfg.model.hf, replicas=grid.group(("dp", "cp")))
+            load_hf(part, cfg.model.hf, replicas=replicas)
     if source is not None:
-        meta = checkpoint.load_checkpoint(source, model.module, opt, replicas=grid.group(("dp", "cp")))
+        meta = checkpoint.load_checkpoint(source, model.module, opt, replicas=replicas)
         start, saved_config = meta["step"], meta.get("config", {})
     reporter = Reporter(cfg, start, model_flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
                         grid.device)
@@ -399,7 +400,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
                     model=dataclasses.asdict(model_cfg))
         path = (saver.save if saver else checkpoint.save)(cfg.checkpoint_dir, done, model.module, opt, meta,
                                                           cfg.checkpoint.keep, files=tokenizer,
-                                                          replicas=grid.group(("dp", "cp")))
+                                                          replicas=replicas)
         return f"{path} (being written in the background)" if saver else str(path)
 
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses

@@ -82,8 +82,7 @@ def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: tor
     and shapes as it reads."""
     directory = Path(directory)
     files = _tensor_files(directory)
-    needed = [hf for hf, *_ in gpt2_layout(cfg).values()] if cfg.family == "gpt2" else list(llama_names(cfg).values())
-    missing = sorted(set(needed) - set(files))
+    missing = sorted(set(hf_sources(cfg)) - set(files))
     if missing:
         raise CheckpointError(f"{directory} has no tensor {missing[0]!r} ({len(missing)} missing): the checkpoint does "
                               f"not match config ({cfg.family}, {cfg.layers} layers, tied={cfg.tied})")

@@ -16,17 +16,11 @@ from fourfold.plan.hardware import CLUSTERS, GPUS, make_cluster
 from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
 from fourfold.plan.search import HEADROOM, as_json, predict, search
-from fourfold.rules import problems
+from fourfold.rules import problems, with_flags
 
 # The rules name the training config's keys; the planner's commands take these flags instead.
 FLAGS = {"batch.global_batch": "--global-batch", "batch.micro_batch": "--micro-batch", "batch.seq": "--seq",
          "turn seq_parallel off": "give --no-seq-parallel"}
-
-
-def as_flags(message: str) -> str:
-    for key, flag in FLAGS.items():
-        message = message.replace(f"{key}=", f"{flag} ").replace(key, flag)
-    return message
 
 
 def positive(text: str) -> int:
@@ -229,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             plot_candidates(found, args.plot, f"{args.model} on {args.gpus} GPUs")
         return 0
     except (ValueError, GridError, OSError) as err:
-        print(f"fourfold: error: {err if args.command == 'calibrate' else as_flags(str(err))}", file=sys.stderr)
+        print(f"fourfold: error: {err if args.command == 'calibrate' else with_flags(str(err), FLAGS)}", file=sys.stderr)
         return 2
 
 
