@@ -28,11 +28,11 @@ SAVE_GRID, LOAD_GRID = "x=2,y=2,z=2", "dp=2,y=2,z=2"
 
 def _rank(sizes: dict, grid_text: str, phase: str, root: str) -> None:
     from fourfold import checkpoint
-    from fourfold.dataparallel import GradientSync
-    from fourfold.grid import Grid, init_process_group
+    from fourfold.parallel.data import GradientSync
+    from fourfold.parallel.grid import Grid, init_process_group
     from fourfold.models.config import ModelConfig
-    from fourfold.models.transformer import Transformer
-    from fourfold.optimizer import AdamW
+    from fourfold.parallel.transformer import Transformer
+    from fourfold.parallel.optimizer import AdamW
 
     init_process_group()
     grid = Grid.parse(grid_text)

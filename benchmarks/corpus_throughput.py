@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fourfold import corpus
+from fourfold.data import corpus
 
 
 def generate(path: Path, size: int, seed: int = 0) -> int:

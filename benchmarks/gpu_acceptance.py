@@ -4,12 +4,12 @@ Run from the repository root on a machine with one GPU (a few minutes on an H100
 
     python benchmarks/gpu_acceptance.py > acceptance.json
 
-Options: --gpu PRESET (a preset of fourfold.plan.hardware.GPUS, when the device's name matches
+Options: --gpu PRESET (a preset of fourfold.spec.hardware.GPUS, when the device's name matches
 none), --peak-tflops (any other bf16 peak), --micro-batch (else the largest of 8, 4, 2, 1
 sequences whose planner estimate takes at most half the GPU), --warmup, --steps.
 
 What the JSON holds:
-  kernels   ring attention's per-block CUDA kernels (fourfold.context.attend_block and
+  kernels   ring attention's per-block CUDA kernels (fourfold.parallel.context.attend_block and
             attend_block_backward) in bf16 on each kind of ring block, against float32
             references, each {name, max_error, bound, ok}: the checks of tests/gpu/test_kernels.py
             (tests/gpu/kernel_checks.py, where the bounds are explained)
@@ -27,7 +27,7 @@ the memory estimate of the GPU run (for --gpu, default the trainer's preset), bo
 the meta device, and a `smoke` section: one step of each framework's benchmark code on a tiny
 model on CPU, which checks the code runs and measures nothing.
 
-The multi-GPU checks, every collective of fourfold.comm on NCCL (the in-place ZeRO-1
+The multi-GPU checks, every collective of fourfold.parallel.comm on NCCL (the in-place ZeRO-1
 reduce-scatter among them) and ring attention across GPUs, are pytest tests run under torchrun
 on N >= 2 GPUs (each rank also runs the kernel tests on its own GPU):
 
@@ -55,21 +55,21 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gpu.kernel_checks import BLOCKS, SHAPES, check_block  # noqa: E402
 
-from fourfold.dataparallel import GradientSync  # noqa: E402
-from fourfold.grid import Grid  # noqa: E402
-from fourfold.job import Job  # noqa: E402
-from fourfold.layout import Layout  # noqa: E402
-from fourfold.measure import GPU_ONLY_TERMS  # noqa: E402
+from fourfold.parallel.data import GradientSync  # noqa: E402
+from fourfold.parallel.grid import Grid  # noqa: E402
+from fourfold.spec.job import Job  # noqa: E402
+from fourfold.spec.layout import Layout  # noqa: E402
+from fourfold.tools.measure import GPU_ONLY_TERMS  # noqa: E402
 from fourfold.models.config import ModelConfig  # noqa: E402
-from fourfold.models.transformer import Transformer  # noqa: E402
-from fourfold.optimizer import AdamW  # noqa: E402
-from fourfold.plan.hardware import GPUS  # noqa: E402
+from fourfold.parallel.transformer import Transformer  # noqa: E402
+from fourfold.parallel.optimizer import AdamW  # noqa: E402
+from fourfold.spec.hardware import GPUS  # noqa: E402
 from fourfold.plan.memory import GIB, estimate_memory  # noqa: E402
 from fourfold.plan.perf import model_flops_per_token  # noqa: E402
-from fourfold.rules import check  # noqa: E402
-from fourfold.tensor.block import TensorOptions, torch_dtype  # noqa: E402
-from fourfold.trainconfig import TrainConfig  # noqa: E402
-from fourfold.trainer import Model, learning_rate, local_batch  # noqa: E402
+from fourfold.spec.rules import check  # noqa: E402
+from fourfold.parallel.tensor.block import TensorOptions, torch_dtype  # noqa: E402
+from fourfold.spec.trainconfig import TrainConfig  # noqa: E402
+from fourfold.train.trainer import Model, learning_rate, local_batch  # noqa: E402
 
 # A 0.9B Llama (hidden 2048, 16 layers, 16 heads of 128 over 8 kv heads) at sequence 2048; the dry
 # run's smoke model.

@@ -1,5 +1,5 @@
 """The small-model memory check of tests/test_planner_measured.py with its figures printed: the
-estimate against torch's MemTracker on 4 gloo ranks, and fourfold.measure's FakeTensorMode peak
+estimate against torch's MemTracker on 4 gloo ranks, and fourfold.tools.measure's FakeTensorMode peak
 of the same setups. Run from the repository root (it reuses the test's cases and measurement):
 
     OMP_NUM_THREADS=1 python benchmarks/memory_small_cpu.py
@@ -12,9 +12,9 @@ sys.path.insert(0, "tests")
 
 from test_planner_measured import CASES, CFG, DEVICE_TERMS, MICRO, SEQ, _measured_peak  # noqa: E402
 
-from fourfold.measure import measure_peak  # noqa: E402
-from fourfold.job import Job  # noqa: E402
-from fourfold.layout import Layout  # noqa: E402
+from fourfold.tools.measure import measure_peak  # noqa: E402
+from fourfold.spec.job import Job  # noqa: E402
+from fourfold.spec.layout import Layout  # noqa: E402
 from fourfold.plan.memory import fourfold_memory  # noqa: E402
 from fourfold.testing import RankPool  # noqa: E402
 

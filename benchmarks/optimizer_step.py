@@ -1,5 +1,5 @@
 """The AdamW update on flat ZeRO-1 shards: fourfold's former Python loop of in-place ops per
-bucket against torch's fused AdamW kernel over every shard at once (what fourfold.optimizer runs),
+bucket against torch's fused AdamW kernel over every shard at once (what fourfold.parallel.optimizer runs),
 both with global-norm clipping. One process, no collectives: the update's arithmetic only.
 
 Run: .venv/bin/python benchmarks/optimizer_step.py [--mib 256] [--bucket-mib 25] [--repeat 5]
@@ -16,7 +16,7 @@ LR, B1, B2, EPS, WD, CLIP = 1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0
 
 
 def loop_step(masters, ms, vs, grads, step: int, scale: torch.Tensor) -> None:
-    """The former fourfold.optimizer update, bucket by bucket (the denominator in the gradient's storage)."""
+    """The former fourfold.parallel.optimizer update, bucket by bucket (the denominator in the gradient's storage)."""
     step_size = LR / (1 - B1**step)
     root_correction = math.sqrt(1 - B2**step)
     for master, m, v, g in zip(masters, ms, vs, grads):
@@ -28,7 +28,7 @@ def loop_step(masters, ms, vs, grads, step: int, scale: torch.Tensor) -> None:
 
 
 def fused_step(masters, ms, vs, grads, steps, scale: torch.Tensor, found_inf: torch.Tensor) -> None:
-    """fourfold.optimizer's update: one foreach multiply (clipping), one fused kernel."""
+    """fourfold.parallel.optimizer's update: one foreach multiply (clipping), one fused kernel."""
     torch._foreach_mul_(grads, scale)
     adamw(masters, grads, ms, vs, [], steps, fused=True, amsgrad=False, beta1=B1, beta2=B2, lr=LR,
           weight_decay=WD, eps=EPS, maximize=False, found_inf=found_inf)

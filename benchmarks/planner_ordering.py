@@ -21,16 +21,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fourfold.dataparallel import GradientSync
-from fourfold.grid import Grid, init_process_group
-from fourfold.layout import DIMS, Layout
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid, init_process_group
+from fourfold.spec.layout import DIMS, Layout
 from fourfold.models.config import ModelConfig
-from fourfold.optimizer import AdamW
-from fourfold.plan.hardware import GPU, Cluster
-from fourfold.job import Job
+from fourfold.parallel.optimizer import AdamW
+from fourfold.spec.hardware import GPU, Cluster
+from fourfold.spec.job import Job
 from fourfold.plan.perf import UNCALIBRATED, step_time
-from fourfold.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
-from fourfold.trainer import Model, local_batch
+from fourfold.spec.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
+from fourfold.train.trainer import Model, local_batch
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=512,
                   tied=False, eps=1e-5)

@@ -8,9 +8,9 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from fourfold import comm
-from fourfold.grid import Grid, init_process_group
-from fourfold.layout import Layout
+from fourfold.parallel import comm
+from fourfold.parallel.grid import Grid, init_process_group
+from fourfold.spec.layout import Layout
 from timing import best_time  # benchmarks/timing.py, beside this file
 
 

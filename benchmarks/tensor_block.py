@@ -20,11 +20,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fourfold.blockspec import BlockConfig
-from fourfold.grid import Grid, init_process_group
-from fourfold.layout import Layout
-from fourfold.tensor.block import ParallelBlock, TensorOptions, rope_tables, rotate
-from fourfold.volumes import bytes_sent
+from fourfold.spec.blockspec import BlockConfig
+from fourfold.parallel.grid import Grid, init_process_group
+from fourfold.spec.layout import Layout
+from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions, rope_tables, rotate
+from fourfold.spec.volumes import bytes_sent
 from timing import best_time, block_arguments, print_table  # benchmarks/timing.py, beside this file
 
 

@@ -14,14 +14,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fourfold.dataparallel import GradientSync
-from fourfold.grid import Grid, init_process_group
-from fourfold.layout import Layout
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid, init_process_group
+from fourfold.spec.layout import Layout
 from fourfold.models.config import ModelConfig
-from fourfold.models.transformer import Transformer
-from fourfold.optimizer import AdamW
-from fourfold.overlap import OverlapOptions
-from fourfold.tensor.block import TensorOptions
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.overlap import OverlapOptions
+from fourfold.parallel.tensor.block import TensorOptions
 from timing import best_time, print_table  # benchmarks/timing.py, beside this file
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, vocab=4096, max_positions=512,

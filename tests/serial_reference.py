@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fourfold.blockspec import BlockConfig
+from fourfold.spec.blockspec import BlockConfig
 
 
 def norm(h, w, b, kind, eps):

@@ -9,15 +9,15 @@ import json
 import numpy as np
 import pytest
 
-from fourfold.cli import main
-from fourfold.job import Job
-from fourfold.layout import Layout
+from fourfold.cli.main import main
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
 from fourfold.models.config import load_config
 from fourfold.plan.calibrate import (DATA, calibrate, fit, make_run, model_scores, predicted_seconds, read_csv,
                                      read_run_dir, rule_scores, shipped_runs)
-from fourfold.plan.hardware import make_cluster
+from fourfold.spec.hardware import make_cluster
 from fourfold.plan.perf import UNCALIBRATED, Calibration
-from fourfold.trainconfig import TrainConfig
+from fourfold.spec.trainconfig import TrainConfig
 
 needs_data = pytest.mark.skipif(not (DATA / "megatron_llama31_8b_a100.csv").is_file(),
                                 reason=f"the published calibration runs are not at {DATA}")

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (fourfold.sharded_io): each rank writes and reads only the rectangles it
+"""Sharded checkpoints (fourfold.checkpoint.sharded_io): each rank writes and reads only the rectangles it
 holds; a checkpoint written on one grid, read on another and written again holds exactly the same
 serial tensors (model and ZeRO-1 optimizer state), and no parameter or optimizer state is gathered."""
 
@@ -6,16 +6,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fourfold import checkpoint, context
-from fourfold.dataparallel import GradientSync
-from fourfold.grid import Grid
-from fourfold.layout import Layout
+from fourfold import checkpoint
+
+from fourfold.parallel import context
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import Layout
 from fourfold.models.config import ModelConfig
-from fourfold.models.transformer import Transformer
-from fourfold.optimizer import AdamW
-from fourfold.sharded_io import Rectangle, rectangles
-from fourfold.tensor.block import TensorOptions
-from fourfold.tensor.params import ParamLayout, Piece
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.optimizer import AdamW
+from fourfold.checkpoint.sharded_io import Rectangle, rectangles
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import ParamLayout, Piece
 
 # awkward sizes: 6 heads over x*y = 4 (the published path), z shards with padding
 CFG = ModelConfig("llama", hidden=48, layers=2, heads=6, kv_heads=2, ffn=96, vocab=250, max_positions=64,

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fourfold import comm
-from fourfold.grid import Grid
-from fourfold.layout import Layout
-from fourfold.volumes import bytes_sent
+from fourfold.parallel import comm
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import Layout
+from fourfold.spec.volumes import bytes_sent
 
 
 def _data(rank: int, shape=(4, 6)) -> torch.Tensor:

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers, processors
 
-from fourfold import corpus
-from fourfold.trainconfig import ConfigError, load_train_config, validate
+from fourfold.data import corpus
+from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
 
 WORDS = ["the", "cat", "sat", "on", "mat", "déjà", "vu", "naïve", "中文", "字", "2024", "x1", "it's", "co-op",
          "(ok)", "end.", "\t"]
@@ -191,7 +191,7 @@ def test_errors_name_the_fix(tokenizer, inputs, tmp_path):
 
 
 def test_config_checks_the_inputs_before_launch(inputs, tmp_path):
-    from fourfold.trainer import tokens_files
+    from fourfold.train.trainer import tokens_files
 
     spec, _ = inputs
     cases = [(["--data.files", f"{tmp_path}/none/*.jsonl"], "data.files: pattern .* matches no file"),
@@ -355,7 +355,7 @@ def test_document_windows_are_made_once_and_read_by_every_loader(tmp_path, monke
 
 def test_document_packing_errors_name_the_fix(tokenizer, tmp_path):
     """Token files without an end-of-document id fail with the fix, the trainer's before launch."""
-    from fourfold.trainconfig import check_data_files
+    from fourfold.spec.trainconfig import check_data_files
 
     np.save(tmp_path / "flat.npy", np.arange(300, dtype=np.uint16) % 50 + 10)  # (the tokenizer's ids 0-2 are special)
     with pytest.raises(ValueError, match=r'holds no end-of-document id \(0\), so data.packing = "documents" finds no '

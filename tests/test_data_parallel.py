@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from fourfold.dataparallel import GradientSync
-from fourfold.grid import Grid
-from fourfold.layout import Layout
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import Layout
 from fourfold.models.config import ModelConfig
-from fourfold.models.transformer import Transformer
-from fourfold.optimizer import AdamW
-from fourfold.overlap import OverlapOptions
-from fourfold.tensor.block import TensorOptions
-from fourfold.tensor.params import full_weights
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.overlap import OverlapOptions
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import full_weights
 
 CFG = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
                   tied=False, eps=1e-5)

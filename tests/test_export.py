@@ -9,15 +9,17 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from fourfold import checkpoint, corpus
-from fourfold.export import export
-from fourfold.grid import Grid
-from fourfold.layout import Layout
+from fourfold import checkpoint
+
+from fourfold.data import corpus
+from fourfold.checkpoint.export import export
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import Layout
 from fourfold.models.config import ModelConfig
-from fourfold.models.hf import to_hf_tensors
-from fourfold.models.transformer import Transformer
-from fourfold.tensor.params import full_weights
-from fourfold.trainer import tokenizer_files
+from fourfold.checkpoint.hf import to_hf_tensors
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.tensor.params import full_weights
+from fourfold.train.trainer import tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,7 +138,7 @@ def test_a_failed_export_leaves_no_directory(ranks, tmp_path, monkeypatch):
     def fail(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr("fourfold.export._write", fail)  # the first shard
+    monkeypatch.setattr("fourfold.checkpoint.export._write", fail)  # the first shard
     with pytest.raises(OSError, match="disk full"):
         export(tmp_path / "run", tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tok"]

@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fourfold import checkpoint, corpus
-from fourfold.cli import main
-from fourfold.trainconfig import TrainConfig
+from fourfold import checkpoint
+
+from fourfold.data import corpus
+from fourfold.cli.main import main
+from fourfold.spec.trainconfig import TrainConfig
 
 STEPS = 6
 EXAMPLE = Path(__file__).parents[1] / "examples" / "llama3-8b-8gpu.toml"
@@ -41,7 +43,7 @@ def _options(run_dir, *extra):
 
 
 def _fourfold(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fourfold.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fourfold.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -51,7 +53,7 @@ def no_launch(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("torchrun was started")
 
-    monkeypatch.setattr("fourfold.cli.relaunch_with_torchrun", launched)
+    monkeypatch.setattr("fourfold.cli.main.relaunch_with_torchrun", launched)
 
 
 def _error(capsys, argv) -> str:
@@ -236,7 +238,7 @@ def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, ho
     own), which passes the signal on once; nothing is saved and the command returns 130. SIGTERM to the
     launching process alone (a scheduler's): it is passed on, every rank saves the step it stopped
     after, and the command returns 143. None prints a traceback."""
-    cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
+    cmd = [sys.executable, "-m", "fourfold.cli.main", "train", "--grid.dp", "2", *data["options"],
            *_options(tmp_path, "--train.steps", "100000", "--log.every", "1")]  # a record each step
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -283,7 +285,7 @@ def _processes_naming(text: str) -> list[int]:
 def test_torchrun_and_the_ranks_stop_when_the_launcher_is_killed(data, tmp_path):
     """torchrun runs in a process group of its own; a SIGKILL to the launcher, which passes nothing
     on, still stops it and its ranks (they do not run on, holding GPUs and ports)."""
-    cmd = [sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "2", *data["options"],
+    cmd = [sys.executable, "-m", "fourfold.cli.main", "train", "--grid.dp", "2", *data["options"],
            *_options(tmp_path, "--train.steps", "100000", "--log.every", "1")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -368,8 +370,8 @@ def test_prepare_tokenizes_and_packs_into_the_cache_train_reads(tmp_path, capsys
     assert main(["prepare", *options, "--grid.cp", "2"]) == 0  # (a GPU grid's rules are not asked on this machine)
     out = capsys.readouterr().out
     assert "packed windows:" in out and "--data.tokens" in out
-    from fourfold.trainconfig import load_train_config
-    from fourfold.trainer import packed_windows, tokens_files
+    from fourfold.spec.trainconfig import load_train_config
+    from fourfold.train.trainer import packed_windows, tokens_files
 
     monkeypatch.setattr(corpus, "_tokenize", None)  # found in the cache: nothing is tokenized again
     monkeypatch.setattr(corpus, "pack_documents", None)

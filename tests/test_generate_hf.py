@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from fourfold import cli
-from fourfold.generate import continue_ids, open_model
+from fourfold.cli.main import main as cli
+from fourfold.train.generate import continue_ids, open_model
 
 transformers = pytest.importorskip("transformers")
 

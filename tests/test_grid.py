@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fourfold.grid import Grid
-from fourfold.layout import DIMS, GridError, Layout
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import DIMS, GridError, Layout
 from fourfold.testing import RankFailure
 from test_layout import ALL_8, ORDERS
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fourfold.layout import DEFAULT_ORDER, DIMS, GridError, Layout, factorisations
+from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout, factorisations
 
 
 ALL_8 = [dict(zip(DIMS, f)) for f in factorisations(8)]

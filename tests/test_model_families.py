@@ -13,12 +13,12 @@ import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from families_on_grids import run_families
-from fourfold.job import Job
-from fourfold.layout import Layout
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
 from fourfold.models.config import GPT2_FIELDS, LLAMA_FIELDS, LLAMA_TYPES, METADATA, ModelConfig
-from fourfold.models.hf import to_hf_tensors
-from fourfold.rules import problems
-from fourfold.tensor.block import rope_frequencies, rope_tables
+from fourfold.checkpoint.hf import to_hf_tensors
+from fourfold.spec.rules import problems
+from fourfold.parallel.tensor.block import rope_frequencies, rope_tables
 from test_models import _rms_norm_in_input_dtype
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,

@@ -7,19 +7,19 @@ import pytest
 import torch
 
 from fourfold import checkpoint as fourfold_checkpoint
-from fourfold import comm
-from fourfold.export import export
-from fourfold.grid import Grid
-from fourfold.layout import GridError, Layout
+from fourfold.parallel import comm
+from fourfold.checkpoint.export import export
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import GridError, Layout
 from fourfold.models.config import ModelConfig, load_config, preset_names
 from fourfold.checkpoint import CheckpointError
-from fourfold.models.hf import load_hf, to_hf_tensors
-from fourfold.models.transformer import Transformer
-from fourfold.rules import padded_vocab
-from fourfold.tensor.block import TensorOptions
-from fourfold.tensor.params import full_weights, sum_replicated_grads
-from fourfold.tensor.vocab import batch_order
-from fourfold.volumes import ledger_bytes, model_collectives
+from fourfold.checkpoint.hf import load_hf, to_hf_tensors
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.rules import padded_vocab
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
+from fourfold.parallel.tensor.vocab import batch_order
+from fourfold.spec.volumes import ledger_bytes, model_collectives
 
 transformers = pytest.importorskip("transformers")
 
@@ -150,7 +150,7 @@ def _import_and_save(src, root, sizes):
 def _load_shared(path, sizes):
     """Loaded as the trainer loads (the dp*cp replicas share the reading), against a plain load;
     returns the elements this rank read, and what a plain load reads."""
-    import fourfold.models.hf as hf
+    import fourfold.checkpoint.hf as hf
 
     grid = Grid(Layout(**sizes))
     counted = []
@@ -281,7 +281,7 @@ def test_eval_command_gives_transformers_loss(checkpoint, tmp_path):
     name, path, *_ = checkpoint
     tokens = np.random.default_rng(0).integers(0, 128, size=16 * 10 + 5).astype(np.int32)  # 10 windows, 1 padded
     np.save(tmp_path / "tokens.npy", tokens)
-    cmd = [sys.executable, "-m", "fourfold.cli", "eval", "--hf", path, "--tokens", str(tmp_path / "tokens.npy"),
+    cmd = [sys.executable, "-m", "fourfold.cli.main", "eval", "--hf", path, "--tokens", str(tmp_path / "tokens.npy"),
            "--seq", "16", "--grid", "x=2,z=2", "--precision", "float64", "--json", "--nproc-per-node", "4"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from fourfold.grid import Grid
-from fourfold.layout import Layout
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import Layout
 from fourfold.models.config import load_config
-from fourfold.models.transformer import Transformer
-from fourfold.tensor.block import TensorOptions
-from fourfold.tensor.params import full_weights, layouts, load_full
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import full_weights, layouts, load_full
 
 CASES = [
     ("tiny-llama", dict(x=2, y=2, z=2)),

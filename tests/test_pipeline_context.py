@@ -5,18 +5,18 @@ and the P2P bytes equal the volume functions."""
 import pytest
 import torch
 
-from fourfold import comm, context
-from fourfold.dataparallel import GradientSync
-from fourfold.grid import Grid
-from fourfold.layout import Layout
+from fourfold.parallel import comm, context
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import Layout
 from fourfold.models.config import ModelConfig
-from fourfold.models.transformer import Transformer
-from fourfold.optimizer import AdamW
-from fourfold.job import split_layers
-from fourfold.pipeline import Pipeline
-from fourfold.tensor.block import TensorOptions
-from fourfold.tensor.params import full_weights
-from fourfold.volumes import ledger_bytes, model_collectives, pipeline_sends
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.optimizer import AdamW
+from fourfold.spec.job import split_layers
+from fourfold.parallel.pipeline import Pipeline
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import full_weights
+from fourfold.spec.volumes import ledger_bytes, model_collectives, pipeline_sends
 
 LLAMA = ModelConfig("llama", hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
                     tied=False, eps=1e-5)
@@ -234,9 +234,9 @@ def test_flash_kernel_contract_is_checked_on_every_device():
 
 
 def test_rules_refuse_ring_attention_in_float32_on_gpus():
-    from fourfold.job import Job
+    from fourfold.spec.job import Job
     from fourfold.models.config import load_config
-    from fourfold.rules import problems
+    from fourfold.spec.rules import problems
 
     job = Job(Layout(cp=2), global_batch=1, seq=64, precision="float32")
     found = problems(load_config("tiny-llama"), job, gpu=True)

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fourfold.models.config import load_config
-from fourfold.plan.hardware import make_cluster
-from fourfold.job import Job
-from fourfold.layout import Layout
+from fourfold.spec.hardware import make_cluster
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
 from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
 from fourfold.plan.search import ORDERS, check, search
 
@@ -157,19 +157,19 @@ def test_invalid_configurations_name_the_fix():
 
 
 def test_planner_does_not_import_torch():
-    code = "import sys, fourfold.plan.cli, fourfold.plan.search; print(any(m.startswith('torch') for m in sys.modules))"
+    code = "import sys, fourfold.cli.plan, fourfold.plan.search; print(any(m.startswith('torch') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def test_volume_functions_are_the_runtimes():
     import fourfold.plan.perf as perf
-    import fourfold.volumes as volumes
+    import fourfold.spec.volumes as volumes
 
     assert perf.block_passes is volumes.block_passes and perf.bytes_sent is volumes.bytes_sent
 
 
 def _cli(*args):
-    out = subprocess.run([sys.executable, "-m", "fourfold.cli", *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "fourfold.cli.main", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -201,7 +201,7 @@ def test_cli_json_objects(tmp_path):
 def test_a_candidate_without_headroom_is_marked_and_ranked_after_the_others(capsys):
     """Some of the fast jobs here fit with under 5% of the card free. They keep `fits`, are marked in
     the table with a footnote, and come after every candidate that leaves room."""
-    from fourfold.cli import main
+    from fourfold.cli.main import main
 
     found = search(SMALL, 4, CLUSTER, job(global_batch=16))
     flags = [r["tight"] for r in found if r["fits"]]
@@ -222,13 +222,13 @@ def test_a_candidate_without_headroom_is_marked_and_ranked_after_the_others(caps
 
 
 def test_cli_error_is_clear():
-    out = subprocess.run([sys.executable, "-m", "fourfold.cli", "estimate", "--model", "llama-2-7b", "--pp", "40"],
+    out = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "estimate", "--model", "llama-2-7b", "--pp", "40"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "32 layers cannot fill 40 pipeline stages; use pp*virtual of at most 32" in out.stderr
 
 
 def test_plan_says_what_the_rules_refuse_when_they_refuse_every_grid(capsys):
-    from fourfold.cli import main
+    from fourfold.cli.main import main
 
     assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--seq", "1000000"]) == 2
     out = capsys.readouterr()
@@ -242,7 +242,7 @@ def test_plan_says_what_the_rules_refuse_when_they_refuse_every_grid(capsys):
 
 
 def test_tp_with_a_3d_grid_is_refused(capsys):
-    from fourfold.cli import main
+    from fourfold.cli.main import main
 
     assert main(["estimate", "--model", "llama-3.1-8b", "--tp", "8", "--x", "2"]) == 2
     assert "--tp 8 is Megatron's 1D tensor parallelism (y=8, x = z = 1) and cannot go with --x 2: give either --tp " \
@@ -250,7 +250,7 @@ def test_tp_with_a_3d_grid_is_refused(capsys):
 
 
 def test_rule_errors_name_the_planners_flags(capsys):
-    from fourfold.cli import main
+    from fourfold.cli.main import main
 
     assert main(["estimate", "--model", "llama-3.1-8b", "--global-batch", "16", "--dp", "32", "--seq", "0"]) == 2
     err = capsys.readouterr().err
@@ -265,7 +265,7 @@ def test_rule_errors_name_the_planners_flags(capsys):
 def test_cli_memory_measured_under_fake_tensors(capsys):
     """`fourfold memory --measure`: the runtime's peak (FakeTensorMode) beside the estimate, as a
     table and as JSON; a pipeline is refused with the fix. In-process (it builds its own fake world)."""
-    from fourfold.cli import main
+    from fourfold.cli.main import main
 
     args = ["memory", "--model", "tiny-llama", "--y", "2", "--z", "2", "--micro-batch", "2", "--seq", "512", "--measure"]
     assert main([*args, "--json"]) == 0

@@ -1,6 +1,6 @@
 """The memory estimator against fourfold's measured peak over two training steps (model, gradient
 accumulators, ZeRO-1 state, activations, temporaries): a small model on 4 CPU ranks, float32,
-tracked by torch's MemTracker; a 70B layer under FakeTensorMode, bf16 (fourfold.measure).
+tracked by torch's MemTracker; a 70B layer under FakeTensorMode, bf16 (fourfold.tools.measure).
 The GPU-only terms (CUDA context, NCCL, fragmentation) have no counterpart on CPU."""
 
 import dataclasses
@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fourfold.dataparallel import GradientSync
-from fourfold.grid import Grid
-from fourfold.job import Job
-from fourfold.layout import Layout
-from fourfold.measure import GPU_ONLY_TERMS as DEVICE_TERMS, measure_peak
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
+from fourfold.tools.measure import GPU_ONLY_TERMS as DEVICE_TERMS, measure_peak
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.models.transformer import Transformer
-from fourfold.optimizer import AdamW
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.optimizer import AdamW
 from fourfold.plan.memory import fourfold_memory
-from fourfold.tensor.block import TensorOptions
+from fourfold.parallel.tensor.block import TensorOptions
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=1024,
                   tied=False, eps=1e-5)
@@ -55,7 +55,7 @@ def test_estimate_within_5_percent_of_measured_peak(ranks, case):
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**20, measured / 2**20)
 
 
-# A large layer under FakeTensorMode (fourfold.measure): Llama 3.1 70B's layer, embedding and head
+# A large layer under FakeTensorMode (fourfold.tools.measure): Llama 3.1 70B's layer, embedding and head
 # (two layers), bf16, rank 0 of 8 fake ranks; the flash path as on GPUs.
 LLAMA_70B_2_LAYERS = dataclasses.replace(load_config("llama-3.1-70b"), layers=2)
 LARGE = [dict(x=2, y=2, z=2, micro_batch=2), dict(dp=2, y=2, z=2, micro_batch=2, recompute="selective"),

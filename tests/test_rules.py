@@ -1,4 +1,4 @@
-"""The one rule function (fourfold.rules): every job it accepts on up to 8 ranks builds and trains a
+"""The one rule function (fourfold.spec.rules): every job it accepts on up to 8 ranks builds and trains a
 step; every refusal names its fix; the commands check before they start processes."""
 
 import dataclasses
@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fourfold.job import Job, split_layers
-from fourfold.layout import Layout, factorisations
+from fourfold.spec.job import Job, split_layers
+from fourfold.spec.layout import Layout, factorisations
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.rules import JobError, check, problems
+from fourfold.spec.rules import JobError, check, problems
 
 MODELS = {
     "tiny-llama": load_config("tiny-llama"),  # hidden 128, 8 heads, 4 kv heads, ffn 352, 2 layers
@@ -60,11 +60,11 @@ def _train_one_step(cases):
     """A training step of each (model, job) on this world, through the trainer's Model and batch split."""
     import torch
 
-    from fourfold.dataparallel import GradientSync
-    from fourfold.grid import Grid
-    from fourfold.optimizer import AdamW
-    from fourfold.tensor.block import torch_dtype
-    from fourfold.trainer import Model, local_batch
+    from fourfold.parallel.data import GradientSync
+    from fourfold.parallel.grid import Grid
+    from fourfold.parallel.optimizer import AdamW
+    from fourfold.parallel.tensor.block import torch_dtype
+    from fourfold.train.trainer import Model, local_batch
 
     losses = []
     for name, job in cases:
@@ -138,15 +138,15 @@ def test_split_layers():
 
 
 def test_config_parsing_and_rules_need_no_torch():
-    code = ("import sys, fourfold.trainconfig, fourfold.rules, fourfold.cli; "
-            "fourfold.trainconfig.validate(fourfold.trainconfig.load_train_config(None), 1); "
+    code = ("import sys, fourfold.spec.trainconfig, fourfold.spec.rules, fourfold.cli.main; "
+            "fourfold.spec.trainconfig.validate(fourfold.spec.trainconfig.load_train_config(None), 1); "
             "print(any(m.startswith('torch') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def _cli(*args, **kw):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"))
-    return subprocess.run([sys.executable, "-m", "fourfold.cli", *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-m", "fourfold.cli.main", *args], capture_output=True, text=True, timeout=120,
                           env=env, **kw)
 
 
@@ -168,7 +168,7 @@ def test_eval_checks_before_it_starts_processes(tmp_path):
 
 
 def test_launcher_options_stay_with_the_launcher():
-    from fourfold.cli import _launcher_options_removed
+    from fourfold.cli.main import _launcher_options_removed
 
     argv = ["eval", "--hf", "d", "--nproc-per-node", "8", "--json", "--max-restarts=2", "--grid", "x=2"]
     assert _launcher_options_removed(argv) == ["eval", "--hf", "d", "--json", "--grid", "x=2"]
@@ -176,8 +176,8 @@ def test_launcher_options_stay_with_the_launcher():
 
 @pytest.mark.parametrize("field", ["job_name", "time", "partition", "account", "run_dir", "workdir"])
 def test_sbatch_values_with_control_characters_are_refused(field):
-    from fourfold.slurm import sbatch_script
-    from fourfold.trainconfig import ConfigError
+    from fourfold.train.slurm import sbatch_script
+    from fourfold.spec.trainconfig import ConfigError
 
     where = dict(nodes=1, gpus_per_node=8, cpus_per_task=8, run_dir="/runs/a", workdir="/home/me")
     with pytest.raises(ConfigError, match="control character '\\\\n'"):
@@ -200,8 +200,8 @@ def test_a_model_config_that_cannot_split_its_heads_is_a_problem_not_a_traceback
 
 
 def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_largest_stage():
-    from fourfold.job import default_stage_layers, most_layers_on_a_rank
-    from fourfold.plan.hardware import make_cluster
+    from fourfold.spec.job import default_stage_layers, most_layers_on_a_rank
+    from fourfold.spec.hardware import make_cluster
     from fourfold.plan.memory import estimate_memory
     from fourfold.plan.search import predict
 
@@ -219,7 +219,7 @@ def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_large
 
 
 def test_dynamic_rope_may_run_past_the_trained_positions_and_nothing_else_may():
-    from fourfold.blockspec import RopeScaling
+    from fourfold.spec.blockspec import RopeScaling
 
     base = ModelConfig("llama", hidden=48, layers=2, heads=6, kv_heads=2, ffn=96, vocab=64, max_positions=64,
                        tied=False, eps=1e-5)

@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from fourfold.shuffle import Permutation
+from fourfold.data.shuffle import Permutation
 
 
 @pytest.mark.parametrize("n", [*range(1, 40), 255, 256, 257, 1000, 4097])

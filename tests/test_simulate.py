@@ -8,14 +8,14 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fourfold.cli import main
-from fourfold.grid import Grid
-from fourfold.job import Job
-from fourfold.layout import Layout
-from fourfold.measure import measure_peak
+from fourfold.cli.main import main
+from fourfold.parallel.grid import Grid
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
+from fourfold.tools.measure import measure_peak
 from fourfold.models.config import load_config
 from fourfold.plan.memory import estimate_memory
-from fourfold.simulate import TRAINER_GROUPS, simulate
+from fourfold.tools.simulate import TRAINER_GROUPS, simulate
 
 
 def test_grid_on_a_fake_world_of_4096_ranks_builds_only_its_own_groups():

@@ -5,13 +5,13 @@ import itertools
 import pytest
 import torch
 
-from fourfold import comm
-from fourfold.blockspec import BlockConfig
-from fourfold.grid import Grid
-from fourfold.layout import GridError, Layout
-from fourfold.tensor.block import ParallelBlock, TensorOptions
-from fourfold.tensor.params import full_weights, load_full, sum_replicated_grads
-from fourfold.volumes import block_collectives, ledger_bytes
+from fourfold.parallel import comm
+from fourfold.spec.blockspec import BlockConfig
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import GridError, Layout
+from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions
+from fourfold.parallel.tensor.params import full_weights, load_full, sum_replicated_grads
+from fourfold.spec.volumes import block_collectives, ledger_bytes
 import serial_reference as ref
 
 TOL = 1e-10
@@ -127,7 +127,7 @@ def _init_matches_serial(sizes):
     grid = Grid(Layout(**sizes))
     cfg = LLAMA_GQA
     block = ParallelBlock(grid, cfg, TensorOptions(dtype=torch.float64), seed=7, std=0.02, out_std=0.01)
-    from fourfold.tensor.init import normal
+    from fourfold.parallel.tensor.init import normal
 
     for name, value in full_weights(block).items():
         if name.endswith("norm.weight"):

@@ -17,9 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fourfold import checkpoint, corpus
-from fourfold.slurm import sbatch_script
-from fourfold.trainconfig import ConfigError, load_train_config, validate
+from fourfold import checkpoint
+
+from fourfold.data import corpus
+from fourfold.train.slurm import sbatch_script
+from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
 
 STEPS = 6
 
@@ -41,7 +43,7 @@ def _options(run_dir, data, *extra):
 
 
 def _train(options):
-    from fourfold.trainer import train
+    from fourfold.train.trainer import train
 
     return train(load_train_config(None, options))
 
@@ -220,7 +222,7 @@ def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
     """torchrun restarts the job after rank 1 dies at step 4; it resumes from step 3 and the
     losses of every step equal the uninterrupted run's."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "fourfold.cli", "train", "--nproc-per-node", "4", "--max-restarts", "1",
+    cmd = [sys.executable, "-m", "fourfold.cli.main", "train", "--nproc-per-node", "4", "--max-restarts", "1",
            *_options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2", "--fault.kill_rank", "1",
                      "--fault.kill_step", "4")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -263,10 +265,10 @@ def test_failed_save_keeps_the_last_good_checkpoint(ranks, data, reference, tmp_
 def _save_fails(root):
     import torch
 
-    from fourfold.grid import Grid
-    from fourfold.layout import Layout
+    from fourfold.parallel.grid import Grid
+    from fourfold.spec.layout import Layout
     from fourfold.models.config import load_config
-    from fourfold.models.transformer import Transformer
+    from fourfold.parallel.transformer import Transformer
 
     model = Transformer(Grid(Layout(dp=2)), load_config("tiny-llama"))
 
@@ -282,7 +284,7 @@ def _save_fails(root):
 
 
 def test_generate_from_checkpoint(reference):
-    from fourfold.generate import generate
+    from fourfold.train.generate import generate
 
     greedy = generate(reference / "checkpoints", "In the beginning", max_new_tokens=8)
     assert greedy.startswith("In the beginning") and len(greedy) > len("In the beginning")
@@ -343,7 +345,7 @@ def test_config_errors_name_the_fix(tmp_path, monkeypatch):
 
 
 def test_cli_rejects_a_bad_config_before_starting_processes():
-    done = subprocess.run([sys.executable, "-m", "fourfold.cli", "train", "--grid.dp", "3", "--nproc-per-node", "3"],
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "train", "--grid.dp", "3", "--nproc-per-node", "3"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "must be a multiple of dp*micro_batch" in done.stderr
@@ -365,23 +367,23 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
     import numpy as np
     import torch.distributed as dist
 
-    from fourfold.evaluate import evaluate
-    from fourfold.generate import _single_process_group
-    from fourfold.grid import Grid
-    from fourfold.layout import Layout
+    from fourfold.train.evaluate import evaluate
+    from fourfold.train.generate import _single_process_group
+    from fourfold.parallel.grid import Grid
+    from fourfold.spec.layout import Layout
     from fourfold.models.config import ModelConfig
-    from fourfold.models.transformer import Transformer
+    from fourfold.parallel.transformer import Transformer
 
     _, tokens_path = corpus.prepare(data[1], 1024, data[5])
     tokens = np.load(tokens_path)[:2000]
     np.save(tmp_path / "val.npy", tokens)
-    done = subprocess.run([sys.executable, "-m", "fourfold.cli", "eval", "--checkpoint", str(reference / "checkpoints"),
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "eval", "--checkpoint", str(reference / "checkpoints"),
                            "--tokens", str(tmp_path / "val.npy"), "--seq", "32", "--batch", "4", "--grid", "x=2",
                            "--json"], capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     parallel = json.loads(done.stdout.strip().splitlines()[-1])
     # the text itself, tokenized by eval with the checkpoint's tokenizer: the same first windows
-    done = subprocess.run([sys.executable, "-m", "fourfold.cli", "eval", str(reference / "checkpoints"), "--text",
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "eval", str(reference / "checkpoints"), "--text",
                            data[1], "--cache-dir", str(tmp_path / "cache"), "--max-tokens", str(62 * 32), "--seq", "32",
                            "--batch", "4", "--json"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -404,7 +406,7 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
 def test_eval_windows_are_read_a_batch_at_a_time():
     import numpy as np
 
-    from fourfold.evaluate import window_count, windows
+    from fourfold.train.evaluate import window_count, windows
 
     tokens = np.arange(50, dtype=np.uint16)
     whole = windows(tokens, 8, range(window_count(len(tokens), 8)))
@@ -416,7 +418,7 @@ def test_eval_windows_are_read_a_batch_at_a_time():
 
 
 def test_auto_grid_takes_a_planner_candidate_this_run_can_use():
-    from fourfold.trainconfig import resolve_auto_grid
+    from fourfold.spec.trainconfig import resolve_auto_grid
 
     cfg = load_train_config(None, ["--grid.auto", "true", "--batch.seq", "128"])
     chosen = resolve_auto_grid(cfg, 8)
@@ -431,7 +433,7 @@ def test_the_run_starts_from_its_own_latest_checkpoint_then_from_checkpoint_load
     directory; a checkpoint of another model is refused before launch, naming the fix."""
     import dataclasses as dc
 
-    from fourfold.trainer import check_checkpoint, checkpoint_source
+    from fourfold.train.trainer import check_checkpoint, checkpoint_source
 
     def fake_checkpoint(root, step, **model_changes):
         path = root / f"step-{step:08d}"

@@ -12,13 +12,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fourfold import checkpoint
-from fourfold.grid import Grid
-from fourfold.layout import Layout
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import Layout
 from fourfold.models.config import load_config
-from fourfold.models.hf import load_hf, to_hf_tensors
-from fourfold.models.transformer import Transformer
-from fourfold.tensor.block import TensorOptions
-from fourfold.tensor.params import full_weights
+from fourfold.checkpoint.hf import load_hf, to_hf_tensors
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import full_weights
 from test_models import _compare, _rms_norm_in_input_dtype
 
 transformers = pytest.importorskip("transformers")
@@ -96,7 +96,7 @@ def test_eval_command_on_y2_gives_transformers_loss(model, tmp_path):
     path, *_ = model
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=SEQ * 6 + 3).astype(np.int32)  # 6 windows, 2 padded
     np.save(tmp_path / "tokens.npy", tokens)
-    cmd = [sys.executable, "-m", "fourfold.cli", "eval", path, "--tokens", str(tmp_path / "tokens.npy"),
+    cmd = [sys.executable, "-m", "fourfold.cli.main", "eval", path, "--tokens", str(tmp_path / "tokens.npy"),
            "--seq", str(SEQ), "--grid", "y=2,z=2", "--precision", "float64", "--json", "--nproc-per-node", "4"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -113,11 +113,11 @@ def test_eval_command_on_y2_gives_transformers_loss(model, tmp_path):
 
 def _two_steps(sizes, schedule):
     """The second step's loss of training the odd-vocabulary Llama (the first step's update in it)."""
-    from fourfold.dataparallel import GradientSync
-    from fourfold.job import Job
+    from fourfold.parallel.data import GradientSync
+    from fourfold.spec.job import Job
     from fourfold.models.config import ModelConfig
-    from fourfold.optimizer import AdamW
-    from fourfold.trainer import Model, local_batch
+    from fourfold.parallel.optimizer import AdamW
+    from fourfold.train.trainer import Model, local_batch
 
     cfg = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=VOCAB, max_positions=32,
                       tied=False, eps=1e-5)

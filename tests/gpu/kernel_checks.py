@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fourfold.comm import Group, Ledger
-from fourfold.context import _visible, attend_block, attend_block_backward
+from fourfold.parallel.comm import Group, Ledger
+from fourfold.parallel.context import _visible, attend_block, attend_block_backward
 
 FACTOR = 2.0  # the kernel may err at most twice as much as plain bf16 arithmetic
 

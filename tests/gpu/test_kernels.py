@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from fourfold.context import attend_block
+from fourfold.parallel.context import attend_block
 
 from .kernel_checks import BLOCKS, SHAPES, Shape, check_block, random_inputs
 

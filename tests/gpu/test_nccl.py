@@ -1,4 +1,4 @@
-"""Every collective of `fourfold.comm` on NCCL, and ring attention across GPUs: N processes, one GPU
+"""Every collective of `fourfold.parallel.comm` on NCCL, and ring attention across GPUs: N processes, one GPU
 each, under torchrun (every rank runs the same tests in the same order):
 
     torchrun --nproc-per-node N -m pytest tests/gpu -m gpu        (N >= 2; 4 or more, even, adds subgroups)
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fourfold import comm, context
-from fourfold.comm import P2P
-from fourfold.grid import Grid, init_process_group
-from fourfold.layout import Layout
+from fourfold.parallel import comm, context
+from fourfold.parallel.comm import P2P
+from fourfold.parallel.grid import Grid, init_process_group
+from fourfold.spec.layout import Layout
 
 from .kernel_checks import Shape, compare, plain_bf16, random_inputs, reference
 

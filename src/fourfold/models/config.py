@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from fourfold.blockspec import ROPE_SCALINGS, BlockConfig, RopeScaling
+from fourfold.spec.blockspec import ROPE_SCALINGS, BlockConfig, RopeScaling
 
 FAMILIES = ("llama", "gpt2")
 # config.json model types read as the llama family (RoPE, GQA, SwiGLU, RMSNorm), with their flags.

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fourfold.job import Job
-from fourfold.layout import Layout
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.plan.hardware import Cluster, make_cluster, overridden
+from fourfold.spec.hardware import Cluster, make_cluster, overridden
 from fourfold.plan.perf import UNCALIBRATED, Calibration, model_flops_per_token, step_time
 from fourfold.plan.search import check, predict, rank
-from fourfold.trainconfig import TrainConfig
+from fourfold.spec.trainconfig import TrainConfig
 
 # The published calibration data (outside the repository: ../shared/calibration from its root).
 DATA = Path(__file__).resolve().parents[3].parent / "shared" / "calibration"

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fourfold.blockspec import block_plan
-from fourfold.job import Job, most_layers_on_a_rank
+from fourfold.spec.blockspec import block_plan
+from fourfold.spec.job import Job, most_layers_on_a_rank
 from fourfold.models.config import ModelConfig
-from fourfold.rules import padded_vocab
+from fourfold.spec.rules import padded_vocab
 
 GIB = 2**30
 FRAMEWORKS = ("fourfold", "megatron")

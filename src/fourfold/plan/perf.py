@@ -1,6 +1,6 @@
 """Time of one training step: compute + exposed communication + pipeline bubble + optimizer.
 
-Communication volumes come from `fourfold.volumes`, the functions the runtime's ledger is
+Communication volumes come from `fourfold.spec.volumes`, the functions the runtime's ledger is
 tested against; each collective runs at the bandwidth its group gets under the placement order.
 """
 
@@ -12,14 +12,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fourfold.blockspec import attention_chunks, block_plan
+from fourfold.spec.blockspec import attention_chunks, block_plan
 from fourfold.models.config import ModelConfig
-from fourfold.plan.hardware import Cluster
-from fourfold.job import Job, rank_layers
-from fourfold.layout import Layout
+from fourfold.spec.hardware import Cluster
+from fourfold.spec.job import Job, rank_layers
+from fourfold.spec.layout import Layout
 from fourfold.plan.memory import layer_params
-from fourfold.rules import padded_vocab
-from fourfold.volumes import (
+from fourfold.spec.rules import padded_vocab
+from fourfold.spec.volumes import (
     Collective,
     block_passes,
     ring_attention_passes,

@@ -9,13 +9,13 @@ import itertools
 import math
 from dataclasses import replace
 
-from fourfold.job import RECOMPUTE, Job
-from fourfold.layout import DEFAULT_ORDER, Layout, factorisations
+from fourfold.spec.job import RECOMPUTE, Job
+from fourfold.spec.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
-from fourfold.plan.hardware import Cluster
+from fourfold.spec.hardware import Cluster
 from fourfold.plan.memory import GIB, Memory, estimate_memory
 from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, placement_bound, step_time
-from fourfold.rules import JobError, Problem, problems
+from fourfold.spec.rules import JobError, Problem, problems
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
 ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp", "dp", "pp"),

@@ -1,0 +1,325 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP), in the serial model's names.
+
+Every tensor is stored under its serial name ("model/layers.0.attn.q", "optim/m/...") and full
+shape, written in pieces: each rank writes only the rectangles of it that it holds (its z piece of
+its (x, y) block, its ZeRO-1 slice of master/m/v: `fourfold.checkpoint.sharded_io`), straight from its own
+tensors; ranks holding the same parameters (the trainer's dp*cp replicas) split them, each
+offering whole ones (otherwise DCP writes identical rectangles once). Loading onto any grid reads,
+on each rank, only the rectangles it holds, into its own tensors (replicas: a share each, then
+an all-gather).
+
+A save goes to `.step-N.partial/` and is renamed to `step-N/` only after every rank finished
+and `meta.json` (step, data position, config) is written; older checkpoints beyond `keep` are
+removed after that. A crash during a save therefore leaves the previous checkpoint intact, and
+`latest()` never returns a partial one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+from fourfold.parallel import comm
+from fourfold.parallel.optimizer import AdamW
+from fourfold.checkpoint.sharded_io import Rectangle, RectangleLoadPlanner, RectangleSavePlanner, ShardError, rectangles
+from fourfold.parallel.tensor import params
+
+META = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or does not fit the model."""
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def complete(root: str | Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / META).is_file())
+
+
+def latest(root: str | Path) -> Path | None:
+    found = complete(root)
+    return found[-1] if found else None
+
+
+def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True,
+                     replicas: comm.Group | None = None) -> list[Rectangle]:
+    """The serial rectangles this rank holds: of its parameters ("model/NAME", with `model`) and of
+    its ZeRO-1 slices of the optimizer state ("optim/master|m|v/NAME", once it has state). Views of
+    the local tensors: nothing is copied or gathered. `replicas`: a group of ranks holding the
+    same parameters (dp*cp); each offers only those assigned to it (`params.assigned`), so none plans,
+    stages or sends a chunk DCP would drop as another replica's duplicate."""
+    layouts = params.layouts(module)
+    out = []
+    if model:
+        owned = params.assigned([p.numel() for p in layouts], replicas)
+        for i, (p, layout) in enumerate(layouts.items()):
+            if i in owned:
+                out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
+    if opt is not None and opt.state:
+        for bucket, state in zip(opt.sync.buckets, opt.state):
+            # each parameter's part of this rank's slice of the bucket
+            for p, a, b, at in bucket.segments(*bucket.shard_range(opt.sync.shard)):
+                for kind in AdamW.STATE:
+                    out += rectangles(layouts[p], state[kind][at : at + b - a], lo=a, prefix=f"optim/{kind}/")
+    return out
+
+
+def _prepare(root: Path, step: int) -> tuple[Path, Path]:
+    """(final, partial) directories of checkpoint `step`; the partial one cleared (collective)."""
+    final, partial = _step_dir(root, step), root / f".step-{step:08d}.partial"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+    dist.barrier()
+    return final, partial
+
+
+def _publish(root: Path, final: Path, partial: Path, meta: dict, keep: int, files: dict[str, Path]) -> None:
+    """Rank 0, once every rank's tensors are written: the extra files and meta.json, the rename
+    to step-N (which makes it a checkpoint), and the pruning of older ones."""
+    for name, source in files.items():
+        shutil.copyfile(source, partial / name)
+    tmp = partial / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, partial / META)
+    if final.exists():  # a run resumed from an earlier step reached this one again: the new copy wins
+        stale = root / f".{final.name}.replaced"
+        os.replace(final, stale)
+        os.replace(partial, final)
+        shutil.rmtree(stale)
+    else:
+        os.replace(partial, final)
+    # keep the last K up to this step; later ones (from a run this one resumed before) are left alone
+    up_to_now = [c for c in complete(root) if c.name <= final.name]
+    _prune(root, up_to_now[:-keep] if keep > 0 else [])
+
+
+PRUNING = "fourfold-prune"  # the background threads' name
+
+
+def _prune(root: Path, old: list[Path]) -> None:
+    """Older checkpoints out of the way at once (renamed: no reader sees them any more), then
+    deleted by a background thread, with any an earlier process left half deleted. A large job's
+    checkpoint is a file per rank: deleting it here held every rank at the save's last barrier."""
+    for checkpoint_dir in old:
+        aside = root / f".{checkpoint_dir.name}.pruned"
+        shutil.rmtree(aside, ignore_errors=True)  # the same step pruned before, not all deleted then
+        os.replace(checkpoint_dir, aside)
+    doomed = sorted(root.glob(".step-*.pruned"))
+    if doomed:
+        threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True,
+                         name=PRUNING).start()
+
+
+def wait_for_pruning() -> None:
+    """Until the background deletions of pruned checkpoints are done (at the end of a run)."""
+    for thread in threading.enumerate():
+        if thread.name == PRUNING:
+            thread.join()
+
+
+def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
+         files: dict[str, Path] | None = None, replicas: comm.Group | None = None) -> Path:
+    """Write checkpoint `step` (collective: every rank calls it) and return its directory; `files`
+    (name -> path, e.g. the tokenizer) are copied in so that the checkpoint stands alone;
+    `replicas`: see `local_rectangles`."""
+    root = Path(root)
+    final, partial = _prepare(root, step)
+    dcp.save({}, checkpoint_id=partial,
+             planner=RectangleSavePlanner(local_rectangles(module, opt, replicas=replicas)))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _publish(root, final, partial, dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0), keep,
+                 files or {})
+    dist.barrier()
+    return final
+
+
+class AsyncSaver:
+    """Checkpoints written while training goes on (DCP's async_save).
+
+    A save copies this rank's rectangles into a host buffer (pinned on GPUs; allocated at the first
+    save and reused: one rank's share of the model and optimizer state, the staging memory) and
+    returns; a background thread writes them, exchanging DCP's plans over a gloo group of its own
+    (not the training communicator, which the main thread keeps using). When rank 0's write ends,
+    every rank's has (DCP's coordinator gathers their results first), and rank 0 publishes the
+    checkpoint there and then. One save is in flight at a time: the next waits for it."""
+
+    def __init__(self) -> None:
+        self.group = comm.host_group()  # DCP's coordination: rank 0 and each other
+        self.buffer: torch.Tensor | None = None
+        self.pending: Future | None = None
+        self.published = threading.Event()
+        self.error: BaseException | None = None
+
+    def staging_bytes(self, rects: list[Rectangle]) -> int:
+        return sum(_aligned(r.data.numel() * r.data.element_size()) for r in rects)
+
+    def _stage(self, rects: list[Rectangle]) -> list[Rectangle]:
+        size = self.staging_bytes(rects)
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        staged, at = [], 0
+        for r in rects:
+            n = r.data.numel() * r.data.element_size()
+            copy = self.buffer[at : at + n].view(r.data.dtype).view(r.data.shape)
+            copy.copy_(r.data.detach(), non_blocking=True)
+            staged.append(dataclasses.replace(r, data=copy))
+            at += _aligned(n)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies are in host memory before training changes the tensors
+        return staged
+
+    def save(self, root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
+             files: dict[str, Path] | None = None, replicas: comm.Group | None = None) -> Path:
+        """Start writing checkpoint `step` (collective) and return its directory-to-be; `replicas`:
+        see `local_rectangles` (a replica stages only its share of the model)."""
+        self.wait()
+        root = Path(root)
+        final, partial = _prepare(root, step)
+        staged = self._stage(local_rectangles(module, opt, replicas=replicas))
+        meta = dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0)
+        self.published.clear()
+        future = dcp.async_save({}, checkpoint_id=partial, planner=RectangleSavePlanner(staged),
+                                process_group=self.group)
+
+        def publish(done: Future) -> None:
+            try:
+                if done.exception() is None and dist.get_rank() == 0:
+                    _publish(root, final, partial, meta, keep, files or {})
+            except BaseException as e:  # reported by the next wait()
+                self.error = e
+            finally:
+                self.published.set()
+
+        future.add_done_callback(publish)
+        self.pending = future
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight is written and published; raise what it failed with."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.result()
+        self.published.wait()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16  # every staged tensor starts at a multiple of any element size
+
+
+def _shared_rectangles(module: nn.Module, replicas: comm.Group) -> list[Rectangle]:
+    """This rank's 1/n of every local parameter, n the size of `replicas` (a contiguous flat range,
+    as a ZeRO-1 slice is cut): what it reads when the replicas share a load."""
+    rects = []
+    for p, layout in params.layouts(module).items():
+        lo, hi = _share(p.numel(), replicas)
+        rects += rectangles(layout, p.detach().reshape(-1)[lo:hi], lo=lo, prefix="model/")
+    return rects
+
+
+def _share(numel: int, replicas: comm.Group) -> tuple[int, int]:
+    per = -(-numel // replicas.size)
+    return min(replicas.rank * per, numel), min((replicas.rank + 1) * per, numel)
+
+
+def _read_shared(path: Path, module: nn.Module, replicas: comm.Group) -> None:
+    """Each rank of `replicas` reads its share of every local parameter, then the group
+    all-gathers the parameter whole."""
+    _read(path, _shared_rectangles(module, replicas))
+    for p in params.layouts(module):
+        flat, (lo, hi) = p.detach().reshape(-1), _share(p.numel(), replicas)
+        part = flat.new_zeros(-(-p.numel() // replicas.size))
+        part[: hi - lo] = flat[lo:hi]
+        flat.copy_(comm.all_gather(part, replicas)[: p.numel()])
+
+
+def dry_run(module: nn.Module, opt: AdamW, replicas: comm.Group | None = None) -> tuple[dict, dict]:
+    """Plan this rank's part of a save and of a same-grid load of it, as `save` and
+    `load_checkpoint` do (with the trainer's `replicas`), without files (`fourfold simulate`,
+    `memory --measure`): the rectangles offered, the size of the plan DCP's coordinator gathers
+    from this rank, and the local views the reads land in (the reads allocate nothing: a memory
+    counter running meanwhile shows it; a shared load's all-gather adds a parameter's buffer)."""
+    start = time.perf_counter()
+    rects = local_rectangles(module, opt, replicas=replicas)
+    plan = RectangleSavePlanner(rects).create_local_plan()
+    save = dict(seconds=time.perf_counter() - start, chunks=len(plan.items),
+                bytes_written=sum(r.data.numel() * r.data.element_size() for r in rects),
+                plan_bytes=len(pickle.dumps(plan)))
+    start = time.perf_counter()
+    # the chunks of this rank's tensors, as its replicas together wrote them: what it reads back
+    written = RectangleSavePlanner(local_rectangles(module, opt)).create_local_plan()
+    _, metadata = create_default_global_save_plan([written])
+    shared = replicas is not None and replicas.size > 1
+    loader = RectangleLoadPlanner(_shared_rectangles(module, replicas) + local_rectangles(module, opt, model=False)
+                                  if shared else local_rectangles(module, opt))
+    loader.set_up_planner({}, metadata, is_coordinator=True)
+    reads = loader.create_local_plan().items
+    views = [loader.resolve_tensor(item) for item in reads]
+    return save, dict(seconds=time.perf_counter() - start, reads=len(reads),
+                      bytes_read=sum(v.numel() * v.element_size() for v in views))
+
+
+def read_meta(path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / META).is_file():
+        raise CheckpointError(f"{path} is not a complete fourfold checkpoint (no {META}); give a step-N directory "
+                              f"written by `fourfold train`")
+    return json.loads((path / META).read_text())
+
+
+def _read(path: Path, rects: list[Rectangle]) -> None:
+    try:
+        dcp.load({}, checkpoint_id=str(path), planner=RectangleLoadPlanner(rects))
+    except ShardError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except CheckpointException as e:  # raised on every rank for a failure on any
+        failures = [error for error, _ in e.failures.values() if isinstance(error, ShardError)]
+        if failures:
+            raise CheckpointError(f"{path}: {failures[0]}") from None
+        raise
+
+
+def load_checkpoint(path: str | Path, module: nn.Module, opt: AdamW | None = None,
+                    replicas: comm.Group | None = None) -> dict:
+    """Set the model (and the optimizer's state, read at its first step, once its buckets are
+    traced) from a checkpoint written on any grid: each rank reads only the rectangles it holds,
+    into its own tensors; returns the checkpoint's meta. `replicas`: a group of ranks that hold
+    the same model tensors (the trainer's dp*cp). Each of them reads 1/n of every tensor and they
+    all-gather the rest, so the files are read once per model-parallel part, not once per replica
+    (at 405B on 128 replicas: 0.8 TB read instead of 104 TB at every restart)."""
+    path = Path(path)
+    meta = read_meta(path)
+    with torch.no_grad():
+        if replicas is None or replicas.size == 1:
+            _read(path, local_rectangles(module, None))
+        else:
+            _read_shared(path, module, replicas)
+    if opt is not None and meta.get("optimizer_steps"):
+        opt.restore(lambda: _read(path, local_rectangles(module, opt, model=False)), meta["optimizer_steps"])
+    return meta

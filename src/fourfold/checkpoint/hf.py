@@ -1,0 +1,191 @@
+"""Hugging Face checkpoints (config.json + safetensors, as `save_pretrained` writes them): import
+into any grid, each rank reading only the blocks it owns (export back: `fourfold.checkpoint.export`, from a
+checkpoint).
+
+Every loader asks a `Reader` for a slice of a *serial* tensor by fourfold's name; the reader
+maps the name to the checkpoint's tensor (transposing GPT-2's Conv1D weights, cutting its fused
+c_attn) and reads just that slice through safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from fourfold.parallel import comm
+from fourfold.checkpoint import META, CheckpointError, latest
+from fourfold.parallel.comm import Group
+from fourfold.models.config import ModelConfig
+from fourfold.parallel.tensor.params import Read, assigned, copy_into, load, parallel_layers
+
+
+def llama_names(cfg: ModelConfig) -> dict[str, str]:
+    names = {"embed": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tied:
+        names["lm_head"] = "lm_head.weight"
+    for i in range(cfg.layers):
+        p, h = f"layers.{i}", f"model.layers.{i}"
+        b = cfg.block
+        for n in "qkvo":
+            names[f"{p}.attn.{n}"] = f"{h}.self_attn.{n}_proj.weight"
+            if b.out_bias if n == "o" else b.qkv_bias:
+                names[f"{p}.attn.{n}.bias"] = f"{h}.self_attn.{n}_proj.bias"
+        for n in ("gate", "up", "down"):
+            names[f"{p}.mlp.{n}"] = f"{h}.mlp.{n}_proj.weight"
+            if b.mlp_bias:
+                names[f"{p}.mlp.{n}.bias"] = f"{h}.mlp.{n}_proj.bias"
+        names[f"{p}.attn_norm.weight"] = f"{h}.input_layernorm.weight"
+        names[f"{p}.mlp_norm.weight"] = f"{h}.post_attention_layernorm.weight"
+    return names
+
+
+def gpt2_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, bool]]:
+    """fourfold name -> (checkpoint name, column offset in the Conv1D weight, transposed)."""
+    out = {"embed": ("transformer.wte.weight", 0, False), "positions": ("transformer.wpe.weight", 0, False)}
+    if not cfg.tied:
+        out["lm_head"] = ("lm_head.weight", 0, False)
+    for suffix in ("weight", "bias"):
+        out[f"norm.{suffix}"] = (f"transformer.ln_f.{suffix}", 0, False)
+    for i in range(cfg.layers):
+        p, h = f"layers.{i}", f"transformer.h.{i}"
+        for j, n in enumerate("qkv"):
+            out[f"{p}.attn.{n}"] = (f"{h}.attn.c_attn.weight", j * cfg.hidden, True)
+            out[f"{p}.attn.{n}.bias"] = (f"{h}.attn.c_attn.bias", j * cfg.hidden, True)
+        for ours, theirs in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
+            out[f"{p}.{ours}"] = (f"{h}.{theirs}.weight", 0, True)
+            out[f"{p}.{ours}.bias"] = (f"{h}.{theirs}.bias", 0, True)
+        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            for suffix in ("weight", "bias"):
+                out[f"{p}.{ours}.{suffix}"] = (f"{h}.{theirs}.{suffix}", 0, False)
+    return out
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: directory / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{directory} has neither model.safetensors nor model.safetensors.index.json; "
+                              "save the model with save_pretrained(..., safe_serialization=True)")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> Read:
+    """A `Read` over a Hugging Face checkpoint directory; checks that every tensor the model needs
+    is there before any is read (on every rank alike: with shared reading a rank reads only some),
+    and shapes as it reads."""
+    directory = Path(directory)
+    files = _tensor_files(directory)
+    missing = sorted(set(hf_sources(cfg)) - set(files))
+    if missing:
+        raise CheckpointError(f"{directory} has no tensor {missing[0]!r} ({len(missing)} missing): the checkpoint does "
+                              f"not match config ({cfg.family}, {cfg.layers} layers, tied={cfg.tied})")
+    handles: dict[Path, object] = {}
+
+    def sliced(name: str):
+        if name not in files:
+            raise CheckpointError(f"{directory} has no tensor {name!r}: the checkpoint does not match config "
+                                  f"({cfg.family}, {cfg.layers} layers, tied={cfg.tied})")
+        path = files[name]
+        if path not in handles:
+            handles[path] = safe_open(path, "pt")
+        return handles[path].get_slice(name)
+
+    if cfg.family == "llama":
+        names = llama_names(cfg)
+
+        def read(name, rows, cols):
+            t = sliced(names[name])
+            return (t[rows] if cols is None else t[rows, cols]).to(dtype)
+    else:
+        layout = gpt2_layout(cfg)
+
+        def read(name, rows, cols):
+            hf, offset, conv1d = layout[name]
+            t = sliced(hf)
+            if not conv1d:
+                return (t[rows] if cols is None else t[rows, cols]).to(dtype)
+            shifted = slice(rows.start + offset, rows.stop + offset)
+            return (t[shifted] if cols is None else t[cols, shifted].T).to(dtype)
+
+    return read
+
+
+def model_directory(path: str | os.PathLike) -> tuple[Path, bool]:
+    """(the directory to load, whether it is a Hugging Face one) for a fourfold checkpoint (a step-N
+    directory, or a run's checkpoint directory: its latest) or a directory save_pretrained wrote."""
+    path = Path(path)
+    step = path if (path / META).is_file() else latest(path)
+    if step:
+        return step, False
+    if (path / "config.json").is_file():
+        return path, True
+    raise CheckpointError(f"{path} is neither a fourfold checkpoint ({META}) nor a Hugging Face directory "
+                          "(config.json); give a step-N directory, a run's checkpoint directory, or the directory "
+                          "save_pretrained wrote")
+
+
+def _check_config(directory: Path, cfg: ModelConfig) -> None:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json; pass the directory save_pretrained wrote")
+    theirs = ModelConfig.from_hf(json.loads(path.read_text()))
+    if theirs != cfg:
+        diffs = [f"{k}: checkpoint {getattr(theirs, k)} vs model {getattr(cfg, k)}"
+                 for k in cfg.__dataclass_fields__ if getattr(theirs, k) != getattr(cfg, k)]
+        raise CheckpointError(f"checkpoint {directory} does not match the model config: {'; '.join(diffs)}")
+
+
+def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Group | None = None) -> None:
+    """Fill a fourfold `Transformer` (on any grid) from a Hugging Face checkpoint directory.
+    `replicas`: a group of ranks holding the same parameters (the trainer's dp*cp). Each reads
+    the layers assigned to it (whole ones, balanced by size) and the group sums each parameter
+    into every rank (the others give zeros: exact), so the files are read once per
+    model-parallel part, not once per replica."""
+    directory = Path(directory)
+    _check_config(directory, model.cfg)
+    dtype = next(model.parameters()).dtype
+    read = checkpoint_reader(directory, model.cfg, dtype)
+    if replicas is None or replicas.size == 1:
+        load(model, read)
+        return
+    layers = parallel_layers(model)
+    mine = assigned([sum(p.numel() for p in layer.parameters()) for layer in layers], replicas)
+    owners: dict[nn.Parameter, int] = {}  # a parameter's first layer (a tied weight has two) gives it
+    for i, layer in enumerate(layers):
+        if i in mine:
+            layer.load(read, copy_into)
+        for p in layer.parameters():
+            owners.setdefault(p, i)
+    with torch.no_grad():
+        for p, i in owners.items():
+            if i not in mine:
+                p.zero_()
+            comm.all_reduce(p.data, replicas)
+
+
+def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
+    """transformers name -> the fourfold tensors it is made of, in order, each (name, transposed)."""
+    if cfg.family == "llama":
+        return {hf: [(ours, False)] for ours, hf in llama_names(cfg).items()}
+    out: dict[str, list[tuple[int, str, bool]]] = {}
+    for ours, (hf, offset, conv1d) in gpt2_layout(cfg).items():
+        out.setdefault(hf, []).append((offset, ours, conv1d))
+    return {hf: [(ours, conv1d) for _, ours, conv1d in sorted(parts)] for hf, parts in out.items()}
+
+
+def hf_tensor(parts: list[tuple[str, bool]], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One transformers tensor from the fourfold tensors `hf_sources` names for it."""
+    tensors = [t.T if conv1d and t.dim() == 2 else t for t, (_, conv1d) in zip(tensors, parts)]
+    return (torch.cat(tensors, dim=-1) if len(tensors) > 1 else tensors[0]).contiguous()
+
+
+def to_hf_tensors(cfg: ModelConfig, serial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fourfold's serial tensors under the checkpoint's names (and layouts)."""
+    return {hf: hf_tensor(parts, [serial[ours] for ours, _ in parts]) for hf, parts in hf_sources(cfg).items()}

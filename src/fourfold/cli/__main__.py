@@ -1,0 +1,5 @@
+"""`python -m fourfold.cli`."""
+
+from fourfold.cli.main import main
+
+main()

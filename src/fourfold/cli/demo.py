@@ -1,0 +1,37 @@
+"""`fourfold demo` (`make demo`): the main job on an embedded default. A small Llama trains on the
+bundled corpus on 8 CPU ranks (the config in fourfold/configs/demo.toml: dp2 x2 y2 with sequence
+parallelism), writes checkpoints, samples text from the last one, and then the planner recommends
+a configuration for a large model on a large cluster."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fourfold.models.config import load_config
+
+DEMO_CONFIG = str(files("fourfold.configs") / "demo.toml")
+
+
+def show_samples(checkpoints: str) -> None:
+    from fourfold.train.generate import generate
+
+    print(f"\nsamples from {checkpoints} (greedy, then temperature 0.8):")
+    print("  " + generate(checkpoints, "And God said", max_new_tokens=40).replace("\n", " "))
+    print("  " + generate(checkpoints, "In the beginning", max_new_tokens=40, temperature=0.8).replace("\n", " "))
+
+
+def print_plan(model: str = "llama-3.1-70b", gpus: int = 512, cluster: str = "dgx-h100") -> None:
+    """What the planner recommends for a large model on a large cluster (same as `fourfold plan`)."""
+    from fourfold.cli.plan import HEADER, error_note, row
+    from fourfold.spec.hardware import make_cluster
+    from fourfold.spec.job import Job
+    from fourfold.plan.perf import Calibration
+    from fourfold.plan.search import search
+
+    base = Job(seq=4096, global_batch=1024, seq_parallel=True, precision="bf16")
+    found = search(load_config(model), gpus, make_cluster(cluster), base, top=3)
+    print(f"\nthe planner's best configurations for {model} on {gpus} GPUs of {cluster} (seq 4096, 1024 sequences/step):")
+    print(HEADER)
+    for r in found[:3]:
+        print(row(r, r["tie"]))
+    print(error_note(Calibration()))

@@ -1,0 +1,281 @@
+"""`fourfold memory | estimate | plan | calibrate`: argument parsing and printing (table or JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from fourfold.spec.job import PRECISIONS, RECOMPUTE, Job
+from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
+from fourfold.plan.memory import FRAMEWORKS, GIB
+from fourfold.plan.perf import Calibration
+from fourfold.plan.search import HEADROOM, as_json, predict, search
+from fourfold.spec.rules import problems, with_flags
+
+# The rules name the training config's keys; the planner's commands take these flags instead.
+FLAGS = {"batch.global_batch": "--global-batch", "batch.micro_batch": "--micro-batch", "batch.seq": "--seq",
+         "turn seq_parallel off": "give --no-seq-parallel"}
+
+
+def positive(text: str) -> int:
+    """An argparse type: a count of 1 or more (argparse names the flag in the error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
+    return value
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json (or its directory)")
+    add_machine(p, "dgx-h100")
+    p.add_argument("--latency-us", type=float, help="cost per collective step, microseconds (default 10; "
+                                                    "benchmarks/planner_ordering.py fits it on a measured run)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--recompute", choices=RECOMPUTE)
+    p.add_argument("--seq-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="sequence parallelism (default on)")
+    p.add_argument("--precision", choices=[p for p in PRECISIONS if p != "auto"], default="bf16",
+                   help="parameters and activations (default bf16)")
+    p.add_argument("--framework", choices=FRAMEWORKS, default="fourfold")
+    p.add_argument("--no-80-rule", action="store_true", help="megatron profile: compare with the whole card")
+    p.add_argument("--calibrate", help="JSON of the step-time model's constants (`fourfold calibrate` writes one)")
+    p.add_argument("--json", action="store_true")
+
+
+def add_machine(p: argparse.ArgumentParser, cluster: str | None) -> None:
+    p.add_argument("--cluster", choices=sorted(CLUSTERS), default=cluster,
+                   help=f"cluster preset (default: {cluster or 'what each run records'})")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default: the cluster's)")
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--intra-node-gbs", type=float, help="intra-node bandwidth per GPU, GB/s")
+    p.add_argument("--inter-node-gbs", type=float, help="inter-node bandwidth per GPU, GB/s")
+
+
+def add_config(p: argparse.ArgumentParser) -> None:
+    for dim in DIMS:
+        p.add_argument(f"--{dim}", type=int, default=1)
+    p.add_argument("--virtual", type=int, default=1, help="pipeline stages per pp rank (interleaved 1F1B when > 1)")
+    p.add_argument("--tp", type=int, help="Megatron's 1D tensor parallelism: y=TP (x = z = 1)")
+    p.add_argument("--order", default=None, help="placement order, innermost first")
+    p.add_argument("--keep-gathered-inputs", action="store_true",
+                   help="linears keep their gathered input for backward (a plan row's `keep` column)")
+
+
+def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
+    return Job(layout, global_batch=args.global_batch, micro_batch=args.micro_batch or 1, seq=args.seq,
+               recompute=args.recompute or "none", seq_parallel=args.seq_parallel, precision=args.precision,
+               virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b",
+               keep_gathered_inputs=getattr(args, "keep_gathered_inputs", False))
+
+
+def _context(args):
+    cluster = make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs,
+                           args.latency_us)
+    if args.calibrate and not Path(args.calibrate).is_file():
+        raise ValueError(f"--calibrate {args.calibrate}: no such file; give the cal.json `fourfold calibrate ... -o` "
+                         f"wrote")
+    cal = Calibration.load(args.calibrate) if args.calibrate else Calibration()
+    if args.latency_us is not None:  # the flag wins over a calibrated latency
+        cal = dataclasses.replace(cal, latency_us=None)
+    cfg = load_config(args.model)
+    if getattr(args, "layers", None):
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    return cfg, cluster, cal
+
+
+def _one(args) -> tuple[ModelConfig, Job, dict]:
+    cfg, cluster, cal = _context(args)
+    sizes = {d: getattr(args, d) for d in DIMS}
+    if args.tp:
+        given = [f"--{d} {sizes[d]}" for d in ("x", "y", "z") if sizes[d] != 1]
+        if given:  # --tp sets x, y and z: a --x it overrode would be silently ignored
+            raise ValueError(f"--tp {args.tp} is Megatron's 1D tensor parallelism (y={args.tp}, x = z = 1) and cannot "
+                             f"go with {' '.join(given)}: give either --tp or --x/--y/--z")
+        sizes.update(x=1, y=args.tp, z=1)
+    order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
+    job = _job(args, Layout(**sizes, order=order), args.virtual)
+    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, args.framework)
+
+
+def _measure(cfg: ModelConfig, job: Job, r: dict) -> None:
+    """Add fourfold's measured peak (FakeTensorMode, fourfold.tools.measure) to the result `r`."""
+    from fourfold.tools.measure import GPU_ONLY_TERMS, measure_peak
+
+    m = measure_peak(cfg, job)
+    r["measured_gib"] = m.peak_bytes / GIB
+    r["measured_phase_peaks_gib"] = {phase: b / GIB for phase, b in m.phase_peaks.items()}
+    r["measured_at_peak"] = [{"gib": b / GIB, "tensor": what} for b, what in m.at_peak]
+    r["estimate_without_gpu_only_gib"] = sum(v for k, v in r["memory_breakdown_gib"].items() if k not in GPU_ONLY_TERMS)
+
+
+def _print_measured(r: dict) -> None:
+    est, measured = r["estimate_without_gpu_only_gib"], r["measured_gib"]
+    print(f"measured (FakeTensorMode, rank 0, two steps): {measured:.2f} GiB; the estimate without the GPU-only "
+          f"terms: {est:.2f} GiB ({100 * (est / measured - 1):+.1f}%)")
+    print("peak by phase (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["measured_phase_peaks_gib"].items()))
+    print("largest tensors alive at the peak:")
+    for t in r["measured_at_peak"]:
+        print(f"  {t['gib']:8.3f} GiB  {t['tensor']}")
+
+
+def row(r: dict, tie: bool = False) -> str:
+    grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
+    kept = "yes" if r["keep_gathered_inputs"] else "no"
+    memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
+              f" {('yes*' if r['tight'] else 'yes') if r['fits'] else 'NO ':<4}")
+    if "step_seconds" not in r:  # `fourfold memory`
+        return f"{memory}  {r['order']}"
+    return (f"{memory} {TIE if tie else ' '}{r['step_seconds']:8.3f} {r['tokens_per_second']:12.0f}"
+            f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
+
+
+MEMORY_HEADER = f"{'grid':<28} {'mb':<3} {'recompute':<9} {'keep':<4} {'GiB/limit':>15} {'fits':<4}"
+HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':>6}  order"
+
+
+TIGHT_NOTE = (f"* fits with less than {HEADROOM:.0%} of the GPU's memory free: the estimate's error or allocator "
+              f"fragmentation can push it over (the plan ranks these after candidates with headroom)")
+TIE = "~"
+
+
+def error_note(cal: Calibration) -> str:
+    if cal.cv_error is None:
+        return ("step times: the model's error is unknown with these constants (no cross-validation: "
+                "`fourfold calibrate` measures it)")
+    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error); {TIE} within it of the fastest: "
+            f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the largest "
+            f"micro-batch); measure them before choosing")
+
+
+def _print_one(r: dict, memory_only: bool) -> None:
+    print(f"{MEMORY_HEADER}  order" if memory_only else HEADER)
+    print(row(r))
+    if r["tight"]:
+        print(TIGHT_NOTE)
+    print("memory (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in r["memory_breakdown_gib"].items()))
+    print(f"checkpoints: a save or load adds nothing on the GPU (it reads and writes the rank's own tensors); "
+          f"an async save stages {r['async_checkpoint_host_gib']:.2f} GiB in host memory")
+    if not memory_only:
+        print("time (s):     " + ", ".join(f"{k} {v:.3f}" for k, v in r["time_breakdown_seconds"].items()))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.command == "calibrate":
+            return _calibrate(args)
+        if args.command in ("memory", "estimate"):
+            cfg, job, r = _one(args)
+            r = as_json(r)
+            if args.command == "memory":
+                r = {k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_second", "model_tflops_per_gpu",
+                                                            "mfu", "time_breakdown_seconds")}
+                if args.measure:
+                    _measure(cfg, job, r)
+            if args.json:
+                print(json.dumps(r, indent=1))
+            else:
+                _print_one(r, args.command == "memory")
+                if "measured_gib" in r:
+                    _print_measured(r)
+            return 0
+        cfg, cluster, cal = _context(args)
+        start = time.perf_counter()
+        mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
+        recomputes = (args.recompute,) if args.recompute else RECOMPUTE
+        # A table, or a JSON of the first --top, needs only the best (the search stops early);
+        # a plot and --all need every candidate.
+        top = None if args.plot or args.all else args.top if args.json else args.top or 10
+        found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
+                       rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework, top=top)
+        if not found.considered:  # not a question of memory: say what the rules refuse, with its fix
+            simplest = problems(cfg, _job(args, Layout(dp=args.gpus)), gpu=True)
+            raise ValueError("\n  ".join([f"the rules refuse every configuration of {args.gpus} GPUs; "
+                                          f"with dp={args.gpus}:", *map(str, simplest)]))
+        if args.json:
+            shown = found[: args.top] if args.top else found
+            print(json.dumps({"cv_error": cal.cv_error, "candidates": [as_json(r) for r in shown]}))
+        else:
+            n = cfg.parameter_count()
+            size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+            print(f"{cfg.family} {size} on {args.gpus} x {cluster.gpu.name}, "
+                  f"{args.framework} profile: {found.considered} candidates in {time.perf_counter() - start:.1f} s")
+            print(HEADER)
+            shown = found[: args.top or 10]
+            for r in shown:
+                print(row(r, r["tie"]))
+            if any(r["tight"] for r in shown):
+                print(TIGHT_NOTE)
+            if not found:
+                print("nothing fits: add GPUs, enable recompute, or lower the micro-batch")
+            else:
+                print(error_note(cal))
+        if args.plot:
+            from fourfold.plan.plots import plot_candidates
+
+            plot_candidates(found, args.plot, f"{args.model} on {args.gpus} GPUs")
+        return 0
+    except (ValueError, GridError, OSError) as err:
+        print(f"fourfold: error: {err if args.command == 'calibrate' else with_flags(str(err), FLAGS)}", file=sys.stderr)
+        return 2
+
+
+def _calibrate(args) -> int:
+    """`fourfold calibrate`: fit the constants to the runs given, cross-validate, write the JSON."""
+    from fourfold.plan.calibrate import KNOBS, calibrate, comparison, read_csv, read_run_dir
+
+    machine = (args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
+    cluster = make_cluster(*machine) if any(v is not None for v in machine) else None
+    runs = [read_run_dir(d, cluster) for d in args.runs] + [r for f in args.csv for r in read_csv(f, cluster)]
+    if not runs:
+        raise ValueError("no runs: give `fourfold train` run directories and/or --csv files")
+    cal, cross = calibrate(runs)
+    n_groups = len({r.group for r in runs})
+    fit = {"runs": len(runs), "groups": n_groups, "sources": sorted({r.source for r in runs}),
+           "cross_validated": dataclasses.asdict(cross)}
+    with open(args.output, "w") as f:
+        json.dump(dict(dataclasses.asdict(cal), fit=fit), f, indent=1)
+    print(f"{len(runs)} runs in {n_groups} groups (one model, cluster, GPU count, sequence and batch each)")
+    print("constants: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(cal).items()
+                                     if k != "cv_error" and v is not None))
+    print(comparison(runs, cross))
+    if len(runs) <= len(KNOBS):
+        print(f"{len(runs)} runs for {len(KNOBS)} constants: the fit is underdetermined; add runs (other grids, "
+              f"micro-batches, GPU counts)")
+    print(f"wrote {args.output}: use it with plan/estimate --calibrate {args.output}")
+    return 0
+
+
+def add_commands(commands) -> None:
+    memory = commands.add_parser("memory", help="memory per GPU of one configuration")
+    add_common(memory)
+    add_config(memory)
+    memory.add_argument("--measure", action="store_true",
+                        help="also run two training steps of rank 0 under FakeTensorMode and report the measured peak "
+                             "(needs no GPU; the whole model unless --layers)")
+    memory.add_argument("--layers", type=int, help="override the model's layer count (estimate and measurement)")
+    estimate = commands.add_parser("estimate", help="memory and speed of one configuration")
+    add_common(estimate)
+    add_config(estimate)
+    plan = commands.add_parser("plan", help="search every configuration of a GPU count, best first")
+    add_common(plan)
+    plan.add_argument("--gpus", type=positive, required=True)
+    plan.add_argument("--all", action="store_true", help="also list candidates that do not fit")
+    plan.add_argument("--top", type=int, default=0, help="how many to print (table default 10, JSON default all)")
+    plan.add_argument("--plot", help="write a PNG: throughput against memory, and the top time breakdowns")
+    calibrate = commands.add_parser("calibrate", help="fit the step-time model's constants to measured runs",
+                                    description="Fit the step-time model's constants to measured runs (`fourfold "
+                                                "train` run directories and CSV files in the calibration format, "
+                                                "docs/planner.md), report their leave-one-group-out error, and "
+                                                "write them for plan/estimate --calibrate.")
+    calibrate.add_argument("runs", nargs="*", metavar="RUN_DIR", help="`fourfold train` run directories")
+    calibrate.add_argument("--csv", action="append", default=[], help="a CSV in the calibration format (repeatable)")
+    calibrate.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    add_machine(calibrate, None)  # the machine the runs ran on (default: each run's own record)

@@ -1,0 +1,1 @@
+"""The corpus: sources, the tokenizer, token files and the resumable batch order."""

@@ -1,0 +1,164 @@
+"""Data parallelism over dp*cp: bucketed gradient reduction launched during backward.
+
+Each parameter's gradient is reduced over dp and cp, plus the tensor dims its layout names in
+`grad_sum` (a norm weight's tokens were split over z too), so one collective per bucket does
+both. Buckets fill in the order gradients become final in backward (the order layers really
+run), each launched asynchronously when full; the rest are launched by `finish()`. Under
+gradient accumulation, hooks only accumulate until the micro-batch that is run with `sync=True`.
+
+Memory (as Megatron's distributed optimizer): once the buckets are known, each owns one flat fp32
+buffer and its parameters' accumulators are views into it, so a bucket is reduced in place (the
+reduce-scatter writes this rank's shard over its own slice); the optimizer (fourfold.parallel.optimizer)
+reads the reduced shard there and `release` zeroes the buffer for the next step. No copy of the
+gradients is ever made.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fourfold.parallel import comm
+from fourfold.parallel.comm import Group, Pending, at_least_fp32
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.tensor.linear import ParallelLinear
+from fourfold.parallel.tensor.params import layouts
+
+
+@dataclass
+class Bucket:
+    group: Group
+    params: list[nn.Parameter] = field(default_factory=list)
+    ids: set[int] = field(default_factory=set)
+    numel: int = 0
+    pending: Pending | None = None
+    reduced: torch.Tensor | None = None  # this rank's shard (ZeRO-1) or the whole bucket
+    buffer: torch.Tensor | None = None  # the accumulators, padded to the group (main_grads are views)
+
+    def padded(self) -> int:
+        return -(-self.numel // self.group.size) * self.group.size
+
+    def shard_range(self, sharded: bool) -> tuple[int, int]:
+        if not sharded:
+            return 0, self.padded()
+        n = self.padded() // self.group.size
+        return self.group.rank * n, (self.group.rank + 1) * n
+
+    def segments(self, lo: int, hi: int) -> Iterator[tuple[nn.Parameter, int, int, int]]:
+        """Each parameter's part of the bucket's flat range [lo, hi) (its parameters laid end to
+        end): (parameter, start and end within the parameter, start within the range)."""
+        offset = 0
+        for p in self.params:
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                yield p, a - offset, b - offset, a - lo
+            offset += p.numel()
+
+
+class GradientSync:
+    """Owns the gradient accumulators (`main_grads[param]`, fp32 at least) and reduces them in buckets.
+
+    The first synchronised backward is traced: buckets are filled in the order gradients become
+    final and each parameter's number of gradient arrivals is counted (a tied weight gets two);
+    everything is reduced at `finish()`. From then on a bucket is launched, async, as soon as
+    each of its parameters has had all its arrivals."""
+
+    def __init__(self, model: nn.Module, grid: Grid, *, bucket_mb: float = 25.0, shard: bool = True):
+        self.grid, self.shard = grid, shard
+        self.bucket_bytes = bucket_mb * 2**20
+        self.layouts = layouts(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.main_grads = {p: torch.zeros_like(p, dtype=at_least_fp32(p.dtype)) for p in self.params}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        # Deferred weight gradients land after autograd's hooks have run (fourfold.parallel.overlap).
+        for layer in model.modules():
+            if isinstance(layer, ParallelLinear):
+                layer.overlap.on_grad_landed = self._on_grad
+        # Groups are created collectively by every rank; pipeline stages hold different
+        # parameters, so each rank creates every group a bucket might use, now, in one order.
+        for r in range(4):
+            for dims in itertools.combinations(("x", "y", "z"), r):
+                grid.group(("dp", "cp", *dims))
+        self.sync = True
+        self.buckets: list[Bucket] = []
+        self._expected: dict[int, int] = {}  # arrivals per parameter, from the traced backward
+        self._arrived: dict[int, int] = {}
+        self._open: dict[tuple[str, ...], Bucket] = {}
+        self._traced = False
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # autograd calls the hook even when a layer deferred its gradient
+            return
+        self.main_grads[p] += p.grad
+        p.grad = None
+        if not self.sync:
+            return
+        self._arrived[id(p)] = self._arrived.get(id(p), 0) + 1
+        if not self._traced:
+            if self._arrived[id(p)] == 1:
+                self._place(p)
+            return
+        for bucket in self.buckets:
+            if bucket.pending is None and id(p) in bucket.ids and all(
+                    self._arrived.get(i, 0) == self._expected[i] for i in bucket.ids):
+                self._launch(bucket)
+
+    def _place(self, p: nn.Parameter) -> None:
+        key = ("dp", "cp", *self.layouts[p].grad_sum)
+        bucket = self._open.get(key)
+        if bucket is None:
+            bucket = self._open[key] = Bucket(self.grid.group(key))
+            self.buckets.append(bucket)
+        bucket.params.append(p)
+        bucket.ids.add(id(p))
+        bucket.numel += p.numel()
+        if bucket.numel * 4 >= self.bucket_bytes:
+            del self._open[key]
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.shard:
+            lo, hi = bucket.shard_range(True)
+            bucket.pending = comm.reduce_scatter(bucket.buffer, bucket.group, async_op=True, out=bucket.buffer[lo:hi])
+        else:
+            bucket.pending = comm.all_reduce(bucket.buffer, bucket.group, async_op=True)
+
+    def _allocate_buffer(self, bucket: Bucket) -> None:
+        """Move the bucket's accumulators into one flat buffer (after the traced backward)."""
+        first = self.main_grads[bucket.params[0]]
+        bucket.buffer = torch.zeros(bucket.padded(), dtype=first.dtype, device=first.device)
+        for p, _, numel, at in bucket.segments(0, bucket.numel):  # whole parameters
+            view = bucket.buffer[at : at + numel].view_as(p)
+            view.copy_(self.main_grads[p])
+            self.main_grads[p] = view  # the old accumulator is freed here, one bucket at a time
+
+    def finish(self) -> list[Bucket]:
+        """Launch what is left and wait for every bucket; `bucket.reduced` is then its reduced
+        gradient (this rank's shard with ZeRO-1), valid until `release(bucket)`."""
+        if not self._traced:
+            for p in self.params:  # parameters that got no gradient still need a bucket
+                if id(p) not in self._arrived:
+                    self._place(p)
+            self._expected = {id(p): self._arrived.get(id(p), 0) for p in self.params}
+            self._traced = True
+            self._open.clear()
+            for bucket in self.buckets:
+                self._allocate_buffer(bucket)
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.reduced = bucket.pending.wait()
+            bucket.pending = None
+        self._arrived.clear()
+        return self.buckets
+
+    @staticmethod
+    def release(bucket: Bucket) -> None:
+        """The reduced gradient is used: zero the accumulators for the next step."""
+        bucket.reduced = None
+        bucket.buffer.zero_()

@@ -1,0 +1,124 @@
+"""The process grid on torch.distributed: a DeviceMesh over the six dims and a Group per dim.
+
+A `Grid` is an ordinary object passed to whatever needs communication; there is no global
+handle. It owns the `Ledger` that every collective on its groups writes to.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+
+from fourfold.parallel.comm import Group, Ledger
+from fourfold.spec.layout import DIMS, GridError, Layout, _as_dims
+
+
+def init_process_group(timeout_s: float = 600.0) -> None:
+    """Join the job torchrun started: NCCL with one GPU per process if CUDA is there, else gloo."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise GridError("no torchrun environment (RANK is not set); launch with `torchrun --nproc-per-node N ...`")
+    device = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        # With the device named, NCCL's communicator is bound to it and DeviceMesh creates each
+        # dim's groups with one communicator split instead of one creation per group.
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
+        return
+    # After a torchrun restart the agent's store still holds the previous round's addresses
+    # under the same keys (gloo then connects to dead ports): give this round its own prefix.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"fourfold-restart-{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=timeout_s), device_id=device)
+
+
+class Grid:
+    """dp x pp x cp x (x, y, z) over the ranks of the default process group."""
+
+    def __init__(self, layout: Layout):
+        if not dist.is_initialized():
+            raise GridError(
+                "torch.distributed is not initialised; launch with torchrun and call "
+                "fourfold.parallel.grid.init_process_group() before building a Grid"
+            )
+        world = dist.get_world_size()
+        if layout.world_size != world:
+            raise GridError(
+                f"grid {layout} has {layout.world_size} ranks but the job has {world}; "
+                f"choose sizes whose product dp*pp*cp*x*y*z is {world}, or launch {layout.world_size} ranks"
+            )
+        self.layout = layout
+        self.ledger = Ledger()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        ranks = torch.arange(world).reshape([getattr(layout, d) for d in layout.mesh_order])
+        self.mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=layout.mesh_order)
+        self.rank = dist.get_rank()
+        self.coords = layout.coords(self.rank)
+        self._groups: dict[tuple[str, ...], Group] = {}
+
+    @classmethod
+    def parse(cls, text: str, order: str | None = None) -> "Grid":
+        return cls(Layout.parse(text, order))
+
+    def size(self, dims: str | Iterable[str]) -> int:
+        return self.layout.size(dims)
+
+    def group(self, dims: str | Iterable[str]) -> Group:
+        """The group along one dim ('x') or several (('dp', 'cp')) that holds this rank.
+
+        Combined dims are ordered innermost first, so group ranks match `Layout.group_ranks`.
+        Every rank must ask for the same combined groups in the same order (they are created
+        collectively on first use).
+        """
+        key = tuple(sorted(_as_dims(dims), key=self.layout.order.index))
+        if key not in self._groups:
+            self._groups[key] = self._build_group(key)
+        return self._groups[key]
+
+    def _build_group(self, dims: tuple[str, ...]) -> Group:
+        name = "_".join(dims)
+        # Dims of size 1 add no rank: a combined group over them is the group of the other dims
+        # under its own name (its ledger entries keep it), not a copy of that communicator (NCCL
+        # bound to a device builds each one eagerly, with its own buffers).
+        others = tuple(d for d in dims if self.layout.size(d) > 1) or dims[:1]
+        if others != dims:
+            same = self.group(others)
+            return Group(name, same.process_group, same.ranks, same.rank, self.ledger)
+        if len(dims) == 1:
+            process_group = self.mesh.get_group(dims[0])
+        elif self.layout.size(dims) == self.layout.world_size:
+            # Every rank, numbered as the global ranks (the mesh is the ranks in order): the
+            # default group, not a second world-sized communicator (the gradient norm's group).
+            process_group = dist.group.WORLD
+        else:
+            # DeviceMesh's own flattening: one split of the parent communicator where the backend
+            # can split (NCCL bound to a device), otherwise one cheap call per group; never a Python
+            # enumeration of every group's ranks. Mesh order is outermost first, so the flattened
+            # rank runs innermost-fastest, as Layout.group_ranks numbers it.
+            outer_first = tuple(d for d in self.layout.mesh_order if d in dims)
+            with unset_fake_temporarily():  # the mesh's rank tensor is real, also under `simulate`'s fake mode
+                process_group = self.mesh[outer_first]._flatten(name).get_group()
+        ranks = tuple(dist.get_process_group_ranks(process_group))
+        expected = tuple(self.layout.group_ranks(dims, self.rank))
+        if ranks != expected:  # the one place the two layouts meet: fail loudly if they ever differ
+            raise RuntimeError(f"group {name}: DeviceMesh ranks {ranks} differ from the layout's {expected}")
+        return Group(name, process_group, ranks, ranks.index(self.rank), self.ledger)
+
+    def __repr__(self) -> str:
+        coords = ",".join(f"{d}={self.coords[d]}" for d in DIMS)
+        return f"Grid({self.layout}, rank {self.rank} at {coords})"

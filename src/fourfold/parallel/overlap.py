@@ -1,0 +1,102 @@
+"""Hiding the tensor-parallel collectives behind compute; one switch per kind, all on by default.
+
+- `input_grad`: in a linear layer's backward, the all-reduce (or reduce-scatter) of dX runs
+  while the dW GEMM computes.
+- `prefetch_weights`: the z all-gather of the next weight block is launched as soon as the
+  current one is consumed, in the order the blocks were gathered in the previous pass (traced:
+  forward, backward and recompute as they really ran, not the order of registration).
+- `defer_weight_grads`: the reduce-scatter of dW over z is launched async and waited only when
+  the next one is launched or when backward ends; the gradient then lands in `.grad`, after
+  autograd's hooks have run, so `on_grad_landed(param)` is called (GradientSync sets it).
+None of them changes a value or a byte sent (tests hold both equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fourfold.parallel import comm
+from fourfold.parallel.comm import Group, Pending
+
+
+@dataclass(frozen=True)
+class OverlapOptions:
+    input_grad: bool = True
+    prefetch_weights: bool = True
+    defer_weight_grads: bool = True
+
+
+class Overlapper:
+    """Shared by the linear layers of one model: the weight-gather prefetch and deferred dW."""
+
+    def __init__(self, options: OverlapOptions, z: Group):
+        self.options, self.z = options, z
+        self._order: list = []  # (matrix, shard) in the order of the previous pass
+        self._calls: list = []
+        self._ahead: tuple[int, object, Pending] | None = None
+        self._deferred: list[tuple[torch.Tensor, Pending]] = []
+        self._callback_queued = False
+        self._tracing = False  # prefetching starts once a model announces its passes
+        self.on_grad_landed: Callable[[torch.Tensor], None] | None = None
+
+    # ----- weight gathers --------------------------------------------------------------------
+    def new_pass(self) -> None:
+        """Called when a pass starts (a whole model's forward, or a pipeline stage's schedule
+        step, whose micro-batches interleave): the calls of the pass that ended become the order."""
+        self._discard_ahead()
+        self._tracing = True
+        if self._calls:
+            self._order, self._calls = self._calls, []
+
+    def gather(self, matrix, shard: torch.Tensor) -> torch.Tensor:
+        if not (self.options.prefetch_weights and self._tracing) or self.z.size == 1:
+            return matrix.gather_block(shard)
+        index = len(self._calls)
+        self._calls.append((matrix, shard))
+        if self._ahead is not None and self._ahead[0] == index and self._ahead[1] is matrix:
+            block = matrix.unpad(self._ahead[2].wait())
+            self._ahead = None
+        else:  # first pass, or the graph changed: gather now
+            self._discard_ahead()
+            block = matrix.gather_block(shard)
+        if index + 1 < len(self._order):
+            following, following_shard = self._order[index + 1]
+            self._ahead = (index + 1, following, comm.all_gather(following_shard.detach(), self.z, async_op=True))
+        return block
+
+    def _discard_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[2].wait()  # every rank issued it; finish it before anything else on z
+            self._ahead = None
+
+    # ----- weight gradients -----------------------------------------------------------------
+    def weight_grad(self, param: torch.Tensor, flat_grad: torch.Tensor) -> torch.Tensor | None:
+        """Reduce-scatter dW over z: now (returned), or deferred (None; lands in `param.grad`).
+        The sum runs in fp32 at least (bf16 partial gradients are not rounded at each addition, as
+        torchtitan's FSDP reduce_dtype and Megatron's fp32 reduction); the shard is cast back."""
+        if self.z.size == 1:
+            return flat_grad
+        wide = flat_grad.to(comm.at_least_fp32(flat_grad.dtype))
+        if not self.options.defer_weight_grads:
+            return comm.reduce_scatter(wide, self.z).to(flat_grad.dtype)
+        if self._deferred:
+            self._land(*self._deferred.pop(0))
+        self._deferred.append((param, comm.reduce_scatter(wide, self.z, async_op=True)))
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._land_all)
+            self._callback_queued = True
+        return None
+
+    def _land(self, param: torch.Tensor, pending: Pending) -> None:
+        grad = pending.wait().to(param.dtype)
+        param.grad = grad if param.grad is None else param.grad + grad
+        if self.on_grad_landed is not None:
+            self.on_grad_landed(param)
+
+    def _land_all(self) -> None:
+        while self._deferred:
+            self._land(*self._deferred.pop(0))
+        self._callback_queued = False

@@ -1,0 +1,132 @@
+"""Pipeline parallelism over pp on torch.distributed.pipelining schedules.
+
+The layers are cut into pp * virtual stages; pp rank r holds stages r, r + pp, ... (the looped
+placement the interleaved schedule expects). Each stage is a plain `Transformer` pruned to its
+layers (`stage_model`: the embedding on the first stage, norm, LM head and loss on the last; built
+on the meta device, so only the stage's parameters are ever allocated), so a stage sends
+its own residual-stream shard [micro/z, seq/cp(/y), hidden/x] to the same tensor-grid position
+of the next stage. Parameter gradients accumulate over the micro-batches into the hooks of
+`fourfold.parallel.data.GradientSync`, which launches each bucket's reduction after the last one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from fourfold.parallel.comm import Group
+from fourfold.parallel.grid import Grid
+from fourfold.spec.job import split_layers
+from fourfold.models.config import ModelConfig
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.rules import padded_vocab
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import parallel_layers
+from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range, *, first: bool, last: bool,
+                seed: int, std: float, recompute: str) -> Transformer:
+    """A plain model pruned to one pipeline stage: built on the meta device (no memory, no
+    initialisation), cut to `layers` (plus the embedding on the first stage, the final norm and
+    head on the last), then only what is left is allocated and given its initial values."""
+    if cfg.tied and not (first and last):
+        raise ValueError("tied input and output embeddings cannot be split across pipeline stages yet; "
+                         "use pp=1 or a model config with tied=false")
+    with torch.device("meta"):
+        model = Transformer(grid, cfg, opts, seed=seed, std=std, recompute=recompute)
+    for index in [i for i in model.layers if int(i) not in layers]:
+        del model.layers[index]
+    if not first:
+        model.embed = model.positions = None
+    if not last:
+        model.norm = model.lm_head = None
+    # What to_empty does, by replacing each parameter (to_empty swaps them in place, which the fake
+    # parameters of `fourfold simulate` do not allow; the layers look theirs up by name).
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            setattr(module, name, nn.Parameter(torch.empty_like(p, device=grid.device), p.requires_grad))
+    with torch.device(grid.device):  # the initial values computed where they live, as without pp
+        for layer in parallel_layers(model):
+            layer.reset_parameters()
+    return model
+
+
+class _LedgerStage(PipelineStage):
+    """A PipelineStage whose activation and gradient sends are recorded in fourfold's ledger."""
+
+    def __init__(self, *args, pp: Group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pp = pp
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):
+        return self._recorded(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        return self._recorded(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _recorded(self, ops):
+        for op in ops:
+            self.pp._record("send", op.tensor)
+        return ops
+
+
+class Pipeline:
+    """This rank's stages of the model and the schedule that runs them.
+
+    `step(ids, targets, scale)` runs forward and backward of a local batch of `microbatches`
+    micro-batches of `micro_batch` sequences of `seq` tokens (this rank's: after the z and cp
+    splits); each micro-batch's loss is sum(per-token loss) * scale, so with scale = 1/(tokens in
+    the global batch) the gradients reduced over dp and cp are the mean's. It returns this rank's
+    scaled loss (zero on ranks without the last stage)."""
+
+    def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions = TensorOptions(), *, schedule: str = "1f1b",
+                 microbatches: int, micro_batch: int, seq: int, virtual: int = 1,
+                 stage_layers: list[int] | None = None, seed: int = 0, std: float = 0.02, recompute: str = "none"):
+        pp = grid.group("pp")
+        n_stages = pp.size * virtual  # the job was checked by fourfold.spec.rules
+        ranges = split_layers(cfg.layers, n_stages, stage_layers or ())
+        self.grid, self.microbatches, self.seq_parallel = grid, microbatches, opts.seq_parallel
+        self.batch_shape = torch.Size([microbatches * micro_batch, seq])
+        self.indices = [pp.rank + v * pp.size for v in range(virtual)]
+        self.models = [stage_model(grid, cfg, opts, ranges[i], first=i == 0, last=i == n_stages - 1, seed=seed,
+                                   std=std, recompute=recompute) for i in self.indices]
+        self.module = nn.ModuleList(self.models)  # every parameter of this rank, for GradientSync
+        self.has_first, self.has_last = 0 in self.indices, n_stages - 1 in self.indices
+        # Shapes given up front: torch's run-time inference would run an extra forward and backward.
+        stream = torch.empty(micro_batch, seq // grid.size("y") if opts.seq_parallel else seq,
+                             cfg.hidden // grid.size("x"), dtype=opts.dtype, device="meta",
+                             requires_grad=True)  # a stage's input gradient goes back to the previous one
+        ids = torch.empty(micro_batch, seq, dtype=torch.long, device="meta")
+        vocab = padded_vocab(cfg.vocab, grid.size("y"))  # the head's columns, padded to a multiple of y
+        logits = torch.empty(1, micro_batch * seq // grid.size("x"), vocab // grid.size("y"), dtype=opts.dtype,
+                             device="meta", requires_grad=True)  # the head keeps this x rank's tokens
+        self.stream_shape = stream.shape  # what travels between stages (`simulate` makes its own)
+        stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=ids if i == 0 else stream,
+                               output_args=logits if i == n_stages - 1 else stream, group=pp.process_group, pp=pp)
+                  for m, i in zip(self.models, self.indices)]
+        kind = SCHEDULE_CLASSES[schedule]
+        self.schedule = kind(stages if schedule == "interleaved-1f1b" else stages[0], microbatches,
+                             loss_fn=self._loss, scale_grads=False)
+        self._scale = 1.0
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        if targets.shape != self.batch_shape:
+            raise ValueError(f"this pipeline was built for local batches of shape {tuple(self.batch_shape)} "
+                             f"({self.microbatches} micro-batches); got {tuple(targets.shape)}")
+        self._scale = scale
+        for model in self.models:  # one step of the schedule is the unit whose weight gathers repeat
+            model.overlap.new_pass()
+        losses: list[torch.Tensor] = []
+        args = (ids,) if self.has_first else ()
+        if self.has_last:
+            self.schedule.step(*args, target=targets, losses=losses)
+            return torch.stack(losses).sum().detach()
+        self.schedule.step(*args)
+        return torch.zeros((), dtype=torch.float64, device=self.grid.device)

@@ -1,0 +1,215 @@
+"""Attention, MLP and the pre-norm transformer block on the 3D grid (tensor3d.md).
+
+Residual stream: [batch/z, seq/cp, hidden/x], replicated over y; with sequence parallelism
+[batch/z, seq/(cp*y), hidden/x]. Non-redundant path (heads and kv heads divisible by x*y): the QKV
+output is reduce-scattered over x along whole heads, each rank attends with heads/(x*y) heads,
+and the result is all-gathered over x into the output projection; the MLP likewise with FFN
+features. Otherwise the published path: all-reduce over x, attention replicated over x. Which
+path, and every linear layer's shape and collectives, come from the block plan
+(`fourfold.spec.blockspec.block_plan`), the same data the volume functions and the planner read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fourfold.spec.blockspec import BlockConfig, BlockPlan, LinearPlan, RopeScaling, block_plan
+from fourfold.parallel.context import ring_attention
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.overlap import Overlapper, OverlapOptions
+from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
+from fourfold.parallel.tensor.norm import ParallelNorm, compiled
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    seq_parallel: bool = False  # residual stream, norms on seq/y tokens (Megatron-SP generalised)
+    keep_weights: bool = False  # keep each gathered weight from forward to backward
+    keep_gathered_inputs: bool = False  # keep each linear's gathered input (else gather it again in backward)
+    non_redundant: bool = True  # False: the published all-reduce path, attention/MLP replicated over x
+    overlap: OverlapOptions = OverlapOptions()
+    dtype: torch.dtype = torch.float32
+    compile: bool = False  # norms, RoPE and activations under torch.compile (train.compile)
+
+
+def torch_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """Parameters' and activations' dtype for a job's precision. "auto": bf16 on GPUs (fp32
+    gradient accumulators and master weights, fp32 loss, as Megatron trains), float32 on CPU."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "float32"
+    return {"bf16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}[precision]
+
+
+def rope_frequencies(d: int, theta: float, scaling: RopeScaling | None, seq: int = 0, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies [d/2], float32, for a sequence of `seq` tokens (dynamic scaling
+    depends on it), with transformers' arithmetic step for step (its _compute_*_parameters), so
+    that runs match it to rounding."""
+    if scaling is not None and scaling.kind == "dynamic":
+        # The base grows with the sequence beyond the trained context. transformers keeps the
+        # frequencies of its init (Python-float arithmetic) up to that context and recomputes
+        # them from the length as a tensor (float32 arithmetic) beyond it: both kept, to rounding.
+        # (A transformers module that has seen a longer sequence keeps its frequencies until a
+        # sequence within the trained context comes; fourfold's depend on this sequence only.)
+        trained = scaling.original_max_positions
+        length = torch.tensor(seq, device=device) if seq > trained else trained
+        theta = theta * ((scaling.factor * length / trained) - (scaling.factor - 1)) ** (d / (d - 2))
+    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+    inv_freq = 1.0 / pos_freqs
+    if scaling is None or scaling.kind == "dynamic":
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(d, theta, scaling, pos_freqs)
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    low_freq_wavelen = scaling.original_max_positions / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_positions / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_positions / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_frequencies(d: int, theta: float, scaling: RopeScaling, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequencies making fewer than beta_slow rotations over the pretrained context are
+    interpolated (divided by `factor`), those making more than beta_fast are kept, a linear ramp
+    over the dims between."""
+    def correction_dim(rotations: float) -> float:  # the dim whose frequency makes `rotations` turns
+        return (d * math.log(scaling.original_max_positions / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp.to(pos_freqs.device)
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
+
+
+def rope_tables(positions: torch.Tensor, seq: int, d: int, theta: float, scaling: RopeScaling | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [len(positions), d] of RoPE at the given positions of a `seq`-token sequence.
+
+    The angles are computed in float32 whatever the model's dtype, exactly as Hugging Face does,
+    so that float64 runs match transformers to rounding."""
+    angles = positions.float()[:, None] * rope_frequencies(d, theta, scaling, seq, positions.device)[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    scale = scaling.attention_factor if scaling is not None else 1.0  # yarn's; transformers multiplies in float32
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotate-half RoPE on [batch, heads, seq, head_dim] with the tables of `rope_tables`."""
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def gelu(u: torch.Tensor, approximate: str) -> torch.Tensor:
+    return F.gelu(u, approximate=approximate)
+
+
+def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, seed: int, std: float,
+            overlap: Overlapper) -> ParallelLinear:
+    """The runtime layer of one linear of the block plan; serial names under `prefix` (layers.{i})."""
+    rows = [RowSource(f"{prefix}.{r.name}", r.start, r.count) for r in layer.rows]
+    return ParallelLinear(grid, layer.in_features, rows, layer.kind, seed=seed, std=std, bias=layer.bias,
+                          reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=opts.keep_weights,
+                          keep_gathered_input=opts.keep_gathered_inputs,
+                          dtype=opts.dtype, name=f"{prefix}.{layer.name}", overlap=overlap)
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, grid: Grid, plan: BlockPlan, opts: TensorOptions, *, seed: int, std: float, out_std: float,
+                 prefix: str, overlap: Overlapper, recompute_core: bool = False):
+        super().__init__()
+        self.cfg, self.recompute_core = plan.cfg, recompute_core
+        self.cp = grid.group("cp")
+        self.heads, self.kv_heads = plan.local_heads, plan.local_kv_heads
+        self.own_heads = plan.attention_chunks == grid.size("x") * grid.size("y")  # the non-redundant path
+        self.rotate = compiled(rotate) if opts.compile else rotate
+        self.qkv = _linear(grid, plan.qkv, prefix, opts, seed=seed, std=std, overlap=overlap)
+        self.out = _linear(grid, plan.out, prefix, opts, seed=seed, std=out_std, overlap=overlap)
+
+    def core(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]."""
+        b, s, _ = qkv.shape
+        d = self.cfg.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = q.view(b, s, self.heads, d).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, d).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
+        if self.cfg.rope:
+            # dynamic scaling depends on the whole sequence's length, of which this cp rank holds a part
+            cos, sin = rope_tables(positions, positions.numel() * self.cp.size, d, self.cfg.rope_theta,
+                                   self.cfg.rope_scaling, q.dtype)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+            # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
+            v = v.contiguous()
+        if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
+            o = ring_attention(q, k, v, self.cp)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        return o.transpose(1, 2).reshape(b, s, self.heads * d)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(h)
+        if self.recompute_core:  # selective recompute: keep only qkv, redo attention in backward
+            return self.out(checkpoint(self.core, qkv, positions, use_reentrant=False))
+        return self.out(self.core(qkv, positions))
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, grid: Grid, plan: BlockPlan, opts: TensorOptions, *, seed: int, std: float, out_std: float,
+                 prefix: str, overlap: Overlapper):
+        super().__init__()
+        self.cfg = plan.cfg
+        self.swiglu, self.gelu = (compiled(swiglu), compiled(gelu)) if opts.compile else (swiglu, gelu)
+        self.up = _linear(grid, plan.up, prefix, opts, seed=seed, std=std, overlap=overlap)
+        self.down = _linear(grid, plan.down, prefix, opts, seed=seed, std=out_std, overlap=overlap)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = self.up(h)
+        if self.cfg.gated:
+            gate, up = u.chunk(2, dim=-1)
+            a = self.swiglu(gate, up)
+        else:
+            a = self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
+        return self.down(a)
+
+
+class ParallelBlock(nn.Module):
+    """h + attn(norm(h)), then + mlp(norm(h)): a pre-norm Llama/GPT block."""
+
+    def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float = 0.02,
+                 out_std: float | None = None, prefix: str = "block", recompute_attention: bool = False,
+                 overlap: Overlapper | None = None):
+        super().__init__()
+        out_std = std if out_std is None else out_std
+        overlap = overlap or Overlapper(opts.overlap, grid.group("z"))
+        plan = block_plan(cfg, grid.size("x"), grid.size("y"), seq_parallel=opts.seq_parallel,
+                          non_redundant=opts.non_redundant)
+        norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype, compile=opts.compile)
+        self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
+        self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
+                                      overlap=overlap, recompute_core=recompute_attention)
+        self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
+        self.mlp = ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), positions)
+        return h + self.mlp(self.mlp_norm(h))

@@ -1,0 +1,287 @@
+"""The 3D-parallel linear layer (tensor3d.md): weight blocks over (x, y), flattened and split over z.
+
+An "x-in" layer splits its input features K over x and output features N over y; a "y-in" layer
+the reverse. Activations are [batch/z, seq, features]. Around the GEMM, one autograd function
+carries out, in order:
+
+    forward:  [all-gather of the input over the out-dim (tokens or features)]
+              all-gather of the weight over z; GEMM;
+              all-reduce, or reduce-scatter (tokens or features), over the in-dim
+    backward: [all-gather of dY over the in-dim]; the weight again (or the kept copy);
+              dX GEMM, then its all-reduce (or reduce-scatter) over the out-dim launched async
+              and overlapped with the dW GEMM; reduce-scatter of dW over z.
+
+`RowSource` says which serial parameter each output row comes from, so fused layers (QKV,
+gate+up) are initialised and exported as the serial model's separate matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from fourfold.parallel import comm
+from fourfold.spec.blockspec import LINEAR_KINDS, RowSource
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import GridError
+from fourfold.parallel.overlap import Overlapper, OverlapOptions
+from fourfold.parallel.tensor import init
+from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
+
+SEQ_DIM, FEATURE_DIM = 1, -1
+INIT_PIECE = 2**22  # elements initialised at a time
+REDUCTIONS = ("all_reduce", "scatter_tokens", "scatter_features")
+GATHERS = ("none", "tokens", "features")
+
+
+class ShardedMatrix:
+    """Where the elements of a fused [N, K] matrix live: block (N over out, K over in), flat over z."""
+
+    def __init__(self, grid: Grid, rows: Sequence[RowSource], in_features: int, kind: str, what: str):
+        if kind not in LINEAR_KINDS:
+            raise ValueError(f"kind {kind!r} must be one of {', '.join(LINEAR_KINDS)}")
+        self.grid, self.rows, self.kind = grid, tuple(rows), kind
+        self.in_dim, self.out_dim = LINEAR_KINDS[kind]
+        self.n, self.k = sum(r.count for r in rows), in_features
+        size_in, size_out = grid.size(self.in_dim), grid.size(self.out_dim)
+        if self.k % size_in or self.n % size_out:
+            raise GridError(
+                f"{what}: {self.k} input features over {self.in_dim}={size_in} and {self.n} outputs over "
+                f"{self.out_dim}={size_out} must divide evenly; choose {self.in_dim} dividing {self.k} "
+                f"and {self.out_dim} dividing {self.n}"
+            )
+        self.block_shape = (self.n // size_out, self.k // size_in)
+        self.block_numel = self.block_shape[0] * self.block_shape[1]
+        # The flat block is split over z in equal shards; the last ones are padded with zeros.
+        self.shard_numel = -(-self.block_numel // grid.size("z"))
+
+    def init_shard(self, seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of the serial model's initial values (padding stays zero).
+
+        Each piece is a contiguous flat range of the shard: plain integer arithmetic, no
+        data-dependent masks (a model can be built under FakeTensorMode to measure its memory).
+        """
+        shard = torch.zeros(self.shard_numel, dtype=dtype)
+        for piece in self.pieces():
+            (row0, col0), cols, (lo, hi) = piece.offset, piece.window[1], piece.flat
+            # In chunks: the generator's int64/float64 temporaries are several times the values.
+            for a in range(lo, hi, INIT_PIECE):
+                flat = torch.arange(a, min(a + INIT_PIECE, hi))
+                index = (flat // cols + row0) * self.k + flat % cols + col0
+                at = piece.local_start + a - lo
+                shard[at : at + len(flat)] = init.normal(seed, piece.name, index, std, dtype)
+        return shard
+
+    def pieces(self, bias: bool = False) -> tuple[Piece, ...]:
+        """The serial elements this rank's weight shard (or bias, NAME.bias) holds: for each
+        source, its rows in this (x, y) block, as far as they overlap this rank's z shard (the
+        shard is a contiguous flat range of the row-major block; the bias is not split over z)."""
+        c, (block_rows, block_cols) = self.grid.coords, self.block_shape
+        cols = 1 if bias else block_cols
+        row0, col0 = c[self.out_dim] * block_rows, 0 if bias else c[self.in_dim] * block_cols
+        start = 0 if bias else c["z"] * self.shard_numel
+        stop = block_rows if bias else min(start + self.shard_numel, self.block_numel)
+        sizes: dict[str, int] = {}
+        for src in self.rows:
+            sizes[src.name] = sizes.get(src.name, 0) + src.count
+        out, fused = [], 0  # fused: first fused row of the current source
+        for src in self.rows:
+            first, last = max(fused, row0), min(fused + src.count, row0 + block_rows)
+            base = (first - row0) * cols  # where the source's window starts in the flat block
+            lo, hi = max(start, base), min(stop, (last - row0) * cols)
+            if first < last and lo < hi:
+                shape = (sizes[src.name],) if bias else (sizes[src.name], self.k)
+                out.append(Piece(src.name + (".bias" if bias else ""), shape, (src.start + first - fused, col0),
+                                 (last - first, cols), (lo - base, hi - base), lo - start))
+            fused += src.count
+        return tuple(out)
+
+    def read_shard(self, read) -> torch.Tensor:
+        """This rank's shard, reading only the rows of its block of the serial matrices that its z
+        shard overlaps (see params.Read): a z-sharded rank reads about 1/z of the block."""
+        n_local, k_local = self.block_shape
+        start = self.grid.coords["z"] * self.shard_numel
+        stop = min(start + self.shard_numel, self.block_numel)
+        if start >= stop:  # a z shard of padding only (a block smaller than z shards)
+            return torch.zeros(self.shard_numel)
+        r0, r1 = start // k_local, -(-stop // k_local)
+        first = self.grid.coords[self.out_dim] * n_local + r0
+        cols = slice(self.grid.coords[self.in_dim] * k_local, (self.grid.coords[self.in_dim] + 1) * k_local)
+        rows = torch.cat(self._read_rows(read, first, r1 - r0, cols, "")).reshape(-1)
+        part = rows[start - r0 * k_local : stop - r0 * k_local]
+        return torch.cat([part, part.new_zeros(self.shard_numel - len(part))])  # the last shard's padding
+
+    def read_bias(self, read) -> torch.Tensor:
+        n_local = self.block_shape[0]
+        return torch.cat(self._read_rows(read, self.grid.coords[self.out_dim] * n_local, n_local, None, ".bias"))
+
+    def _read_rows(self, read, first: int, count: int, cols: slice | None, suffix: str) -> list[torch.Tensor]:
+        """Fused rows [first, first + count), read from the serial tensors they come from."""
+        pieces, start = [], 0
+        for src in self.rows:
+            lo, hi = max(start, first), min(start + src.count, first + count)
+            if lo < hi:
+                pieces.append(read(src.name + suffix, slice(lo - start + src.start, hi - start + src.start), cols))
+            start += src.count
+        return pieces
+
+    def split_rows(self, fused: torch.Tensor, suffix: str = "") -> dict[str, torch.Tensor]:
+        """Cut a full fused matrix (or vector) into the serial ones it is made of."""
+        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        start = 0
+        for src in self.rows:
+            pieces.setdefault(src.name + suffix, []).append((src.start, fused[start : start + src.count]))
+            start += src.count
+        return {name: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for name, parts in pieces.items()}
+
+    def gather_block(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.unpad(comm.all_gather(shard, self.grid.group("z")))
+
+    def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The weight block from the concatenated z shards."""
+        return gathered[: self.block_numel].view(self.block_shape)
+
+    def pad(self, block: torch.Tensor) -> torch.Tensor:
+        """The flat block padded to z shards (for the reduce-scatter of its gradient)."""
+        flat = block.reshape(-1)
+        padding = self.shard_numel * self.grid.size("z") - self.block_numel
+        return torch.nn.functional.pad(flat, (0, padding)) if padding else flat
+
+    def gather_full(self, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The serial matrices this shard is part of (every rank gets them all): for export and tests."""
+        block = self.gather_block(shard)
+        rows = comm.all_gather(block, self.grid.group(self.in_dim), dim=1)
+        return self.split_rows(comm.all_gather(rows, self.grid.group(self.out_dim), dim=0))
+
+
+def _gather_dim(gather: str, x: torch.Tensor) -> int:
+    return SEQ_DIM if gather == "tokens" else x.dim() - 1
+
+
+class _Linear3D(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard, layer: "ParallelLinear"):
+        grid, m = layer.grid, layer.matrix
+        in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
+        local = x
+        if layer.input_gather != "none":
+            x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x))
+        weight = layer.gather_weight(shard)
+        y = x @ weight.t()
+        if layer.reduction == "all_reduce":
+            y = comm.all_reduce(y, in_group)
+        else:
+            y = comm.reduce_scatter(y, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else y.dim() - 1)
+        ctx.layer = layer
+        # Megatron's rule: keep the local input and gather it again in backward (the memory that
+        # sequence parallelism and the non-redundant path save), unless asked to keep the gathered one.
+        ctx.save_for_backward(x if layer.keep_gathered_input else local, weight if layer.keep_weight else shard)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer = ctx.layer
+        grid, m = layer.grid, layer.matrix
+        in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
+        x, saved = ctx.saved_tensors
+        overlap = layer.overlap.options.input_grad
+        regather = layer.input_gather != "none" and not layer.keep_gathered_input
+        if regather:  # in flight while dY is gathered and the dX GEMM runs
+            x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x), async_op=overlap)
+        if layer.reduction != "all_reduce":
+            dy = comm.all_gather(dy, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else dy.dim() - 1)
+        weight = saved if layer.keep_weight else layer.gather_weight(saved)
+        dx = dy @ weight
+        if layer.input_gather == "none":
+            pending = comm.all_reduce(dx, out_group, async_op=overlap)
+        else:
+            pending = comm.reduce_scatter(dx, out_group, dim=_gather_dim(layer.input_gather, dx), async_op=overlap)
+        if regather and overlap:
+            x = x.wait()
+        # With overlap on, the dW GEMM runs while the input-gradient collective is in flight.
+        dweight = dy.reshape(-1, m.block_shape[0]).t() @ x.reshape(-1, m.block_shape[1])
+        dshard = layer.overlap.weight_grad(layer.weight, m.pad(dweight))
+        return pending.wait() if overlap else pending, dshard, None
+
+
+class ParallelLinear(ParallelModule):
+    """Y = X W^T (+ b) on the 3D grid; see the module docstring for the collectives.
+
+    `reduction` over the in-dim: "all_reduce" (output replicated over it), "scatter_features"
+    (each rank keeps 1/in of the output features) or "scatter_tokens" (1/in of the sequence).
+    `input_gather` over the out-dim: "none" (input replicated), "tokens" or "features" (the input
+    holds 1/out of them and is gathered first). `keep_weight` keeps the gathered weight from
+    forward to backward instead of gathering it again; `keep_gathered_input` likewise the gathered
+    input (by default the local input is kept and gathered again in backward).
+    """
+
+    def __init__(
+        self, grid: Grid, in_features: int, rows: Sequence[RowSource], kind: str, *, seed: int, std: float,
+        bias: bool = False, reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
+        keep_gathered_input: bool = False,
+        dtype: torch.dtype = torch.float32, name: str = "linear", overlap: Overlapper | None = None,
+    ):
+        super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction {reduction!r} must be one of {', '.join(REDUCTIONS)}")
+        if input_gather not in GATHERS:
+            raise ValueError(f"input_gather {input_gather!r} must be one of {', '.join(GATHERS)}")
+        self.grid, self.reduction, self.input_gather, self.keep_weight = grid, reduction, input_gather, keep_weight
+        self.keep_gathered_input = keep_gathered_input
+        self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
+        # Shared with the model's other layers for prefetching; a layer on its own gets its own.
+        self.overlap = overlap or Overlapper(OverlapOptions(), grid.group("z"))
+        self.seed, self.std = seed, std
+        self.weight = nn.Parameter(torch.empty(self.matrix.shard_numel, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.matrix.block_shape[0], dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.initialise()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.copy_(self.matrix.init_shard(self.seed, self.std, self.weight.dtype))
+        if self.bias is not None:
+            self.bias.zero_()  # GPT-2 starts biases at 0
+
+    def gather_weight(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.overlap.gather(self.matrix, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Linear3D.apply(x, self.weight, self)
+        if self.bias is None:
+            return y
+        bias = self.bias
+        if self.reduction == "scatter_features":
+            in_group = self.grid.group(self.matrix.in_dim)
+            bias = bias.chunk(in_group.size)[in_group.rank]
+        return y + bias
+
+    def load(self, read, put) -> None:
+        """Give this rank's shards, read from serial tensors, to `put` (see params.load)."""
+        put(self.weight, self.matrix.read_shard(read))
+        if self.bias is not None:
+            put(self.bias, self.matrix.read_bias(read))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        # The weight's gradient is complete after the reduce-scatter over z.
+        out = {self.weight: ParamLayout((), (), self.matrix.pieces())}
+        if self.bias is not None:
+            # The bias is added after the reduction: its gradient is a sum over the local tokens
+            # (split over z, and over the in-dim when scattering tokens) and, when scattering
+            # features, only this rank's slice is filled.
+            grad_sum = ("z",) if self.reduction == "all_reduce" else ("z", self.matrix.in_dim)
+            out[self.bias] = ParamLayout(grad_sum, (self.matrix.in_dim, "z"), self.matrix.pieces(bias=True))
+        return out
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        """Serial tensors of `pick(param)` (see params.full_weights), gathered from every rank;
+        biases as NAME.bias."""
+        out = self.matrix.gather_full(pick(self.weight).detach())
+        if self.bias is not None:
+            bias = pick(self.bias).detach()
+            out.update(self.matrix.split_rows(comm.all_gather(bias, self.grid.group(self.matrix.out_dim)), ".bias"))
+        return out

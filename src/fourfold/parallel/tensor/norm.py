@@ -1,0 +1,159 @@
+"""RMSNorm and LayerNorm over features split across x, with statistics over the full hidden size.
+
+The published implementation normalised each rank's feature slice on its own (not the serial
+model when x > 1); here the per-token sums are all-reduced over x ([tokens, 1]: negligible).
+The arithmetic is fp32 whatever the input's dtype (as transformers and Megatron do: bf16 sums of
+squares over thousands of features lose most of their bits), and backward keeps only the input
+and the per-token statistics. With `compile` (train.compile) the elementwise work between the
+collectives runs under torch.compile; the arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from fourfold.parallel import comm
+from fourfold.parallel.comm import Group
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import GridError
+from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, vector_piece
+
+
+# The elementwise work between the collectives, as functions that torch.compile can fuse.
+
+def _centre(h, mean):
+    f = h.to(torch.promote_types(h.dtype, torch.float32))
+    return f - mean if mean is not None else f
+
+
+def _sum(f):
+    return f.sum(-1, keepdim=True)
+
+
+def _square_sum(f):
+    return f.square().sum(-1, keepdim=True)
+
+
+def _output(f, square_sum, weight, bias, hidden: int, eps: float, dtype: torch.dtype):
+    rstd = torch.rsqrt(square_sum / hidden + eps)
+    out = (f * rstd).to(dtype) * weight
+    return (out + bias if bias is not None else out), rstd
+
+
+def _backward_sums(h, mean, rstd, weight, grad, has_bias: bool):
+    acc = rstd.dtype
+    n = (h.to(acc) - mean if mean is not None else h.to(acc)) * rstd  # the normalised input
+    tokens = tuple(range(grad.dim() - 1))
+    g = grad.to(acc)
+    grad_weight = (g * n).sum(tokens).to(weight.dtype)
+    grad_bias = g.sum(tokens).to(weight.dtype) if has_bias else None
+    gn = g * weight.to(acc)
+    ones_projection = gn.sum(-1, keepdim=True) if mean is not None else None  # (LayerNorm's)
+    return n, gn, grad_weight, grad_bias, (gn * n).sum(-1, keepdim=True), ones_projection
+
+
+def _grad_input(n, gn, rstd, n_projection, ones_projection, hidden: int, dtype: torch.dtype):
+    # d/dh of n = (h - mean) * rstd: the projections on n and (LayerNorm) on 1, over all features
+    dh = gn - n * n_projection / hidden
+    if ones_projection is not None:
+        dh = dh - ones_projection / hidden
+    return (dh * rstd).to(dtype)
+
+
+_EAGER = dict(centre=_centre, sum=_sum, square_sum=_square_sum, output=_output, backward_sums=_backward_sums,
+              grad_input=_grad_input)
+
+
+@functools.cache
+def compiled(fn):
+    """`fn` under torch.compile, compiled once per process (TensorOptions.compile, train.compile)."""
+    return torch.compile(fn, dynamic=False)
+
+
+@functools.cache
+def _compiled() -> dict:
+    return {name: compiled(fn) for name, fn in _EAGER.items()}
+
+
+class _Normalise(torch.autograd.Function):
+    """(h - mean) / rms (LayerNorm, `centred`) or h / rms (RMSNorm) over the features of all x
+    ranks, times weight (plus bias), in fp32 at least."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool, use_compile: bool):
+        k = _compiled() if use_compile else _EAGER
+        mean = comm.all_reduce(k["sum"](k["centre"](h, None)), x) / hidden if centred else None
+        f = k["centre"](h, mean)
+        out, rstd = k["output"](f, comm.all_reduce(k["square_sum"](f), x), weight, bias, hidden, eps, h.dtype)
+        ctx.save_for_backward(h, weight, mean, rstd)
+        ctx.x, ctx.hidden, ctx.has_bias, ctx.use_compile = x, hidden, bias is not None, use_compile
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, mean, rstd = ctx.saved_tensors
+        k = _compiled() if ctx.use_compile else _EAGER
+        n, gn, grad_weight, grad_bias, n_projection, ones_projection = k["backward_sums"](h, mean, rstd, weight, grad,
+                                                                                           ctx.has_bias)
+        n_projection = comm.all_reduce(n_projection, ctx.x)
+        ones_projection = comm.all_reduce(ones_projection, ctx.x) if mean is not None else None
+        dh = k["grad_input"](n, gn, rstd, n_projection, ones_projection, ctx.hidden, h.dtype)
+        return dh, grad_weight, grad_bias, None, None, None, None, None
+
+
+class ParallelNorm(ParallelModule):
+    def __init__(self, grid: Grid, hidden: int, kind: str, eps: float, *, seq_parallel: bool, dtype: torch.dtype,
+                 name: str, compile: bool = False):
+        super().__init__()
+        self.compile = compile
+        if hidden % grid.size("x"):
+            raise GridError(f"{name}: hidden={hidden} is not divisible by x={grid.size('x')}; choose x dividing {hidden}")
+        self.grid, self.hidden, self.kind, self.eps, self.name = grid, hidden, kind, eps, name
+        self.seq_parallel = seq_parallel
+        local = hidden // grid.size("x")
+        self.weight = nn.Parameter(torch.empty(local, dtype=dtype))
+        if kind == "layer":
+            self.bias = nn.Parameter(torch.empty(local, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.initialise()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _Normalise.apply(h, self.weight, self.bias, self.grid.group("x"), self.eps, self.hidden,
+                                self.kind == "layer", self.compile)
+
+    def load(self, read, put) -> None:
+        local = self.weight.numel()
+        features = slice(self.grid.coords["x"] * local, (self.grid.coords["x"] + 1) * local)
+        for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+            if p is not None:
+                put(p, read(f"{self.name}.{suffix}", features, None))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        # Tokens are split over z (and over y with sequence parallelism); without it the y ranks
+        # compute the same gradient, so it must not be summed over y.
+        grad_sum = ("z", "y") if self.seq_parallel else ("z",)
+        local = self.weight.numel()
+        out = {}
+        for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+            if p is not None:
+                piece = vector_piece(f"{self.name}.{suffix}", self.hidden, self.grid.coords["x"] * local, local)
+                out[p] = ParamLayout(grad_sum, ("y", "z"), (piece,))
+        return out
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        out = {}
+        for suffix, p in (("weight", self.weight), ("bias", self.bias)):
+            if p is not None:
+                t = pick(p).detach()
+                out[f"{self.name}.{suffix}"] = comm.all_gather(t, self.grid.group("x"))
+        return out

@@ -1,0 +1,96 @@
+"""Collectives as autograd functions: each forward op paired with the backward op it implies.
+
+Which pair is right depends on how the ranks of the group use the result:
+- `all_reduce_replicated`: the sum is used identically on every rank (the rest of the
+  computation is replicated), so the backward is the identity.
+- `reduce_scatter` (backward all-gather) and `all_gather` (backward reduce-scatter) along a dim;
+  `all_gather_weight` for a weight's z shards (its gradient summed in fp32 at least).
+- `all_gather_replicated`: parts gathered into a tensor every rank uses whole, so the backward
+  keeps each rank's own part.
+(The norms' statistics, summed over x and used by each rank's feature slice, have their own
+autograd function in `norm.py`.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fourfold.parallel import comm
+from fourfold.parallel.comm import Group
+
+
+class _AllReduceReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.reduce_scatter(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, ctx.group, dim=ctx.dim), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.all_gather(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None
+
+
+class _AllGatherWeight(_AllGather):
+    """A weight's z shards gathered: its gradient is reduce-scattered in fp32 at least (as the
+    linears' in `overlap.py`), then cast back to the weight's dtype."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        wide = grad.to(comm.at_least_fp32(grad.dtype))
+        return comm.reduce_scatter(wide, ctx.group, dim=ctx.dim).to(grad.dtype), None, None
+
+
+class _AllGatherReplicated(torch.autograd.Function):
+    """Each rank's part gathered into a tensor every rank then uses whole and identically (the
+    per-token losses of the tokens each x rank scored): the gradient of a rank's part is its own
+    part of the gradient, not a sum over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.all_gather(x, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size, ctx.dim)[ctx.group.rank].contiguous(), None, None
+
+
+def all_reduce_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _AllReduceReplicated.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceScatter.apply(x, group, dim % x.dim())
+
+
+def all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _AllGather.apply(x, group, dim % x.dim())
+
+
+def all_gather_weight(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _AllGatherWeight.apply(x, group, dim % x.dim())
+
+
+def all_gather_replicated(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _AllGatherReplicated.apply(x, group, dim % x.dim())

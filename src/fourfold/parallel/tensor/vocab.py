@@ -1,0 +1,194 @@
+"""Vocabulary-parallel embedding, LM head and cross-entropy: no rank ever holds the full logits.
+
+The table [V, H] is laid out like an x-in weight (H over x, V over y, flat over z), so a tied LM
+head is the same parameter. The head reduce-scatters its partial logits over x by tokens, so each
+rank holds and scores 1/(x*y) of the [tokens, V] logits (an all-reduce would leave every x rank
+the same [tokens, V/y] and the same fp32 softmax). The cross-entropy over V/y logits all-reduces
+three vectors over y (the max, the sum of exponentials, the target's logit); the per-token losses
+of the x ranks are then gathered.
+
+When y does not divide the vocabulary, both tables are padded to `rules.padded_vocab` rows: the
+padding is a source of rows named PADDING, which the layers keep out of their layouts (so out of
+checkpoints, gradient norms and exports) and out of their gathered weights; its rows are zero, and
+the head sets their logits to -inf, so the loss, sampling and evaluation never see them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.parallel import comm
+from fourfold.parallel.comm import Group
+from fourfold.parallel.grid import Grid
+from fourfold.spec.rules import padded_vocab
+from fourfold.parallel.tensor.linear import SEQ_DIM, ParallelLinear, RowSource, ShardedMatrix
+from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece, Read
+from fourfold.parallel.tensor.regions import all_gather_replicated, all_gather_weight, all_reduce_replicated, reduce_scatter
+
+PADDING = "(vocabulary padding)"  # not a serial parameter's name
+
+
+def _vocab_rows(name: str, vocab: int, grid: Grid) -> list[RowSource]:
+    """The table's rows: the vocabulary's, then any padding up to `padded_vocab`."""
+    pad = padded_vocab(vocab, grid.size("y")) - vocab
+    return [RowSource(name, 0, vocab)] + ([RowSource(PADDING, 0, pad)] if pad else [])
+
+
+def _real(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
+    return tuple(p for p in pieces if p.name != PADDING)
+
+
+def _zero_padding(weight: torch.Tensor, matrix: ShardedMatrix) -> None:
+    """Zero the padded rows' elements (initialised as if they were a parameter's)."""
+    for p in matrix.pieces():
+        if p.name == PADDING:
+            weight[p.local_start : p.local_start + p.flat[1] - p.flat[0]] = 0
+
+
+def _padded_read(read: Read, dtype: torch.dtype) -> Read:
+    """`read`, giving zeros for the padded rows (no checkpoint has them)."""
+
+    def padded(name: str, rows: slice, cols: slice | None) -> torch.Tensor:
+        if name != PADDING:
+            return read(name, rows, cols)
+        return torch.zeros(rows.stop - rows.start, cols.stop - cols.start, dtype=dtype)
+
+    return padded
+
+
+def _without_padding(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    weights.pop(PADDING, None)
+    return weights
+
+
+class ParallelEmbedding(ParallelModule):
+    def __init__(self, grid: Grid, vocab: int, hidden: int, *, seed: int, std: float, seq_parallel: bool,
+                 dtype: torch.dtype, name: str = "embed"):
+        super().__init__()
+        self.grid, self.seq_parallel, self.name = grid, seq_parallel, name
+        self.matrix = ShardedMatrix(grid, _vocab_rows(name, vocab, grid), hidden, "x-in", name)
+        self.seed, self.std = seed, std
+        self.weight = nn.Parameter(torch.empty(self.matrix.shard_numel, dtype=dtype))
+        self.initialise()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.copy_(self.matrix.init_shard(self.seed, self.std, self.weight.dtype))
+        _zero_padding(self.weight, self.matrix)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""
+        y_group = self.grid.group("y")
+        rows = self.matrix.block_shape[0]
+        table = self.matrix.unpad(all_gather_weight(self.weight, self.grid.group("z"), dim=0))
+        local = ids - y_group.rank * rows
+        inside = (local >= 0) & (local < rows)
+        partial = F.embedding(local.clamp(0, rows - 1), table) * inside.unsqueeze(-1).to(table.dtype)
+        if self.seq_parallel:
+            return reduce_scatter(partial, y_group, dim=SEQ_DIM)
+        return all_reduce_replicated(partial, y_group)
+
+    def load(self, read, put) -> None:
+        put(self.weight, self.matrix.read_shard(_padded_read(read, self.weight.dtype)))
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        return _without_padding(self.matrix.gather_full(pick(self.weight).detach()))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        return {self.weight: ParamLayout((), (), _real(self.matrix.pieces()))}
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group: Group):
+        rows = logits.shape[-1]
+        scored = targets >= 0  # negative targets (padding) score 0 and get no gradient
+        local = targets - group.rank * rows
+        inside = (local >= 0) & (local < rows) & scored
+        local = local.clamp(0, rows - 1)
+        # The max only stabilises the exponentials; it needs no gradient.
+        top = comm.all_reduce(logits.detach().amax(-1), group, op=dist.ReduceOp.MAX)
+        # In place where possible: [tokens, vocab/y] tensors are the largest of the step.
+        shifted = logits - top.unsqueeze(-1)
+        # where, not a product: a padded column's logit is -inf
+        target = comm.all_reduce(torch.where(inside, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0), group)
+        softmax = shifted.exp_()
+        sum_exp = comm.all_reduce(softmax.sum(-1), group)
+        softmax.div_(sum_exp.unsqueeze(-1)).mul_(scored.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, inside)
+        return (sum_exp.log() - target) * scored
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, inside = ctx.saved_tensors
+        grad = softmax  # used once: becomes the gradient in place
+        grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None
+
+
+class LMHead(ParallelLinear):
+    """The LM head [V, H]: an x-in linear on the tokens flattened into one row ([1, tokens, H/x];
+    its input gathered over y with sequence parallelism), whose logits are reduce-scattered over x
+    by tokens: [1, tokens/x, V/y] (V padded, its padded columns -inf). Flattened, this x rank's share
+    is a contiguous range of the GEMM's output, so the reduce-scatter copies nothing whatever the batch."""
+
+    def __init__(self, grid: Grid, hidden: int, vocab: int, **options):
+        super().__init__(grid, hidden, _vocab_rows("lm_head", vocab, grid), "x-in", reduction="scatter_tokens",
+                         name="lm_head", **options)
+        self.vocab = vocab
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        _zero_padding(self.weight, self.matrix)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(h.reshape(1, -1, h.shape[-1]))
+        rows = self.matrix.block_shape[0]
+        first_padded = max(0, self.vocab - self.grid.coords["y"] * rows)  # this y rank's first padded column
+        if first_padded < rows:  # in place: the logits are the largest tensor of the step
+            logits[..., first_padded:] = float("-inf")
+        return logits
+
+    def load(self, read, put) -> None:
+        super().load(_padded_read(read, self.weight.dtype), put)
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        return _without_padding(super().full_weights(pick))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        return {p: dataclasses.replace(layout, pieces=_real(layout.pieces))
+                for p, layout in super().param_layouts().items()}
+
+
+def head_order(t: torch.Tensor, grid: Grid, seq_parallel: bool) -> torch.Tensor:
+    """[batch, seq, ...] in the LM head's token order, [1, batch*seq, ...]: with sequence
+    parallelism each y rank flattens its seq/y tokens of every sequence and the gather over y
+    puts them y-rank-major."""
+    b, s, y = t.shape[0], t.shape[1], grid.size("y") if seq_parallel else 1
+    return t.reshape(b, y, s // y, *t.shape[2:]).transpose(0, 1).reshape(1, b * s, *t.shape[2:])
+
+
+def batch_order(t: torch.Tensor, batch: int, grid: Grid, seq_parallel: bool) -> torch.Tensor:
+    """The inverse of `head_order`: [1, batch*seq, ...] back to [batch, seq, ...]."""
+    y = grid.size("y") if seq_parallel else 1
+    s = t.shape[1] // batch
+    return t.reshape(y, batch, s // y, *t.shape[2:]).transpose(0, 1).reshape(batch, s, *t.shape[2:])
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid,
+                                 seq_parallel: bool = False) -> torch.Tensor:
+    """Per-token loss [batch, seq] from the head's logits [1, tokens/x, V/y] (this x rank's tokens,
+    the vocabulary split over y) and global target ids [batch, seq]; a negative target marks
+    padding: its loss is 0. Every x rank returns every token's loss."""
+    x = grid.group("x")
+    mine = head_order(targets, grid, seq_parallel).chunk(x.size, dim=SEQ_DIM)[x.rank]
+    # bf16 logits are scored in fp32 (as Megatron does); float64 stays float64
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scored = _VocabParallelCrossEntropy.apply(logits, mine, grid.group("y"))
+    return batch_order(all_gather_replicated(scored, x, SEQ_DIM), targets.shape[0], grid, seq_parallel)

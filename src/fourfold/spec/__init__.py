@@ -1,0 +1,1 @@
+"""What a job is, without torch: the grid layout, the job, its rules, the block plan, communication volumes, hardware presets and the training config. The planner and the runtime both read it."""

@@ -1,0 +1,454 @@
+"""The training configuration: a TOML file, `--section.key value` overrides, and every check that
+can be made before a process group exists (so a bad config fails in seconds, naming the fix)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import textwrap
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from fourfold.spec.job import Job
+from fourfold.spec.layout import DIMS, GridError, Layout
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.spec.rules import describe, problems
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny-llama"  # a preset name or a config.json path
+    hf: str = ""  # a Hugging Face checkpoint directory to start from (overrides preset)
+    seed: int = 0
+    init_std: float = 0.02
+
+
+# [grid]: the sizes of the dims Layout declares, the placement order (innermost first, e.g.
+# "x,y,z,cp,dp,pp", the default) and `auto` (take the planner's best job for `hardware`).
+GridSection = dataclasses.make_dataclass(
+    "GridSection", [(d, int, 1) for d in DIMS] + [("order", str, ""), ("auto", bool, False)])
+
+
+@dataclass
+class BatchSection:
+    global_batch: int = 16  # sequences per optimizer step
+    micro_batch: int = 2  # sequences per forward/backward on one data-parallel replica
+    seq: int = 128
+
+
+@dataclass
+class PipelineSection:
+    schedule: str = "1f1b"
+    virtual: int = 1  # virtual stages per rank (interleaved-1f1b)
+    stage_layers: list[int] = field(default_factory=list)  # uneven split; empty = even
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0
+    zero1: bool = True
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or bf16, float32, float64
+    recompute: str = "none"
+    seq_parallel: bool = False
+    keep_gathered_inputs: bool = False  # linears keep their gathered input (more memory, one all-gather less)
+    overlap: bool = True
+    max_bad_steps: int = 3  # non-finite losses in a row before the run stops
+    eval_every: int = 0  # score the held-out tail every N steps (0: never; needs pp = 1)
+    eval_tokens: int = 1 << 20  # tokens of the held-out tail each evaluation scores (0: all of it)
+    # norms, RoPE and activations under torch.compile (needs a C++ compiler on CPU, Triton on GPUs);
+    # off until a GPU run confirms it pays (docs/benchmarks.md)
+    compile: bool = False
+
+
+@dataclass
+class DataSection:
+    text: str = ""  # a UTF-8 text file; empty (and no `files`) = the bundled King James Bible
+    files: str = ""  # or: text/.jsonl (also .gz), .parquet, .arrow files, save_to_disk dirs; paths/globs, comma-separated
+    field: str = "text"  # the JSONL field or Parquet column that holds each document
+    tokens: str = ""  # an already tokenized .npy file (then `tokenizer` names its tokenizer.json)
+    tokenizer: str = ""  # a tokenizer.json (or a directory with one), used as it is; empty = train a byte-level BPE of `vocab` tokens
+    vocab: int = 4096
+    workers: int = 0  # processes that tokenize the corpus; 0 = one per CPU core
+    cache_dir: str = "~/.cache/fourfold"
+    seed: int = 0
+    # "stream": windows cut one after another from the token stream. "documents": each window starts
+    # at a document start and holds that document and the whole ones after it, the last cut at the
+    # window's end; the next window starts at that cut document (its cut part is seen twice). A
+    # document longer than a window is cut into consecutive windows, each starting where the last
+    # ended. The held-out tail is then whole documents. Needs end-of-document ids in data.tokens.
+    packing: str = "stream"
+
+
+@dataclass
+class CheckpointSection:
+    dir: str = ""  # default: RUN/checkpoints
+    every: int = 50
+    keep: int = 2
+    resume: bool = True  # continue from the latest complete checkpoint in `dir`
+    load: str = ""  # start from this checkpoint (any grid; or a run's checkpoint dir: its latest) when `dir` has none
+    async_save: bool = False  # write in the background (host memory: one rank's share of the state)
+
+
+@dataclass
+class LogSection:
+    run_dir: str = "runs/default"
+    # Steps' numbers are read from the device every N steps, one host sync for N (also before an
+    # evaluation or a checkpoint); a step's seconds are then the mean over those N; printed every N.
+    # (A stop signal is agreed on every step, host to host, one step behind: it needs no read.)
+    every: int = 1
+    progress: bool = True  # a progress bar when stderr is a terminal (else a JSON line every `every` steps)
+    tensorboard: bool = True  # event files in RUN/tensorboard, when the tensorboard package is installed
+    wandb_project: str = ""  # a Weights & Biases project to log to (needs the wandb package); empty = none
+
+
+@dataclass
+class HardwareSection:
+    gpu: str = "h100-80gb"  # the preset MFU is measured against on GPUs
+    cluster: str = ""  # for grid.auto: a cluster preset (else gpu with gpus_per_node)
+    gpus_per_node: int = 8
+
+
+@dataclass
+class FaultSection:  # fault injection, to test recovery
+    kill_rank: int = -1  # this rank kills itself once, at kill_step
+    kill_step: int = -1
+    nan_steps: list[int] = field(default_factory=list)  # these steps' losses are made NaN
+    signal_rank: int = -1  # this rank sends itself `signal` once, at the start of signal_step
+    signal_step: int = -1
+    signal: str = "SIGTERM"  # or SIGINT
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    grid: GridSection = field(default_factory=GridSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+    hardware: HardwareSection = field(default_factory=HardwareSection)
+    fault: FaultSection = field(default_factory=FaultSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # ----- derived values ---------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        return load_config(str(Path(self.model.hf).expanduser()) if self.model.hf else self.model.preset)
+
+    def layout(self) -> Layout:
+        g = self.grid
+        sizes = {d: getattr(g, d) for d in DIMS}
+        return Layout(**sizes, order=tuple(g.order.split(","))) if g.order else Layout(**sizes)
+
+    def job(self) -> Job:
+        b, p, t = self.batch, self.pipeline, self.train
+        return Job(self.layout(), global_batch=b.global_batch, micro_batch=b.micro_batch, seq=b.seq,
+                   recompute=t.recompute, seq_parallel=t.seq_parallel, schedule=p.schedule, virtual=p.virtual,
+                   stage_layers=tuple(p.stage_layers), precision=t.precision,
+                   keep_gathered_inputs=t.keep_gathered_inputs)
+
+    def use_job(self, job: Job) -> None:
+        """Take the grid, micro-batch, recompute, sequence parallelism and kept inputs of `job` (the
+        planner's choice)."""
+        for d in DIMS:
+            setattr(self.grid, d, getattr(job.layout, d))
+        self.grid.order, self.grid.auto = ",".join(job.layout.order), False
+        self.batch.micro_batch, self.train.recompute = job.micro_batch, job.recompute
+        self.train.seq_parallel, self.train.keep_gathered_inputs = job.seq_parallel, job.keep_gathered_inputs
+
+    @property
+    def tokenizer(self) -> str:
+        """data.tokenizer (a tokenizer.json, or a Hugging Face directory holding one), else
+        model.hf's own tokenizer.json (fine-tuning a Hub model on text feeds it ids of its own
+        vocabulary), else "" (a byte-level BPE is trained on the corpus)."""
+        if self.data.tokenizer:
+            named = Path(self.data.tokenizer).expanduser()
+            return str(named / "tokenizer.json") if named.is_dir() else self.data.tokenizer
+        if not self.model.hf:
+            return ""
+        own = Path(self.model.hf).expanduser() / "tokenizer.json"
+        return str(own) if own.is_file() else ""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.log.run_dir) / "checkpoints")
+
+
+class ConfigError(ValueError):
+    """A training configuration that cannot run; the message names the fix."""
+
+
+def _coerce(text: str, like, where: str):
+    if isinstance(like, bool):
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{where} takes true or false, not {text!r}")
+    if isinstance(like, list):
+        return [int(v) for v in text.split(",") if v]
+    try:
+        return type(like)(text)
+    except ValueError:
+        raise ConfigError(f"{where} takes a {type(like).__name__}, not {text!r}") from None
+
+
+def _apply(cfg: TrainConfig, section: str, key: str, value, where: str) -> None:
+    sections = {f.name for f in fields(TrainConfig)}
+    if section not in sections:
+        raise ConfigError(f"{where}: unknown section [{section}]; sections are {', '.join(sorted(sections))}")
+    part = getattr(cfg, section)
+    keys = {f.name for f in fields(part)}
+    if key not in keys:
+        raise ConfigError(f"{where}: unknown key {section}.{key}; [{section}] takes {', '.join(sorted(keys))}")
+    current = getattr(part, key)
+    if isinstance(value, str) and not isinstance(current, str):
+        value = _coerce(value, current, f"{section}.{key}")
+    elif isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not type(current):
+        raise ConfigError(f"{where}: {section}.{key} takes a {type(current).__name__}, got {value!r}")
+    setattr(part, key, value)
+
+
+def _shown(value) -> str:
+    """A default as it is written on the command line."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "''"
+    return str(value) if value != "" else "''"
+
+
+def sections_help(width: int = 100) -> str:
+    """The override syntax and every section's keys with their defaults (from the dataclasses above),
+    for `fourfold train --help`."""
+    lines = ["Any key of the TOML config can be given on the command line as --section.key value, e.g.",
+             "  fourfold train my.toml --optimizer.lr 1e-3 --grid.dp 2 --train.steps 500",
+             "(lists are comma-separated: --pipeline.stage_layers 3,5). Sections and keys, with their defaults:"]
+    for section in fields(TrainConfig):
+        part = section.default_factory()
+        keys = " ".join(f"{f.name}={_shown(getattr(part, f.name))}" for f in fields(part))
+        lines += textwrap.wrap(keys, width, initial_indent=f"  [{section.name}] ",
+                               subsequent_indent=" " * (len(section.name) + 5), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def load_train_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """The config from a TOML file (or the defaults) with `--section.key value` overrides."""
+    cfg = TrainConfig()
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: {section} = ... must sit inside a [section]")
+            for key, value in values.items():
+                _apply(cfg, section, key, value, path)
+    items = list(overrides)
+    if len(items) % 2:
+        raise ConfigError(f"overrides come in pairs (--section.key value); {items[-1]!r} has no value")
+    for flag, value in zip(items[::2], items[1::2]):
+        if not flag.startswith("--") or "." not in flag:
+            raise ConfigError(f"override {flag!r} must look like --section.key (e.g. --optimizer.lr 1e-3)")
+        section, key = flag[2:].split(".", 1)
+        _apply(cfg, section, key.replace("-", "_"), value, "command line")
+    return cfg
+
+
+def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
+    """Every check that needs no process group, for a run on `gpu`s or CPU processes: raises
+    ConfigError listing each problem with its fix."""
+    hf = cfg.model.hf
+    if hf and not Path(hf).expanduser().is_dir():
+        raise ConfigError(f"model.hf names {hf}, which is not a directory; give a Hugging Face model directory "
+                          f"(config.json and *.safetensors, as save_pretrained writes it)")
+    try:
+        model = cfg.model_config()
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model: {e}") from None
+    try:
+        found = problems(model, cfg.job(), world=world, gpu=gpu)
+    except GridError as e:  # the placement order or a dim size
+        raise ConfigError(f"grid: {e}") from None
+    if cfg.train.eval_every < 0:
+        found.append("train.eval_every must be >= 0 (0: never)")
+    if cfg.train.eval_tokens < 0:
+        found.append("train.eval_tokens must be >= 0 (0: the whole held-out tail)")
+    if cfg.train.eval_every and cfg.grid.pp > 1:
+        found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or --train.eval_every 0 and "
+                     "score the checkpoints with `fourfold eval --checkpoint` on a grid without pp")
+    if hf and not cfg.tokenizer:
+        found.append(f"model.hf {hf} has no tokenizer.json, and a tokenizer trained on the corpus would not match its "
+                     f"embeddings: give data.tokenizer (the model's tokenizer.json, or a directory holding one)")
+    found += _optimizer_problems(cfg.optimizer)
+    found += _data_problems(cfg.data, cfg.tokenizer, model.vocab)
+    if cfg.log.wandb_project:
+        from fourfold.train.metrics import WANDB, installed
+
+        if not installed("wandb"):
+            found.append(f"log.wandb_project needs the wandb package, which is not installed: pip install {WANDB} "
+                         f"(or leave log.wandb_project empty)")
+    if cfg.train.compile and not gpu and not shutil.which(os.environ.get("CXX", "g++")):  # inductor's compiler
+        found.append(f"train.compile on CPU needs a C++ compiler, and {os.environ.get('CXX', 'g++')} is not on PATH: "
+                     f"install g++ (or name one in CXX), or use --train.compile false")
+    if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
+        found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
+    for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every),
+                        ("log.every", cfg.log.every)):
+        if value < 1:
+            found.append(f"{name} must be >= 1")
+    if found:
+        raise ConfigError(describe(found, "this run cannot start:"))
+
+
+def validate_data(cfg: TrainConfig) -> None:
+    """The data checks of `validate` alone (`fourfold prepare`, on a machine that may not be the
+    training one): raises ConfigError listing each problem with its fix."""
+    try:
+        model = cfg.model_config()
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model: {e}") from None
+    found = _data_problems(cfg.data, cfg.tokenizer, model.vocab)
+    if found:
+        raise ConfigError(describe(found, "the data cannot be prepared:"))
+
+
+def _optimizer_problems(o: OptimizerSection) -> list[str]:
+    found = []
+    if not o.lr > 0:
+        found.append(f"optimizer.lr={o.lr} must be > 0")
+    elif not 0 <= o.min_lr <= o.lr:
+        found.append(f"optimizer.min_lr={o.min_lr} is outside [0, optimizer.lr={o.lr}]: the rate would rise as it "
+                     f"decays; set --optimizer.min_lr {o.lr / 10:g} (a tenth of lr) or lower")
+    if o.warmup < 0:
+        found.append(f"optimizer.warmup={o.warmup} must be >= 0 (steps of linear warmup)")
+    for name, beta in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0 <= beta < 1:
+            found.append(f"optimizer.{name}={beta} must be in [0, 1)")
+    for name, value in (("weight_decay", o.weight_decay), ("clip", o.clip)):
+        if value < 0:
+            found.append(f"optimizer.{name}={value} must be >= 0 (0: {'none' if name == 'weight_decay' else 'no clipping'})")
+    return found
+
+
+def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str]:
+    """The data files named, checked before any process starts (`check_data_files` reads them)."""
+    from fourfold.data.corpus import PACKINGS, input_files
+
+    found = []
+    if not tokenizer and d.vocab > model_vocab:  # the tokenizer trained on the corpus has up to data.vocab ids
+        found.append(f"data.vocab={d.vocab} is larger than the model's vocabulary of {model_vocab}: the corpus' "
+                     f"tokenizer would make ids the model has no embedding for; set data.vocab <= {model_vocab}")
+    # (data.tokenizer as resolved: a directory stands for its tokenizer.json)
+    for key, path in (("data.text", d.text), ("data.tokens", d.tokens), ("data.tokenizer", d.tokenizer and tokenizer)):
+        if path and not Path(path).expanduser().is_file():
+            found.append(f"{key} names {path}, which is not a file; give an existing file's path")
+    if d.text and d.files:
+        found.append("data.text and data.files both name a corpus; give one (data.files takes text files too)")
+    if d.files:
+        try:
+            input_files(d.files)
+        except ValueError as e:
+            found.append(f"data.files: {e}")
+    if d.workers < 0:
+        found.append("data.workers must be >= 0 (0: one per CPU core)")
+    if d.packing not in PACKINGS:
+        found.append(f"data.packing {d.packing!r} is none of {', '.join(PACKINGS)}; use one of them")
+    if d.tokens and not tokenizer:
+        found.append("data.tokens needs data.tokenizer; give the tokenizer.json that made the token file")
+    return found
+
+
+def check_data_files(cfg: TrainConfig) -> None:
+    """The user's tokenizer and token file (data.tokens) against the model's vocabulary, before any
+    process starts; the token file is read once, chunk by chunk (any size). `validate` has checked
+    that both files exist; a tokenizer trained here is bounded by data.vocab, which it checked too."""
+    from fourfold.data.corpus import load_tokenizer
+
+    d, tokenizer = cfg.data, cfg.tokenizer
+    if not tokenizer:
+        return
+    vocab = cfg.model_config().vocab
+    try:
+        size = load_tokenizer(tokenizer).get_vocab_size()
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+        raise ConfigError(f"tokenizer {tokenizer} is not a tokenizer.json the tokenizers library reads ({e}); "
+                          f"give a tokenizer.json (the one that made data.tokens, if given)") from None
+    if size > vocab:
+        raise ConfigError(f"tokenizer {tokenizer} has {size} tokens, more than the model's vocabulary of "
+                          f"{vocab}; give the model's own tokenizer (its tokenizer.json) and tokens made with it")
+    if d.tokens:
+        check_token_ids(d.tokens, vocab, "data.tokens")
+        if d.packing == "documents":
+            _check_documents(d.tokens, tokenizer)
+
+
+def _check_documents(path: str, tokenizer: str) -> None:
+    """data.packing = "documents" needs the tokenizer's end-of-document id between the documents of
+    data.tokens (fourfold's own token files have one after each document)."""
+    import numpy as np
+
+    from fourfold.data.corpus import check_document_ends, end_of_document
+
+    try:
+        check_document_ends(np.load(path, mmap_mode="r", allow_pickle=False), end_of_document(tokenizer))
+    except ValueError as e:
+        raise ConfigError(f"data.tokens {path}: {e}") from None
+
+
+def check_token_ids(path: str, vocab: int, option: str) -> None:
+    """A token file (given as `option`) against the model's vocabulary, read chunk by chunk: a file
+    of any size is checked without loading it."""
+    from fourfold.data.corpus import token_range
+
+    try:
+        lo, hi = token_range(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{option} {path}: {e}; give a .npy file of token ids (numpy.save of a 1-D array)") from None
+    if lo < 0 or hi >= vocab:
+        raise ConfigError(f"{option} {path} holds id {hi if hi >= vocab else lo}, outside the model's vocabulary "
+                          f"[0, {vocab}); tokenize the data with the model's tokenizer")
+
+
+def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
+    """With grid.auto: take the planner's best job for `hardware` on `world` GPUs that this run can
+    use (the search returns only jobs the rule function accepts); returns it."""
+    from fourfold.spec.hardware import make_cluster
+    from fourfold.plan.search import search
+
+    h = cfg.hardware
+    cluster = make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
+    for candidate in search(cfg.model_config(), world, cluster, cfg.job()):
+        trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
+                                    train=dataclasses.replace(cfg.train))
+        trial.use_job(candidate["job"])
+        try:
+            validate(trial, world)  # the trainer's own options (eval_every needs pp = 1)
+        except ConfigError:
+            continue
+        cfg.use_job(candidate["job"])
+        return candidate["job"]
+    raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run can use; "
+                      f"set the grid by hand")

@@ -1,0 +1,210 @@
+"""Communication volumes: the one place where fourfold states how many bytes a collective moves.
+
+The runtime's ledger (`fourfold.parallel.comm`), the tests and the planner all use these functions, so a
+measured byte count and a predicted one can be compared for equality.
+
+A collective is priced by the ring algorithm, per rank, for a full message of M bytes on a
+group of g ranks (the message is the all-gather's output, the reduce-scatter's input, the
+all-reduce's buffer, the all-to-all's input):
+
+    all-gather, reduce-scatter, all-to-all:  (g - 1) / g * M
+    all-reduce:                          2 * (g - 1) / g * M
+    send (point to point):                               M
+
+Figures are exact fractions so that sums of many collectives compare exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from fourfold.spec.blockspec import LINEAR_KINDS, BlockConfig, LinearPlan, attention_chunks, block_plan
+from fourfold.spec.rules import padded_vocab
+
+if TYPE_CHECKING:  # comm imports this module for `bytes_sent`: it needs no model config
+    from fourfold.models.config import ModelConfig
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+
+
+def bytes_sent(op: str, group_size: int, message_bytes: int) -> Fraction:
+    """Bytes one rank sends for `op` over a full message of `message_bytes` on `group_size` ranks."""
+    g = group_size
+    if g < 1:
+        raise ValueError(f"group size {g} must be >= 1")
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return Fraction(g - 1, g) * message_bytes
+    if op == "all_reduce":
+        return Fraction(2 * (g - 1), g) * message_bytes
+    if op == "send":
+        return Fraction(message_bytes)
+    raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
+
+
+# ----- the collectives of 3D tensor-parallel layers (fourfold.parallel.tensor), per rank ---------------
+# Each function gives the collectives of one forward pass and of one backward pass, as
+# (group, op, elements of the full message), groups of one rank left out.
+
+
+@dataclass(frozen=True)
+class Collective:
+    group: str
+    op: str
+    numel: int
+    wide: bool = False  # sent in fp32 at least whatever the dtype (gradient sums: z's dW, ring attention's dK, dV)
+
+    def element_bytes(self, element_size: int) -> int:
+        return max(element_size, 4) if self.wide else element_size
+
+
+@dataclass(frozen=True)
+class Passes:
+    forward: list[Collective]
+    backward: list[Collective]
+
+    def __add__(self, other: "Passes") -> "Passes":
+        return Passes(self.forward + other.forward, self.backward + other.backward)
+
+    def __mul__(self, times: int) -> "Passes":
+        return Passes(self.forward * times, self.backward * times)
+
+    def all(self) -> list[Collective]:
+        return self.forward + self.backward
+
+
+def _passes(sizes: dict, forward: list[Collective], backward: list[Collective]) -> Passes:
+    return Passes([c for c in forward if sizes[c.group] > 1], [c for c in backward if sizes[c.group] > 1])
+
+
+def padded_block(sizes: dict, rows: int, cols: int) -> int:
+    """Elements of a weight block once padded to equal z shards (what the z collectives move)."""
+    return -(-rows * cols // sizes["z"]) * sizes["z"]
+
+
+def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, tokens: int, *,
+                  reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
+                  keep_input: bool = False) -> Passes:
+    """A `ParallelLinear` on `tokens` local tokens (after any gather of its input); a gathered
+    input is gathered again in backward unless `keep_input`."""
+    i, o = LINEAR_KINDS[kind]
+    k_local, n_local = in_features // sizes[i], out_features // sizes[o]
+    block = padded_block(sizes, n_local, k_local)
+    scatter = reduction != "all_reduce"
+    forward = [Collective(o, "all_gather", tokens * k_local)] if input_gather != "none" else []
+    forward += [Collective("z", "all_gather", block),
+                Collective(i, "reduce_scatter" if scatter else "all_reduce", tokens * n_local)]
+    backward = [Collective(o, "all_gather", tokens * k_local)] if input_gather != "none" and not keep_input else []
+    backward += [Collective(i, "all_gather", tokens * n_local)] if scatter else []
+    backward += [] if keep_weight else [Collective("z", "all_gather", block)]
+    backward += [Collective(o, "all_reduce" if input_gather == "none" else "reduce_scatter", tokens * k_local),
+                 Collective("z", "reduce_scatter", block, wide=True)]
+    return _passes(sizes, forward, backward)
+
+
+def norm_passes(sizes: dict, kind: str, tokens: int) -> Passes:
+    """Statistics all-reduced over x: RMSNorm one [tokens] sum, LayerNorm two; as many in backward."""
+    stats = [Collective("x", "all_reduce", tokens)] * (1 if kind == "rms" else 2)
+    return _passes(sizes, stats, stats)
+
+
+def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, non_redundant: bool = True) -> Passes:
+    """Ring attention over cp (`fourfold.parallel.context`) on `batch` sequences of `seq` local tokens:
+    keys and values go round the ring in forward and again in backward, and the dK, dV
+    accumulators (fp32 at least) make the whole round back to their owner."""
+    cp = sizes["cp"]
+    kv_heads = cfg.kv_heads // attention_chunks(cfg, sizes["x"], sizes["y"], non_redundant)
+    block = Collective("cp", "send", batch * kv_heads * seq * cfg.head_dim)
+    accumulator = Collective("cp", "send", block.numel, wide=True)
+    return _passes(sizes, [block] * 2 * (cp - 1), [block] * 2 * (cp - 1) + [accumulator] * 2 * cp if cp > 1 else [])
+
+
+def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
+                 keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True) -> Passes:
+    """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's): its block plan's layers."""
+    plan = block_plan(cfg, sizes["x"], sizes["y"], seq_parallel=seq_parallel, non_redundant=non_redundant)
+    tokens = batch * seq
+    stream = tokens // sizes["y"] if seq_parallel else tokens  # tokens of the residual stream on this rank
+
+    def linear(layer: LinearPlan) -> Passes:
+        return linear_passes(sizes, layer.kind, layer.in_features, layer.out_features, tokens,
+                             reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=keep_weights,
+                             keep_input=keep_inputs)
+
+    return (norm_passes(sizes, cfg.norm, stream) + linear(plan.qkv)
+            + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant) + linear(plan.out)
+            + norm_passes(sizes, cfg.norm, stream) + linear(plan.up) + linear(plan.down))
+
+
+def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, **options) -> list[Collective]:
+    """One `ParallelBlock` forward and backward (see `block_passes`)."""
+    return block_passes(cfg, sizes, batch, seq, **options).all()
+
+
+def embedding_passes(sizes: dict, vocab: int, hidden: int, tokens: int, *, seq_parallel: bool = False) -> Passes:
+    """A `ParallelEmbedding` on `tokens` local tokens (full sequences), its table padded to `padded_vocab` rows."""
+    table = padded_block(sizes, padded_vocab(vocab, sizes["y"]) // sizes["y"], hidden // sizes["x"])
+    out = tokens * (hidden // sizes["x"])
+    if seq_parallel:
+        forward, backward = [Collective("y", "reduce_scatter", out)], [Collective("y", "all_gather", out)]
+    else:
+        forward, backward = [Collective("y", "all_reduce", out)], []
+    return _passes(sizes, [Collective("z", "all_gather", table)] + forward,
+                   backward + [Collective("z", "reduce_scatter", table, wide=True)])
+
+
+def head_passes(sizes: dict, hidden: int, vocab: int, tokens: int, *, seq_parallel: bool = False,
+                keep_weight: bool = False, keep_input: bool = False) -> Passes:
+    """The LM head and the loss on `tokens` local tokens: logits reduce-scattered over x by tokens,
+    the cross-entropy's three all-reduces over y on this x rank's tokens (max, sum of exponentials,
+    target logit), and the per-token losses gathered over x. The head has `padded_vocab` rows."""
+    scored = tokens // sizes["x"]
+    loss = _passes(sizes, [Collective("y", "all_reduce", scored)] * 3 + [Collective("x", "all_gather", tokens)], [])
+    return linear_passes(sizes, "x-in", hidden, padded_vocab(vocab, sizes["y"]), tokens, reduction="scatter_tokens",
+                         keep_weight=keep_weight, keep_input=keep_input,
+                         input_gather="tokens" if seq_parallel else "none") + loss
+
+
+def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
+                      keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
+                      recompute: str = "none", layers: int | None = None, first: bool = True,
+                      last: bool = True) -> list[Collective]:
+    """A `Transformer` forward and backward, loss included, on `batch` local sequences of `seq`
+    tokens (this cp rank's); for a pipeline stage, its number of `layers` and whether it is the
+    `first` (embedding) or `last` (head and loss). Gradient synchronisation is not included."""
+    tokens = batch * seq
+    stream = tokens // sizes["y"] if seq_parallel else tokens
+    block = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
+                         keep_inputs=keep_inputs, non_redundant=non_redundant)
+    if recompute == "full":  # the block's forward runs again during backward, its collectives too
+        block = Passes(block.forward, block.forward + block.backward)
+    elif recompute == "selective":  # the attention core, ring included, runs again in backward
+        ring = ring_attention_passes(cfg.block, sizes, batch, seq, non_redundant=non_redundant)
+        block = Passes(block.forward, ring.forward + block.backward)
+    total = block * (cfg.layers if layers is None else layers)
+    if first:
+        total = embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel) + total
+    if last:
+        total = (total + norm_passes(sizes, cfg.block.norm, stream)
+                 + head_passes(sizes, cfg.hidden, cfg.vocab, tokens, seq_parallel=seq_parallel,
+                               keep_weight=keep_weights, keep_input=keep_inputs))
+    return total.all()
+
+
+def pipeline_sends(cfg: ModelConfig, sizes: dict, micro_batch: int, seq: int, microbatches: int, stages: list[int],
+                   n_stages: int, *, seq_parallel: bool = False) -> list[Collective]:
+    """The activations (forward) and their gradients (backward) one pp rank holding `stages` of
+    `n_stages` sends per step: its residual-stream shard [micro_batch, seq(/y), hidden/x]."""
+    shard = micro_batch * (seq // sizes["y"] if seq_parallel else seq) * (cfg.hidden // sizes["x"])
+    sends = sum((s < n_stages - 1) + (s > 0) for s in stages) * microbatches
+    return [Collective("pp", "send", shard)] * sends
+
+
+def ledger_bytes(collectives: list[Collective], sizes: dict, element_size: int) -> dict[tuple[str, str], Fraction]:
+    """What a `Ledger` records for these collectives: bytes sent per (group, op)."""
+    out: dict[tuple[str, str], Fraction] = {}
+    for c in collectives:
+        key = (c.group, c.op)
+        out[key] = out.get(key, Fraction(0)) + bytes_sent(c.op, sizes[c.group], c.numel * c.element_bytes(element_size))
+    return out

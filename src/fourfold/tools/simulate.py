@@ -1,0 +1,190 @@
+"""`fourfold simulate`: one rank of a whole job, run on this machine without the other ranks.
+
+Rank R joins a `fake` process group of the job's full size (its collectives return at once with
+outputs of the right shape) and runs the trainer's own code under FakeTensorMode (tensors carry
+shape and dtype, no data): it builds the grid and its groups, its part of the model and the
+optimizer, runs training steps and plans a checkpoint save. What that costs this process is
+what the rank pays at scale before any network cost: start-up seconds, Python seconds per step
+(the CPU work a GPU step must hide), device bytes by phase, host memory, and the collectives per
+step by group (the ledger's calls and bytes). Costs that grow with the world size show up here
+at 16,384 ranks on one CPU.
+
+The Python seconds include FakeTensorMode's own dispatch cost per operator, so they are an upper
+bound on the eager runtime's; the network, the kernels and the files are not simulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the `fake` backend
+
+from fourfold import checkpoint
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
+from fourfold.spec.job import Job
+from fourfold.tools.measure import LiveBytes
+from fourfold.models.config import ModelConfig
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.pipeline import Pipeline
+from fourfold.spec.rules import check
+from fourfold.parallel.tensor.block import torch_dtype
+from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
+from fourfold.train.trainer import Model
+
+# Every group the trainer, its optimizer and its evaluation ask for (the combined ones are the
+# expensive kind to create).
+TRAINER_GROUPS = ("dp", "pp", "cp", "x", "y", "z", ("dp", "cp"), ("dp", "pp", "cp", "z"), ("dp", "cp", "z"),
+                  ("dp", "pp", "cp", "x", "y", "z"))
+
+
+@dataclass
+class Simulation:
+    world: int
+    rank: int
+    coords: dict[str, int]
+    layers: int  # the model's layers as simulated (all of them unless reduced)
+    startup_seconds: dict[str, float]  # phase -> seconds: process group, grid and groups, model, optimizer
+    step_seconds: list[float]  # Python seconds of each timed step
+    device_peak_bytes: dict[str, int]  # phase -> the most device bytes alive during it
+    host_peak_bytes: int  # this process's peak RSS
+    collectives_per_step: list[dict] = field(default_factory=list)  # {group, op, calls, bytes}
+    save: dict = field(default_factory=dict)  # the checkpoint save's plan on this rank
+    load: dict = field(default_factory=dict)  # a same-grid load of that checkpoint: its reads on this rank
+
+    @property
+    def startup_total(self) -> float:
+        return sum(self.startup_seconds.values())
+
+    def as_json(self) -> dict:
+        return dict(dataclasses.asdict(self), startup_total_seconds=self.startup_total)
+
+
+def _timed(seconds: dict[str, float], phase: str):
+    @contextlib.contextmanager
+    def clock():
+        start = time.perf_counter()
+        yield
+        seconds[phase] = time.perf_counter() - start
+
+    return clock()
+
+
+def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float) -> None:
+    """This rank's stages through one step in 1F1B order, without the sends (a fake process group
+    cannot answer the schedule's start-up vote): a stage keeps up to pp - stage micro-batches in
+    flight before its first backward, as 1F1B does; a rank's virtual stages are run one after the
+    other (their shapes chain: ids or the stream in, the stream or the logits out)."""
+    grid, first = pipeline.grid, pipeline.models[0]
+    for model in pipeline.models:
+        model.overlap.new_pass()
+    in_flight, depth = [], min(job.microbatches, job.pp - pipeline.indices[0])
+
+    def backward(out: torch.Tensor) -> None:
+        out.backward(None if out.dim() == 0 else torch.empty_like(out))
+
+    for chunk in ids.chunk(job.microbatches):
+        h = chunk if pipeline.has_first else torch.empty(pipeline.stream_shape, dtype=first.opts.dtype,
+                                                         requires_grad=True)
+        for model in pipeline.models:
+            h = model(h)
+        if pipeline.has_last:
+            h = vocab_parallel_cross_entropy(h, chunk, grid, job.seq_parallel).sum() * scale
+        in_flight.append(h)
+        if len(in_flight) == depth:
+            backward(in_flight.pop(0))
+    for out in in_flight:
+        backward(out)
+
+
+def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Simulation:
+    """Run rank `rank` of `job` alone (see the module's doc); `steps` timed steps follow two
+    counted ones (the second has the optimizer state of every later step)."""
+    check(cfg, job, gpu=True)
+    if not 0 <= rank < job.world_size:
+        raise ValueError(f"--rank {rank} is outside a job of {job.world_size} ranks; give 0..{job.world_size - 1}")
+    if dist.is_initialized():
+        raise RuntimeError("simulate builds its own fake process group: call it in a process without one")
+    if job.precision == "auto":  # what "auto" means on the GPUs this stands for
+        job = dataclasses.replace(job, precision="bf16")
+    startup: dict[str, float] = {}
+    with _timed(startup, "process group"):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=job.world_size)
+    try:
+        with _timed(startup, "grid and groups"):
+            grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
+            for dims in TRAINER_GROUPS:
+                grid.group(dims)
+        tokens = (job.microbatches * (job.micro_batch // job.z), job.seq // job.cp)
+        with FakeTensorMode(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with _timed(startup, "model"):
+                model = Model(grid, job, cfg, dtype=torch_dtype(job.precision, torch.device("cuda")))
+            with _timed(startup, "optimizer"):
+                opt = AdamW(GradientSync(model.module, grid), lr=1e-4, skip_non_finite=False)  # fake values
+            scale = 1.0 / (job.global_batch * job.seq)
+
+            def step() -> None:
+                ids = torch.randint(0, cfg.vocab, tokens)
+                if model.pipeline is None:
+                    model.step(ids, ids, opt.sync, scale)
+                else:
+                    _pipeline_step(model.pipeline, job, ids, scale)
+                opt.step()
+
+            with LiveBytes([*model.module.parameters(), *opt.sync.main_grads.values()]) as counter:
+                for n in range(2):
+                    counter.enter(f"step {n}")
+                    step()
+                counter.enter("checkpoint save")
+                save, load = checkpoint.dry_run(model.module, opt, grid.group(("dp", "cp")))  # as the trainer
+                counter.enter("checkpoint load")
+            grid.ledger.reset()
+            seconds = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                seconds.append(time.perf_counter() - start)
+        collectives = [dict(group=g, op=op, calls=calls // max(1, steps),
+                            bytes=int(grid.ledger.bytes()[(g, op)]) // max(1, steps))
+                       for (g, op), calls in sorted(grid.ledger.calls().items())]
+        return Simulation(world=job.world_size, rank=rank, coords=grid.coords, layers=cfg.layers,
+                          startup_seconds=startup, step_seconds=seconds, device_peak_bytes=counter.phase_peaks,
+                          host_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          collectives_per_step=collectives, save=save, load=load)
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def report(sim: Simulation) -> str:
+    """The simulation as a few lines of text."""
+    mib, gib = 2**20, 2**30
+    coords = " ".join(f"{d}{c}" for d, c in sim.coords.items())
+    lines = [f"rank {sim.rank} of {sim.world} (at {coords}), {sim.layers} layers",
+             f"start-up: {sim.startup_total:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in sim.startup_seconds.items())
+             + ")"]
+    if sim.step_seconds:
+        lines.append(f"Python seconds per step (FakeTensorMode, an upper bound): "
+                     f"{sum(sim.step_seconds) / len(sim.step_seconds):.3f}")
+    lines.append("device memory peak by phase (GiB): "
+                 + ", ".join(f"{k} {v / gib:.2f}" for k, v in sim.device_peak_bytes.items()))
+    lines.append(f"host memory peak (RSS): {sim.host_peak_bytes / gib:.2f} GiB")
+    save = sim.save
+    lines.append(f"checkpoint save: {save['chunks']} chunks, {save['bytes_written'] / gib:.2f} GiB offered (an async "
+                 f"save stages as much in host memory), plan "
+                 f"{save['plan_bytes'] / 1024:.1f} KiB (the coordinator gathers one from each of {sim.world} ranks), "
+                 f"planned in {save['seconds']:.2f} s")
+    lines.append(f"checkpoint load (same grid): {sim.load['reads']} reads, {sim.load['bytes_read'] / gib:.2f} GiB "
+                 f"into this rank's own tensors, planned in {sim.load['seconds']:.2f} s")
+    lines.append(f"collectives per step: {'group':<16} {'op':<15} {'calls':>6} {'MiB sent':>10}")
+    for c in sim.collectives_per_step:
+        lines.append(f"{'':21}{c['group']:<16} {c['op']:<15} {c['calls']:>6} {c['bytes'] / mib:>10.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Mean next-token loss of a model on a token file, computed on a parallel grid."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fourfold.parallel import comm, context
+from fourfold.parallel.grid import Grid
+
+
+def window_count(tokens: int, seq: int) -> int:
+    """How many windows of seq + 1 tokens, overlapping by one, a file of `tokens` ids holds."""
+    n = (tokens - 1) // seq
+    if n < 1:
+        raise ValueError(f"a token file of {tokens} tokens holds no window of --seq {seq} + 1; use a smaller --seq")
+    return n
+
+
+def windows(tokens: np.ndarray, seq: int, indices) -> np.ndarray:
+    """Windows `indices` of seq + 1 tokens, overlapping by one so that every token after the
+    first is predicted exactly once: [len(indices), seq + 1]. Reads only their tokens (a
+    memory-mapped file is never loaded whole)."""
+    rows = [np.asarray(tokens[i * seq : (i + 1) * seq + 1], dtype=np.int64) for i in indices]
+    return np.stack(rows) if rows else np.empty((0, seq + 1), dtype=np.int64)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1,
+             max_tokens: int = 0) -> dict:
+    """{"loss", "perplexity", "tokens"} of `model` on `tokens` (a 1-D array of ids; `max_tokens`
+    > 0: only the first windows, up to that many scored tokens).
+
+    Windows are dealt to the dp*z token shards in turn, each cut into cp chunks as in training;
+    the last batch is padded with windows whose targets are -1 (scored 0, not counted)."""
+    cp = grid.group("cp")
+    count = window_count(len(tokens), seq)
+    if max_tokens:
+        count = min(count, max(1, max_tokens // seq))
+    shards = grid.size(("dp", "z"))
+    shard = grid.coords["dp"] * grid.size("z") + grid.coords["z"]
+    per_step = shards * batch_per_rank
+    steps = -(-count // per_step)
+    total = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, scored tokens
+    for step in range(steps):
+        ids = np.full((batch_per_rank, seq + 1), -1, dtype=np.int64)
+        # this shard's windows of the step: every shards-th from its own (each rank reads only those)
+        chunk = windows(tokens, seq, range(step * per_step + shard, min((step + 1) * per_step, count), shards))
+        ids[: len(chunk)] = chunk
+        mine = torch.from_numpy(ids)
+        inputs = context.shard_sequence(mine[:, :-1].clamp_min(0), cp).to(grid.device)
+        targets = context.shard_sequence(mine[:, 1:], cp).to(grid.device)
+        total[0] += model(inputs, targets).double().sum()
+        total[1] += (targets >= 0).sum()
+    comm.all_reduce(total, grid.group(("dp", "cp", "z")))
+    mean = (total[0] / total[1]).item()
+    return {"loss": mean, "perplexity": math.exp(mean), "tokens": int(total[1].item())}

@@ -1,0 +1,494 @@
+"""`fourfold train`: one rank's training loop (torchrun starts every rank).
+
+Per step: replica d reads its part of the global batch, splits each micro-batch over z and the
+sequence over cp; the micro-batches run through the model (accumulating) or through the pipeline
+schedule; gradients are reduced in buckets during the last backward; AdamW (ZeRO-1) updates. A
+non-finite loss skips the update; checkpoints are written every N steps and at the end. SIGINT or
+SIGTERM stops every rank after the same step (SIGTERM, which clusters send before a time limit,
+saves a checkpoint first; SIGINT, a Ctrl-C, does not: its step is lost, the last checkpoint is named).
+
+A step makes no host sync: its loss, gradient norm and whether it was skipped stay on the device,
+and are read for the records every log.every steps (and before an evaluation, a checkpoint or the
+end) in one transfer; the batch is copied from pinned memory without waiting; a signal is agreed
+on host to host, one step behind (`StopAgreement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fourfold import checkpoint
+
+from fourfold.parallel import comm, context
+
+from fourfold.data import corpus
+
+from fourfold.train import metrics
+from fourfold.parallel.data import GradientSync
+from fourfold.train.evaluate import evaluate
+from fourfold.parallel.grid import Grid
+from fourfold.spec.job import Job
+from fourfold.train.launch import StopRequest
+from fourfold.models.config import ModelConfig
+from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.overlap import OverlapOptions
+from fourfold.parallel.pipeline import Pipeline
+from fourfold.spec.hardware import GPUS
+from fourfold.plan.perf import model_flops_per_token
+from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+from fourfold.spec.trainconfig import ConfigError, TrainConfig, validate
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (for example, too many non-finite losses in a row)."""
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to min_lr at the last step."""
+    o, steps = cfg.optimizer, cfg.train.steps
+    if step < o.warmup:
+        return o.lr * (step + 1) / o.warmup
+    progress = (step - o.warmup) / max(1, steps - o.warmup)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+SCHEDULE_KEYS = ("train.steps", "optimizer.lr", "optimizer.min_lr", "optimizer.warmup")
+
+
+def schedule_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The keys of the learning-rate schedule that differ from `saved` (the config a checkpoint was
+    written with), as "key old -> new"."""
+    now, out = cfg.to_dict(), []
+    for key in SCHEDULE_KEYS:
+        section, name = key.split(".")
+        before, after = saved.get(section, {}).get(name), now[section][name]
+        if before is not None and before != after:
+            out.append(f"{key} {before} -> {after}")
+    return out
+
+
+def packed_windows(cfg: TrainConfig, tokenizer_path: Path, tokens_path: Path) -> Path | None:
+    """With data.packing = "documents", the file of the windows (made by the first call, in the
+    cache, and found there by the others); else None."""
+    if cfg.data.packing != "documents":
+        return None
+    return corpus.document_windows(tokens_path, cfg.batch.seq, corpus.end_of_document(tokenizer_path),
+                                   cfg.data.cache_dir)
+
+
+def checkpoint_source(cfg: TrainConfig) -> Path | None:
+    """The checkpoint this run starts from: its own latest (checkpoint.resume), else
+    checkpoint.load (a step-N directory, or a run's checkpoint directory: its latest), else none.
+    The run's own wins, so that running the same command again, or a torchrun restart, continues
+    instead of going back to checkpoint.load."""
+    c = cfg.checkpoint
+    own = checkpoint.latest(cfg.checkpoint_dir) if c.resume else None
+    if own is not None or not c.load:
+        return own
+    return checkpoint.latest(c.load) or Path(c.load)
+
+
+# The model settings that shape its tensors: a checkpoint of other values cannot be loaded. (The
+# others, RoPE's theta and scaling, the positions of a RoPE model, eps, the sliding window, may
+# change between runs: a long-context extension does.)
+SHAPES = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "tied", "head_dim", "qkv_bias",
+          "out_bias", "mlp_bias")
+
+
+def check_checkpoint(cfg: TrainConfig) -> list[str]:
+    """The checkpoint the run would start from, before any process starts: complete, and of the
+    configured model's shapes (raises ConfigError naming the fix). Returns the other settings
+    that differ from the checkpoint's, as "key there -> here", for the user to see."""
+    source = checkpoint_source(cfg)
+    if source is None:
+        return []
+    own = source.parent == Path(cfg.checkpoint_dir)
+    try:
+        saved = ModelConfig.from_dict(checkpoint.read_meta(source)["model"])
+    except checkpoint.CheckpointError:
+        raise ConfigError(f"checkpoint.load {cfg.checkpoint.load} is not a fourfold checkpoint (no {checkpoint.META}); "
+                          f"give a step-N directory or a run's checkpoint directory written by `fourfold train`") from None
+    model = cfg.model_config()
+    shapes = SHAPES + (("max_positions",) if model.family == "gpt2" else ())  # GPT-2's learned positions
+    differ = {f.name: f"{f.name} {getattr(saved, f.name)} there, {getattr(model, f.name)} here"
+              for f in dataclasses.fields(model) if getattr(saved, f.name) != getattr(model, f.name)}
+    refused = [text for name, text in differ.items() if name in shapes]
+    if refused:
+        fix = ("give another --log.run_dir, or --checkpoint.resume false, to start anew" if own else
+               "give a checkpoint of this model, or the model it was trained with")
+        raise ConfigError(f"the checkpoint {source} holds another model ({'; '.join(refused)}): {fix}")
+    return [text for name, text in differ.items() if name not in shapes]
+
+
+def tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
+    """The files each checkpoint keeps a copy of (name there -> path): the tokenizer, and the
+    tokenizer_config.json beside it if there is one (its EOS, class, chat template: without it an
+    end token only that file names is lost to `fourfold export` and a later fine-tune)."""
+    tokenizer_path = Path(tokenizer_path)
+    config = tokenizer_path.with_name("tokenizer_config.json")
+    return {"tokenizer.json": tokenizer_path, **({"tokenizer_config.json": config} if config.is_file() else {})}
+
+
+def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
+    """(tokenizer.json, tokens.npy): the user's, or the corpus prepared (and cached) now."""
+    d = cfg.data
+    if d.tokens:
+        if not cfg.tokenizer:
+            raise ValueError("data.tokens needs data.tokenizer (the tokenizer.json that made it)")
+        return Path(cfg.tokenizer), Path(d.tokens)
+    try:
+        return corpus.prepare(d.text or None, d.vocab, os.path.expanduser(d.cache_dir), files=d.files,
+                              tokenizer=cfg.tokenizer, field=d.field, workers=d.workers)
+    except ValueError as e:  # a corpus file the checks before launch could not see into
+        raise ConfigError(f"data: {e}") from None
+
+
+class Model:
+    """This rank's part of the model, run the same way with or without pipeline stages."""
+
+    def __init__(self, grid: Grid, job: Job, model_cfg: ModelConfig, *, dtype: torch.dtype, overlap: bool = True,
+                 seed: int = 0, std: float = 0.02, compile: bool = False):
+        opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=OverlapOptions(overlap, overlap, overlap),
+                             keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile)
+        common = dict(seed=seed, std=std, recompute=job.recompute)
+        self.grid, self.microbatches = grid, job.microbatches
+        self.pipeline = None
+        if job.pp > 1:
+            self.pipeline = Pipeline(grid, model_cfg, opts, schedule=job.schedule, microbatches=self.microbatches,
+                                     micro_batch=job.micro_batch // job.z, seq=job.seq // job.cp,
+                                     virtual=job.virtual, stage_layers=list(job.stage_layers) or None, **common)
+            self.module = self.pipeline.module
+        else:
+            with torch.device(grid.device):  # initialised where it lives (a pipeline stage is too)
+                self.module = Transformer(grid, model_cfg, opts, **common)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches; returns its share of the mean loss."""
+        if self.pipeline is not None:
+            return self.pipeline.step(inputs, targets, scale)
+        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
+        for m, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
+            sync.sync = m == self.microbatches - 1  # reduce gradients in the last backward only
+            loss = self.module(x, y).sum() * scale
+            loss.backward()
+            total += loss.detach()
+        return total
+
+
+def local_batch(job: Job, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's inputs and targets: its z part of each micro-batch, its cp chunks of each sequence."""
+    c, z = grid.coords, grid.size("z")
+    parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // job.micro_batch)]
+    ids = torch.cat(parts)
+    if grid.device.type == "cuda":  # from pinned memory, without waiting for the GPU's queue
+        ids = ids.pin_memory().to(grid.device, non_blocking=True)
+    cp = grid.group("cp")
+    return context.shard_sequence(ids[:, :-1], cp), context.shard_sequence(ids[:, 1:], cp)
+
+
+def peak_memory_gib(grid: Grid) -> float:
+    if grid.device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
+
+
+class Reporter:
+    """Rank 0's progress bar and records (`metrics.Metrics`: log.jsonl, TensorBoard, W&B)."""
+
+    def __init__(self, cfg: TrainConfig, start: int, flops_per_token: float, world: int, device: torch.device):
+        self.cfg, self.rank0 = cfg, dist.get_rank() == 0
+        self.flops_per_token, self.world = flops_per_token, world
+        self.peak = GPUS[cfg.hardware.gpu].bf16_tflops if device.type == "cuda" else None
+        self.bar = None
+        tensorboard = cfg.log.tensorboard and metrics.installed("tensorboard")
+        if self.rank0:
+            self.metrics = metrics.Metrics(Path(cfg.log.run_dir), start=start, tensorboard=tensorboard,
+                                           wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
+            if cfg.log.progress and sys.stderr.isatty():  # redirected (a scheduler's log): the JSON lines instead
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        if cfg.log.tensorboard and not tensorboard:
+            self.message(f"no TensorBoard event files: the tensorboard package is not installed (pip install "
+                         f"{metrics.TENSORBOARD}, or --log.tensorboard false to silence this)")
+
+    def step(self, record: dict) -> None:
+        if not self.rank0:
+            return
+        tokens = self.cfg.batch.global_batch * self.cfg.batch.seq
+        record["tokens_per_s"] = tokens / record["seconds"]
+        record["tflops_per_gpu"] = self.flops_per_token * tokens / record["seconds"] / self.world / 1e12
+        record["mfu"] = record["tflops_per_gpu"] / self.peak if self.peak else None
+        self.metrics.write(record)
+        if self.bar is not None:
+            mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a (CPU)"
+            self.bar.set_postfix_str(f"loss {record['loss']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+                                     f"{record['tflops_per_gpu']:.3f} TFLOP/s/rank | MFU {mfu} | "
+                                     f"mem {record['peak_memory_gib']:.2f} GiB")
+            self.bar.update(1)
+        elif record["step"] % self.cfg.log.every == 0:
+            print(json.dumps(record), flush=True)
+
+    def evaluation(self, step: int, result: dict) -> None:
+        """The held-out loss after `step` steps: a record and a line under the bar."""
+        if self.rank0:
+            self.metrics.write({"eval_after_step": step, "eval_loss": result["loss"],
+                                "eval_perplexity": result["perplexity"], "eval_tokens": result["tokens"]})
+        self.message(f"step {step}: held-out loss {result['loss']:.4f} (perplexity {result['perplexity']:.1f}, "
+                     f"{result['tokens']} tokens)")
+
+    def message(self, text: str) -> None:
+        if self.rank0:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.rank0:
+            if self.bar is not None:
+                self.bar.close()
+            self.metrics.close()
+
+
+def loss_curve(run_dir: Path) -> Path:
+    """Plot log.jsonl's losses (the last entry of each step, after restarts) to loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses, held_out = {}, {}
+    for line in (run_dir / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("loss") is not None and math.isfinite(record["loss"]):
+            losses[record["step"]] = record["loss"]
+        if "eval_loss" in record:  # scored after `eval_after_step` steps: plotted at the last one's index
+            held_out[record["eval_after_step"] - 1] = record["eval_loss"]
+    steps = sorted(losses)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [losses[s] for s in steps], label="training")
+    if held_out:
+        ax.plot(sorted(held_out), [held_out[s] for s in sorted(held_out)], "o-", label="held-out")
+        ax.legend()
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(run_dir.name)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = run_dir / "loss.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class StopAgreement:
+    """The strongest signal any rank got (SIGTERM > SIGINT, by number), agreed on so that every
+    rank stops after the same step whichever ranks the signal reached. Host to host and one step
+    behind: each step starts the all-reduce of the flags as they are then, and reads the one the
+    previous step started, long finished, so no step waits for it, nor for the GPU."""
+
+    def __init__(self, stop: StopRequest):
+        self.stop, self.group, self._pending = stop, comm.host_group(), None
+
+    def poll(self) -> signal.Signals | None:
+        agreed = self.finish()
+        flag = torch.tensor([self.stop.received])
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return signal.Signals(agreed) if agreed else None
+
+    def finish(self) -> int:
+        """The agreed flag of the all-reduce in flight (0 if none); nothing is in flight after."""
+        if self._pending is None:
+            return 0
+        (work, flag), self._pending = self._pending, None
+        work.wait()
+        return int(flag.item())
+
+
+def _stop_message(cfg: TrainConfig, stopped: signal.Signals, done: int) -> str:
+    """The one line about a run stopped by a signal: the last checkpoint and how to resume."""
+    said = f"stopped by {stopped.name} after {done} of {cfg.train.steps} steps"
+    if stopped == signal.SIGINT:
+        said += " (SIGINT does not save; SIGTERM does)"
+    last = checkpoint.latest(cfg.checkpoint_dir)
+    if last is None:
+        return f"{said}; no checkpoint yet: the same command starts over"
+    how = (f"resume with --checkpoint.load {last}" if cfg.checkpoint.load or not cfg.checkpoint.resume
+           else "run the same command again to resume from it")
+    return f"{said}; last checkpoint {last}: {how}"
+
+
+def _maybe_signal(cfg: TrainConfig, step: int) -> None:
+    """Fault injection for the stop test: this rank sends itself a signal once, at the configured step."""
+    marker = Path(cfg.log.run_dir) / ".signal-injected"
+    if cfg.fault.signal_step == step and cfg.fault.signal_rank == dist.get_rank() and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.Signals[cfg.fault.signal])
+
+
+def _maybe_kill(cfg: TrainConfig, step: int) -> None:
+    """Fault injection for the recovery test: this rank dies once, at the configured step."""
+    marker = Path(cfg.log.run_dir) / ".fault-injected"
+    if cfg.fault.kill_step == step and cfg.fault.kill_rank == dist.get_rank() and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
+    """Run (or resume) the configured training on every rank of the default process group
+    (torchrun's, joined by `fourfold train`); returns a summary. SIGINT and SIGTERM are noted by
+    `stop` (`fourfold train` starts noting them when the rank starts; else from here until the end)."""
+    if stop is not None:
+        return _train(cfg, stop)
+    stop = StopRequest()
+    try:
+        return _train(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
+    validate(cfg, dist.get_world_size(), gpu=torch.cuda.is_available())
+    grid = Grid(cfg.layout())
+    files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize (and pack) once; the others find it cached
+    if files:
+        packed_windows(cfg, *files)
+    dist.barrier()
+    tokenizer_path, tokens_path = files or tokens_files(cfg)
+    loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
+                                packing=cfg.data.packing, windows=packed_windows(cfg, tokenizer_path, tokens_path))
+    model_cfg = cfg.model_config()  # (the tokenizer and token ids were checked against it before launch)
+    job = cfg.job()
+    model = Model(grid, job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
+                  overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std, compile=cfg.train.compile)
+    sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
+    o = cfg.optimizer
+    opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
+    start, saved_config = 0, {}
+    replicas = grid.group(("dp", "cp"))  # ranks holding the same parameters: they share loads and saves
+    source = checkpoint_source(cfg)
+    if source is None and cfg.model.hf:
+        from fourfold.checkpoint.hf import load_hf
+
+        for part in getattr(model.pipeline, "models", [model.module]):
+            load_hf(part, cfg.model.hf, replicas=replicas)
+    if source is not None:
+        meta = checkpoint.load_checkpoint(source, model.module, opt, replicas=replicas)
+        start, saved_config = meta["step"], meta.get("config", {})
+    reporter = Reporter(cfg, start, model_flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
+                        grid.device)
+    if start:
+        reporter.message(f"resumed from {source} at step {start}")
+    changed = schedule_changes(saved_config, cfg)
+    if changed:
+        reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): from "
+                         f"step {start} on the rate follows the new one")
+    if start >= cfg.train.steps:
+        reporter.message(f"the checkpoint is at step {start} of train.steps={cfg.train.steps}: nothing to train; "
+                         f"raise --train.steps, or start over with another --log.run_dir")
+
+    saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
+    tokenizer = tokenizer_files(tokenizer_path)
+
+    def save(done: int) -> str:
+        meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
+                    model=dataclasses.asdict(model_cfg))
+        path = (saver.save if saver else checkpoint.save)(cfg.checkpoint_dir, done, model.module, opt, meta,
+                                                          cfg.checkpoint.keep, files=tokenizer,
+                                                          replicas=replicas)
+        return f"{path} (being written in the background)" if saver else str(path)
+
+    everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
+    scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
+    last_loss, first_loss, t_start = math.nan, None, time.perf_counter()
+    bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
+    window: list[dict] = []  # the steps not read yet, their numbers on the device
+
+    def read_window() -> None:
+        """Records of the window's steps, read in one host sync. Each step's seconds are the
+        window's mean: without a sync per step the host cannot time one step of the GPU's. The
+        non-finite count is checked here too, before any checkpoint could save after it."""
+        nonlocal first_loss, last_loss
+        if not window:
+            return
+        numbers = torch.stack([torch.stack([w["loss"], w["norm"], w["updated"].double(), w["bad"].double()])
+                               for w in window]).tolist()
+        seconds = (time.perf_counter() - window[0]["began"]) / len(window)
+        for w, (loss, norm, updated, in_a_row) in zip(window, numbers):
+            step = w["step"]
+            if not updated:
+                why = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
+                reporter.message(f"step {step}: {why}; update skipped ({int(in_a_row)} in a row)")
+                if in_a_row >= cfg.train.max_bad_steps:
+                    raise TrainingError(f"{int(in_a_row)} non-finite steps in a row (last at step {step}: {why}); "
+                                        f"lower optimizer.lr, check the data, or resume from an earlier checkpoint")
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            reporter.step(dict(step=step, loss=loss, lr=w["lr"], grad_norm=norm if math.isfinite(loss) else None,
+                               seconds=seconds, skipped=not updated, peak_memory_gib=w["peak_memory_gib"]))
+        window.clear()
+
+    last_eval, stopped, done, saved_at = None, None, start, start
+    agreement = StopAgreement(stop)
+    try:
+        for step in range(start, cfg.train.steps):
+            _maybe_kill(cfg, step)
+            _maybe_signal(cfg, step)
+            stopped = agreement.poll()
+            if stopped:
+                break
+            began = time.perf_counter()
+            opt.lr = learning_rate(cfg, step)
+            inputs, targets = local_batch(job, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
+            loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
+            loss = comm.all_reduce(loss.double().reshape(1), everything)[0]
+            # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
+            updated = opt.step(loss_finite=torch.isfinite(loss))
+            bad = torch.where(updated, 0, bad + 1)
+            window.append(dict(step=step, began=began, lr=opt.lr, loss=loss, norm=opt.norm, updated=updated, bad=bad,
+                               peak_memory_gib=peak_memory_gib(grid)))
+            done = step + 1
+            evaluating = cfg.train.eval_every and done % cfg.train.eval_every == 0
+            saving = done % cfg.checkpoint.every == 0 or done == cfg.train.steps
+            if evaluating or saving or done % cfg.log.every == 0:
+                read_window()
+            if evaluating:
+                held_out = evaluate(model.module, grid, loader.held_out(), cfg.batch.seq,
+                                    max(1, cfg.batch.micro_batch // grid.size("z")), cfg.train.eval_tokens)
+                reporter.evaluation(done, held_out)
+                last_eval = held_out["loss"]
+            if saving:
+                reporter.message(f"checkpoint {save(done)}")
+                saved_at = done
+        read_window()  # the steps before a stop
+        agreement.finish()
+        if stopped == signal.SIGTERM and saved_at != done:
+            save(done)
+    finally:
+        if saver:  # a save in flight ends (or fails) before the process group goes away
+            saver.wait()
+        checkpoint.wait_for_pruning()  # no old checkpoint left half deleted at exit
+    if stopped:
+        reporter.message(_stop_message(cfg, stopped, done))
+    reporter.close()
+    summary = dict(first_loss=first_loss, last_loss=None if math.isnan(last_loss) else last_loss,  # (JSON has no NaN)
+                   eval_loss=last_eval, steps=done - start,
+                   seconds=time.perf_counter() - t_start, tokens=(done - start) * cfg.batch.global_batch
+                   * cfg.batch.seq, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
+                   stopped=stopped.name if stopped else None)
+    if grid.rank == 0:
+        summary["loss_curve"] = str(loss_curve(Path(cfg.log.run_dir)))
+        (Path(cfg.log.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    dist.barrier()
+    return summary
