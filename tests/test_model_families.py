@@ -15,7 +15,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from families_on_grids import run_families
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.models.config import GPT2_FIELDS, LLAMA_FIELDS, LLAMA_TYPES, METADATA, ModelConfig
+from fourfold.models import gpt2, llama
+from fourfold.models.config import METADATA, ModelConfig
 from fourfold.checkpoint.hf import to_hf_tensors
 from fourfold.spec.rules import problems
 from fourfold.parallel.tensor.block import rope_frequencies, rope_tables
@@ -172,10 +173,10 @@ def test_rope_scaling_changes_the_model():
     assert ModelConfig.from_hf(FAMILIES["llama-yarn-rope"]).rope_scaling.attention_factor > 1
 
 
-@pytest.mark.parametrize("config, fields", [(transformers.LlamaConfig, LLAMA_FIELDS),
-                                            (transformers.MistralConfig, LLAMA_FIELDS),
-                                            (transformers.Qwen2Config, LLAMA_FIELDS),
-                                            (transformers.GPT2Config, GPT2_FIELDS)])
+@pytest.mark.parametrize("config, fields", [(transformers.LlamaConfig, llama.FIELDS),
+                                            (transformers.MistralConfig, llama.FIELDS),
+                                            (transformers.Qwen2Config, llama.FIELDS),
+                                            (transformers.GPT2Config, gpt2.FIELDS)])
 def test_every_field_of_the_config_classes_is_read_or_refused(config, fields):
     defaults = json.loads(config().to_json_string())
     assert sorted(set(defaults) - fields - METADATA) == []  # none unaccounted for
@@ -226,7 +227,7 @@ def test_export_and_checkpoints_write_each_family_back(families, name):
             assert all(map(torch.equal, _hf_rope(cfg.to_hf(), seq), _hf_rope(FAMILIES[name], seq)))
 
 
-@pytest.mark.parametrize("kind", LLAMA_TYPES)
+@pytest.mark.parametrize("kind", llama.HF_TYPES)
 def test_a_missing_max_position_embeddings_is_the_config_class_default(kind):
     d = {k: v for k, v in FAMILIES["llama-dynamic-rope"].items() if k != "max_position_embeddings"}
     d["model_type"] = kind

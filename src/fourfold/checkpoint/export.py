@@ -108,7 +108,7 @@ def _write_tokenizer(cfg: ModelConfig, path: Path, out: Path) -> dict:
     bos = tokenizer.token_to_id(bos.get("content") if isinstance(bos, dict) else bos) if bos else None
     if bos is None:  # the token the tokenizer puts before each document
         bos = _prepended(tokenizer)
-    if bos is None and cfg.family == "gpt2":  # GPT-2's convention: one <|endoftext|> is both
+    if bos is None and cfg.family_spec().bos_is_eos:  # GPT-2's convention: one <|endoftext|> is both
         bos = eos
     for key, token in (("eos_token", eos), ("bos_token", bos)):
         if token is not None:

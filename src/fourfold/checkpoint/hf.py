@@ -23,47 +23,6 @@ from fourfold.models.config import ModelConfig
 from fourfold.parallel.tensor.params import Read, assigned, copy_into, load, parallel_layers
 
 
-def llama_names(cfg: ModelConfig) -> dict[str, str]:
-    names = {"embed": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not cfg.tied:
-        names["lm_head"] = "lm_head.weight"
-    for i in range(cfg.layers):
-        p, h = f"layers.{i}", f"model.layers.{i}"
-        b = cfg.block
-        for n in "qkvo":
-            names[f"{p}.attn.{n}"] = f"{h}.self_attn.{n}_proj.weight"
-            if b.out_bias if n == "o" else b.qkv_bias:
-                names[f"{p}.attn.{n}.bias"] = f"{h}.self_attn.{n}_proj.bias"
-        for n in ("gate", "up", "down"):
-            names[f"{p}.mlp.{n}"] = f"{h}.mlp.{n}_proj.weight"
-            if b.mlp_bias:
-                names[f"{p}.mlp.{n}.bias"] = f"{h}.mlp.{n}_proj.bias"
-        names[f"{p}.attn_norm.weight"] = f"{h}.input_layernorm.weight"
-        names[f"{p}.mlp_norm.weight"] = f"{h}.post_attention_layernorm.weight"
-    return names
-
-
-def gpt2_layout(cfg: ModelConfig) -> dict[str, tuple[str, int, bool]]:
-    """fourfold name -> (checkpoint name, column offset in the Conv1D weight, transposed)."""
-    out = {"embed": ("transformer.wte.weight", 0, False), "positions": ("transformer.wpe.weight", 0, False)}
-    if not cfg.tied:
-        out["lm_head"] = ("lm_head.weight", 0, False)
-    for suffix in ("weight", "bias"):
-        out[f"norm.{suffix}"] = (f"transformer.ln_f.{suffix}", 0, False)
-    for i in range(cfg.layers):
-        p, h = f"layers.{i}", f"transformer.h.{i}"
-        for j, n in enumerate("qkv"):
-            out[f"{p}.attn.{n}"] = (f"{h}.attn.c_attn.weight", j * cfg.hidden, True)
-            out[f"{p}.attn.{n}.bias"] = (f"{h}.attn.c_attn.bias", j * cfg.hidden, True)
-        for ours, theirs in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
-            out[f"{p}.{ours}"] = (f"{h}.{theirs}.weight", 0, True)
-            out[f"{p}.{ours}.bias"] = (f"{h}.{theirs}.bias", 0, True)
-        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            for suffix in ("weight", "bias"):
-                out[f"{p}.{ours}.{suffix}"] = (f"{h}.{theirs}.{suffix}", 0, False)
-    return out
-
-
 def _tensor_files(directory: Path) -> dict[str, Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -97,22 +56,15 @@ def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: tor
             handles[path] = safe_open(path, "pt")
         return handles[path].get_slice(name)
 
-    if cfg.family == "llama":
-        names = llama_names(cfg)
+    tensors = cfg.family_spec().tensors(cfg)
 
-        def read(name, rows, cols):
-            t = sliced(names[name])
+    def read(name, rows, cols):
+        hf, offset, conv1d = tensors[name]
+        t = sliced(hf)
+        if not conv1d:
             return (t[rows] if cols is None else t[rows, cols]).to(dtype)
-    else:
-        layout = gpt2_layout(cfg)
-
-        def read(name, rows, cols):
-            hf, offset, conv1d = layout[name]
-            t = sliced(hf)
-            if not conv1d:
-                return (t[rows] if cols is None else t[rows, cols]).to(dtype)
-            shifted = slice(rows.start + offset, rows.stop + offset)
-            return (t[shifted] if cols is None else t[cols, shifted].T).to(dtype)
+        shifted = slice(rows.start + offset, rows.stop + offset)
+        return (t[shifted] if cols is None else t[cols, shifted].T).to(dtype)
 
     return read
 
@@ -172,10 +124,8 @@ def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Group | No
 
 def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
     """transformers name -> the fourfold tensors it is made of, in order, each (name, transposed)."""
-    if cfg.family == "llama":
-        return {hf: [(ours, False)] for ours, hf in llama_names(cfg).items()}
     out: dict[str, list[tuple[int, str, bool]]] = {}
-    for ours, (hf, offset, conv1d) in gpt2_layout(cfg).items():
+    for ours, (hf, offset, conv1d) in cfg.family_spec().tensors(cfg).items():
         out.setdefault(hf, []).append((offset, ours, conv1d))
     return {hf: [(ours, conv1d) for _, ours, conv1d in sorted(parts)] for hf, parts in out.items()}
 

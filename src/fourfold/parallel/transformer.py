@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         out_std = std / (2 * cfg.layers) ** 0.5  # GPT-2's scaled init of the residual projections
         self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std,
                                        seq_parallel=opts.seq_parallel, dtype=opts.dtype)
-        self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family == "gpt2" else None
+        self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family_spec().learned_positions else None
         # keyed by global index so that parameter names stay the serial model's on a pipeline stage
         self.layers = nn.ModuleDict({
             str(i): ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
