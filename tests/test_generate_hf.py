@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from fourfold.cli.main import main as cli
+from fourfold.cli.main import main
 from fourfold.train.generate import continue_ids, open_model
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ def test_greedy_generation_equals_transformers(directory, capsys):
     hf.generation_config.eos_token_id = None  # (a random model may emit its config's end token)
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0].tolist()
     assert ours == theirs and len(ours) == len(prompt) + NEW
-    assert cli.main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
+    assert main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out.strip() == tokenizer.decode(theirs)
 
 
@@ -80,12 +80,12 @@ def test_generation_stops_at_the_end_of_document_token_as_transformers_does(dire
                          eos_token_id=end)[0].tolist()
     assert eos == end and ours == theirs == free[: free.index(end, len(prompt)) + 1]
     assert len(ours) <= len(prompt) + NEW // 2 + 1
-    assert cli.main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
+    assert main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out.strip() == tokenizer.decode(theirs)
 
 
 def test_a_directory_without_its_tokenizer_names_the_fix(directory, tmp_path, capsys):
     path, hf = directory
     hf.save_pretrained(tmp_path)  # config.json and safetensors only
-    assert cli.main(["generate", str(tmp_path)]) == 2
+    assert main(["generate", str(tmp_path)]) == 2
     assert f"{tmp_path} has no tokenizer.json; put the model's tokenizer.json there" in capsys.readouterr().err

@@ -168,10 +168,10 @@ def test_eval_checks_before_it_starts_processes(tmp_path):
 
 
 def test_launcher_options_stay_with_the_launcher():
-    from fourfold.cli.main import _launcher_options_removed
+    from fourfold.cli.options import launcher_options_removed
 
     argv = ["eval", "--hf", "d", "--nproc-per-node", "8", "--json", "--max-restarts=2", "--grid", "x=2"]
-    assert _launcher_options_removed(argv) == ["eval", "--hf", "d", "--json", "--grid", "x=2"]
+    assert launcher_options_removed(argv) == ["eval", "--hf", "d", "--json", "--grid", "x=2"]
 
 
 @pytest.mark.parametrize("field", ["job_name", "time", "partition", "account", "run_dir", "workdir"])

@@ -5,11 +5,38 @@ a configuration for a large model on a large cluster."""
 
 from __future__ import annotations
 
+import argparse
+import time
 from importlib.resources import files
 
 from fourfold.models.config import load_config
 
 DEMO_CONFIG = str(files("fourfold.configs") / "demo.toml")
+
+
+def add_parser(commands) -> None:
+    from fourfold.cli.train import WITH_OVERRIDES
+
+    commands.add_parser("demo", help="the main job on an embedded default: train a small Llama on 8 CPU ranks "
+                                     "(takes the same --section.key value overrides as train), sample, plan",
+                        usage="fourfold demo [--section.key value ...]", **WITH_OVERRIDES)
+
+
+def run(overrides: list[str]) -> int:
+    from fourfold.cli.train import train
+    from fourfold.spec.trainconfig import load_train_config
+
+    # Every demo run trains from scratch in its own directory (a user's --log.run_dir still wins).
+    overrides = ["--log.run_dir", time.strftime("runs/demo-%Y%m%d-%H%M%S"), *overrides]
+    cfg = load_train_config(DEMO_CONFIG, overrides)
+    print(f"fourfold demo: training {cfg.model.preset} on the bundled King James Bible, config {DEMO_CONFIG}")
+    launch = argparse.Namespace(config=DEMO_CONFIG, nproc_per_node=None, max_restarts=0)
+    code = train(launch, ["train", DEMO_CONFIG, *overrides], overrides)
+    if code:
+        return code
+    show_samples(str(cfg.checkpoint_dir))
+    print_plan()
+    return 0
 
 
 def show_samples(checkpoints: str) -> None:

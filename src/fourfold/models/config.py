@@ -74,17 +74,9 @@ class ModelConfig:
         return self.family_spec().to_hf(self)
 
     def parameter_count(self) -> int:
-        b = self.block
-        d = b.head_dim
-        attn = self.hidden * (self.heads + 2 * self.kv_heads) * d + self.heads * d * self.hidden
-        mlp = (3 if b.gated else 2) * self.hidden * self.ffn
-        norms = (2 if b.norm == "rms" else 4) * self.hidden
-        biases = (((self.heads + 2 * self.kv_heads) * d if b.qkv_bias else 0) + (self.hidden if b.out_bias else 0)
-                  + (((2 if b.gated else 1) * self.ffn + self.hidden) if b.mlp_bias else 0))
-        embed = self.vocab * self.hidden * (1 if self.tied else 2)
-        positions = self.max_positions * self.hidden if self.family_spec().learned_positions else 0
-        final_norm = self.hidden * (1 if b.norm == "rms" else 2)
-        return self.layers * (attn + mlp + norms + biases) + embed + positions + final_norm
+        from fourfold.spec.counts import parameter_count
+
+        return parameter_count(self)
 
 
 def refuse_unknown(d: dict, fields: set[str], kind: str) -> None:

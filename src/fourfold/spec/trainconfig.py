@@ -4,6 +4,7 @@ can be made before a process group exists (so a bad config fails in seconds, nam
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import shutil
 import textwrap
@@ -57,9 +58,15 @@ class OptimizerSection:
     zero1: bool = True
 
 
+DEVICES = ("auto", "cpu", "cuda")  # train.device; fourfold.parallel.grid.choose_device resolves auto
+
+
 @dataclass
 class TrainSection:
     steps: int = 100
+    # auto: CUDA (NCCL, one GPU per rank) when every rank of a node has a visible GPU of its own, CPU
+    # (gloo) when there is none, else an error before launch; or cpu, cuda
+    device: str = "auto"
     precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or bf16, float32, float64
     recompute: str = "none"
     seq_parallel: bool = False
@@ -78,6 +85,7 @@ class DataSection:
     text: str = ""  # a UTF-8 text file; empty (and no `files`) = the bundled King James Bible
     files: str = ""  # or: text/.jsonl (also .gz), .parquet, .arrow files, save_to_disk dirs; paths/globs, comma-separated
     field: str = "text"  # the JSONL field or Parquet column that holds each document
+    skip_bad_records: bool = False  # JSONL lines that are no document (not JSON, no text field): leave out, counted
     tokens: str = ""  # an already tokenized .npy file (then `tokenizer` names its tokenizer.json)
     tokenizer: str = ""  # a tokenizer.json (or a directory with one), used as it is; empty = train a byte-level BPE of `vocab` tokens
     vocab: int = 4096
@@ -165,13 +173,10 @@ class TrainConfig:
                    keep_gathered_inputs=t.keep_gathered_inputs)
 
     def use_job(self, job: Job) -> None:
-        """Take the grid, micro-batch, recompute, sequence parallelism and kept inputs of `job` (the
-        planner's choice)."""
-        for d in DIMS:
-            setattr(self.grid, d, getattr(job.layout, d))
-        self.grid.order, self.grid.auto = ",".join(job.layout.order), False
-        self.batch.micro_batch, self.train.recompute = job.micro_batch, job.recompute
-        self.train.seq_parallel, self.train.keep_gathered_inputs = job.seq_parallel, job.keep_gathered_inputs
+        """Take the settings of `job` (the planner's choice) that `job_settings` names."""
+        for key, value in job_settings(job).items():
+            section, name = key.split(".")
+            setattr(getattr(self, section), name, value)
 
     @property
     def tokenizer(self) -> str:
@@ -210,14 +215,31 @@ def _coerce(text: str, like, where: str):
         raise ConfigError(f"{where} takes a {type(like).__name__}, not {text!r}") from None
 
 
+def config_keys() -> list[str]:
+    """Every key of the config, as section.key."""
+    return [f"{s.name}.{f.name}" for s in fields(TrainConfig) for f in fields(s.default_factory())]
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """" (did you mean X?)" for the known name closest to `name` (a key given without its section,
+    e.g. eval_every, finds train.eval_every), or ""."""
+    bare = name.lstrip("-").replace("-", "_")
+    same_key = [k for k in known if k.lstrip("-").replace("-", "_").split(".")[-1] == bare]
+    longer = [k for k in known if k.startswith(name)]  # what an abbreviation used to mean
+    close = same_key or longer or difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _apply(cfg: TrainConfig, section: str, key: str, value, where: str) -> None:
     sections = {f.name for f in fields(TrainConfig)}
     if section not in sections:
-        raise ConfigError(f"{where}: unknown section [{section}]; sections are {', '.join(sorted(sections))}")
+        raise ConfigError(f"{where}: unknown section [{section}]{did_you_mean(section, sorted(sections))}; sections "
+                          f"are {', '.join(sorted(sections))}")
     part = getattr(cfg, section)
     keys = {f.name for f in fields(part)}
     if key not in keys:
-        raise ConfigError(f"{where}: unknown key {section}.{key}; [{section}] takes {', '.join(sorted(keys))}")
+        raise ConfigError(f"{where}: unknown key {section}.{key}{did_you_mean(f'{section}.{key}', config_keys())}; "
+                          f"[{section}] takes {', '.join(sorted(keys))}")
     current = getattr(part, key)
     if isinstance(value, str) and not isinstance(current, str):
         value = _coerce(value, current, f"{section}.{key}")
@@ -254,6 +276,14 @@ def sections_help(width: int = 100) -> str:
 def load_train_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """The config from a TOML file (or the defaults) with `--section.key value` overrides."""
     cfg = TrainConfig()
+    found: list[str] = []  # every problem of the file and the overrides, reported together
+
+    def apply(section: str, key: str, value, where: str) -> None:
+        try:
+            _apply(cfg, section, key, value, where)
+        except ConfigError as e:
+            found.append(str(e))
+
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())
@@ -263,17 +293,22 @@ def load_train_config(path: str | None, overrides: list[str] = ()) -> TrainConfi
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
         for section, values in data.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"{path}: {section} = ... must sit inside a [section]")
+                found.append(f"{path}: {section} = ... must sit inside a [section]")
+                continue
             for key, value in values.items():
-                _apply(cfg, section, key, value, path)
+                apply(section, key, value, path)
     items = list(overrides)
     if len(items) % 2:
         raise ConfigError(f"overrides come in pairs (--section.key value); {items[-1]!r} has no value")
     for flag, value in zip(items[::2], items[1::2]):
         if not flag.startswith("--") or "." not in flag:
-            raise ConfigError(f"override {flag!r} must look like --section.key (e.g. --optimizer.lr 1e-3)")
+            found.append(f"override {flag!r} must look like --section.key (e.g. --optimizer.lr 1e-3)")
+            continue
         section, key = flag[2:].split(".", 1)
-        _apply(cfg, section, key.replace("-", "_"), value, "command line")
+        apply(section, key.replace("-", "_"), value, "command line")
+    if found:
+        raise ConfigError("\n".join(found) if len(found) == 1 else
+                          f"{len(found)} problems:\n" + "\n".join(f"  - {line}" for line in found))
     return cfg
 
 
@@ -292,6 +327,8 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         found = problems(model, cfg.job(), world=world, gpu=gpu)
     except GridError as e:  # the placement order or a dim size
         raise ConfigError(f"grid: {e}") from None
+    if cfg.train.device not in DEVICES:
+        found.append(f"train.device {cfg.train.device!r} is none of {', '.join(DEVICES)}; use one of them")
     if cfg.train.eval_every < 0:
         found.append("train.eval_every must be >= 0 (0: never)")
     if cfg.train.eval_tokens < 0:
@@ -432,23 +469,17 @@ def check_token_ids(path: str, vocab: int, option: str) -> None:
                           f"[0, {vocab}); tokenize the data with the model's tokenizer")
 
 
-def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
-    """With grid.auto: take the planner's best job for `hardware` on `world` GPUs that this run can
-    use (the search returns only jobs the rule function accepts); returns it."""
-    from fourfold.spec.hardware import make_cluster
-    from fourfold.plan.search import search
+def job_settings(job: Job) -> dict[str, object]:
+    """The config keys a planner's job sets: one mapping for `TrainConfig.use_job` and for the
+    `--section.key value` overrides that hand the ranks (or a user) the same job."""
+    out: dict[str, object] = {f"grid.{d}": getattr(job.layout, d) for d in DIMS}
+    out.update({"grid.order": ",".join(job.layout.order), "grid.auto": False, "batch.micro_batch": job.micro_batch,
+                "train.recompute": job.recompute, "train.seq_parallel": job.seq_parallel,
+                "train.keep_gathered_inputs": job.keep_gathered_inputs})
+    return out
 
-    h = cfg.hardware
-    cluster = make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
-    for candidate in search(cfg.model_config(), world, cluster, cfg.job()):
-        trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
-                                    train=dataclasses.replace(cfg.train))
-        trial.use_job(candidate["job"])
-        try:
-            validate(trial, world)  # the trainer's own options (eval_every needs pp = 1)
-        except ConfigError:
-            continue
-        cfg.use_job(candidate["job"])
-        return candidate["job"]
-    raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run can use; "
-                      f"set the grid by hand")
+
+def as_overrides(settings: dict[str, object]) -> list[str]:
+    """`--section.key value` for each setting, as the command line and TOML spell values."""
+    return [v for key, value in settings.items()
+            for v in (f"--{key}", str(value).lower() if isinstance(value, bool) else str(value))]

@@ -1,0 +1,157 @@
+"""`fourfold eval`: mean next-token loss and perplexity of a model (a Hugging Face directory or a
+training checkpoint) on a token file or text, on any grid."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fourfold.cli.options import add_grid_options, launcher_options_removed
+from fourfold.spec.job import PRECISIONS
+from fourfold.spec.layout import Layout
+from fourfold.spec.rules import JobError, with_flags
+from fourfold.spec.trainconfig import ConfigError
+from fourfold.train.launch import inside_torchrun, relaunch_with_torchrun
+
+
+def add_parser(commands) -> None:
+    ev = commands.add_parser("eval", help="mean next-token loss and perplexity of a model on a token file")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("model", nargs="?", help="a Hugging Face directory or a training checkpoint (as --hf or "
+                                                 "--checkpoint, told apart by what the directory holds)")
+    source.add_argument("--hf", help="a Hugging Face checkpoint directory (config.json + safetensors)")
+    source.add_argument("--checkpoint", help="a training checkpoint (step-N), or a run's checkpoint directory (latest)")
+    text = ev.add_mutually_exclusive_group(required=True)
+    text.add_argument("--tokens", help="a .npy file of token ids (1-D)")
+    text.add_argument("--text", help="text to score: text, JSONL or Parquet files or globs, comma-separated (as "
+                                     "data.files), tokenized with the model's tokenizer.json")
+    ev.add_argument("--field", default="text", help="with --text: the JSONL field or Parquet column of each "
+                                                    "document (default text)")
+    ev.add_argument("--cache-dir", default="~/.cache/fourfold", help="with --text: where its token file is kept "
+                                                                     "(default ~/.cache/fourfold)")
+    ev.add_argument("--seq", type=int, required=True, help="sequence length of each window")
+    ev.add_argument("--batch", type=int, default=1, help="windows per data shard per step (default 1)")
+    ev.add_argument("--max-tokens", type=int, default=0,
+                    help="score only the first windows, up to this many tokens (default 0: the whole file)")
+    ev.add_argument("--precision", choices=PRECISIONS, default="float32",
+                    help="parameters and activations (default float32; auto: bf16 on GPUs, float32 on CPU)")
+    ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
+    add_grid_options(ev, "dp=1")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.model:
+        from fourfold.checkpoint import CheckpointError
+        from fourfold.checkpoint.hf import model_directory
+
+        try:
+            path, hf = model_directory(args.model)
+        except CheckpointError as err:
+            raise ConfigError(str(err)) from None
+        args.hf, args.checkpoint = (str(path), None) if hf else (None, str(path))
+    layout = Layout.parse(args.grid, args.order)
+    if not inside_torchrun():
+        if args.text:  # tokenized here, once, with the model's own tokenizer: the ranks get the token file
+            args.tokens = _eval_tokens(args)
+            argv = launcher_options_removed(argv, also=("--text", "--field", "--cache-dir")) + ["--tokens", args.tokens]
+        _eval_job(args, layout)
+        return relaunch_with_torchrun(args.nproc_per_node or layout.world_size, launcher_options_removed(argv))
+    model_cfg = _eval_model_config(args)
+    import json
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from fourfold.train.evaluate import evaluate
+    from fourfold.parallel.grid import Grid, init_process_group
+    from fourfold.checkpoint.hf import load_hf
+    from fourfold.parallel.transformer import Transformer
+    from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+
+    init_process_group()
+    grid = Grid(layout)
+    model = Transformer(grid, model_cfg, TensorOptions(dtype=torch_dtype(args.precision, grid.device))).to(grid.device)
+    if args.hf:
+        load_hf(model, args.hf)
+    else:  # a training checkpoint, written on any grid
+        from fourfold import checkpoint
+
+        checkpoint.load_checkpoint(checkpoint.latest(args.checkpoint) or args.checkpoint, model)
+    tokens = np.load(args.tokens, mmap_mode="r")
+    result = evaluate(model, grid, tokens, args.seq, args.batch, args.max_tokens)
+    if grid.rank == 0:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  over {result['tokens']} tokens")
+    dist.destroy_process_group()
+    return 0
+
+
+def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
+    """Every problem of `fourfold eval`, found before any process starts."""
+    import numpy as np
+
+    from fourfold.train.evaluate import window_count
+    from fourfold.spec.job import Job
+    from fourfold.spec.rules import check
+    from fourfold.spec.trainconfig import check_token_ids
+
+    if args.max_tokens < 0:
+        raise ConfigError("--max-tokens must be >= 0 (0: the whole file)")
+    if layout.pp > 1:
+        raise ConfigError(f"fourfold eval runs the whole model on each rank, without pipeline stages: leave pp out "
+                          f"of --grid {args.grid} (dp, cp, x, y and z all work)")
+    model = _eval_model_config(args)
+    # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training
+    job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
+              seq=args.seq, precision=args.precision)
+    import torch
+
+    try:
+        check(model, job, world=args.nproc_per_node, gpu=torch.cuda.is_available())
+    except JobError as e:  # the rules name the training config's key: eval's flag is --seq
+        raise ConfigError(with_flags(str(e), {"batch.seq": "--seq"})) from None
+    check_token_ids(args.tokens, model.vocab, "--tokens")
+    try:
+        window_count(len(np.load(args.tokens, mmap_mode="r")), args.seq)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _eval_model_config(args: argparse.Namespace):
+    from fourfold.models.config import ModelConfig, load_config
+
+    if args.hf:
+        if not Path(args.hf, "config.json").is_file():
+            raise ConfigError(f"--hf {args.hf} has no config.json; give the directory save_pretrained wrote")
+        try:
+            return load_config(args.hf)
+        except ValueError as e:
+            raise ConfigError(f"--hf {args.hf}: {e}") from None
+    from fourfold import checkpoint
+
+    try:
+        return ModelConfig.from_dict(checkpoint.read_meta(checkpoint.latest(args.checkpoint) or args.checkpoint)["model"])
+    except ValueError as e:  # CheckpointError
+        raise ConfigError(str(e)) from None
+
+
+def _eval_tokens(args: argparse.Namespace) -> str:
+    """The token file of `--text` (text, JSONL, Parquet files or globs, as data.files takes them),
+    tokenized with the model's tokenizer.json as training tokenizes (an end-of-document id after
+    each document), and cached."""
+    from fourfold import checkpoint
+    from fourfold.data import corpus
+
+    folder = Path(args.hf) if args.hf else checkpoint.latest(args.checkpoint) or Path(args.checkpoint)
+    tokenizer = folder / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise ConfigError(f"--text needs the model's tokenizer.json, and {folder} has none: tokenize the text with it "
+                          f"into a .npy and give --tokens")
+    try:
+        return str(corpus.prepare(None, 0, args.cache_dir, files=args.text, tokenizer=str(tokenizer),
+                                  field=args.field)[1])
+    except ValueError as e:
+        raise ConfigError(f"--text {args.text}: {e}") from None
+

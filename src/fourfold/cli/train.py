@@ -1,0 +1,202 @@
+"""`fourfold train`, `prepare` and `slurm`: a TOML config with `--section.key value` overrides,
+checked and its data prepared before any rank starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from fourfold.cli.options import launcher_options_removed
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
+from fourfold.spec.trainconfig import ConfigError, TrainConfig, as_overrides, job_settings, sections_help
+from fourfold.train.launch import StopRequest, inside_torchrun, relaunch_with_torchrun
+
+# train, slurm, prepare and demo take the config's overrides: their --help lists them
+WITH_OVERRIDES = dict(epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_parsers(commands) -> None:
+    tr = commands.add_parser("train", help="train from a TOML config (plus --section.key value overrides)",
+                             usage="fourfold train [CONFIG.toml] [--section.key value ...] [--nproc-per-node N] "
+                                   "[--max-restarts N]", **WITH_OVERRIDES)
+    tr.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
+    tr.add_argument("--nproc-per-node", type=int, default=None, help="local ranks (default: the grid's size)")
+    tr.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a rank fails (resumes)")
+    pr = commands.add_parser("prepare", help="tokenize (and pack) a config's corpus now, into the cache train and "
+                                             "slurm read (for a large corpus: run it as a CPU job of its own)",
+                             usage="fourfold prepare [CONFIG.toml] [--section.key value ...]", **WITH_OVERRIDES)
+    pr.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
+    sl = commands.add_parser("slurm", help="write an sbatch script that runs `fourfold train` on N nodes",
+                             usage="fourfold slurm [CONFIG.toml] --nodes N [options] [--section.key value ...]",
+                             **WITH_OVERRIDES)
+    sl.add_argument("config", nargs="?", help="a TOML file (see examples/); the defaults when left out")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, default=8, help="(default 8)")
+    sl.add_argument("--cpus-per-task", type=int, default=None,
+                    help="CPUs of each node's task, shared by its ranks (default: 8 per GPU)")
+    sl.add_argument("--job-name", default="fourfold", help="(default fourfold)")
+    sl.add_argument("--time", default="24:00:00", help="the job's time limit (default 24:00:00)")
+    sl.add_argument("--partition", default="")
+    sl.add_argument("--account", default="")
+    sl.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts after a rank fails (default 3)")
+    sl.add_argument("--output", default="", help="write the script here (default: print it)")
+
+
+def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
+
+    from fourfold.spec.trainconfig import load_train_config, validate
+
+    cfg = load_train_config(args.config, overrides)
+    if not inside_torchrun():  # check everything and prepare the data before any process starts
+        world = args.nproc_per_node or cfg.layout().world_size
+        if cfg.grid.auto:
+            chosen = resolve_auto_grid(cfg, world)
+            print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}")
+            argv = _resolved(argv, cfg)
+        import torch
+
+        validate(cfg, world, gpu=torch.cuda.is_available())
+        argv = argv + _before_launch(cfg)
+        return relaunch_with_torchrun(world, launcher_options_removed(argv), max_restarts=args.max_restarts)
+    stop = StopRequest()  # before torch is imported: a signal from now on stops the run at a step boundary
+    import torch.distributed as dist
+
+    from fourfold.parallel.grid import init_process_group
+    from fourfold.train.trainer import train as run_training
+
+    init_process_group()
+    try:
+        summary = run_training(cfg, stop)
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
+        print(json.dumps(summary))
+    return 0
+
+
+def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
+    """With grid.auto: take the planner's best job for `hardware` on `world` GPUs that this run can
+    use (the search returns only jobs the rule function accepts); returns it."""
+    import dataclasses
+
+    from fourfold.plan.search import search
+    from fourfold.spec.hardware import make_cluster
+    from fourfold.spec.trainconfig import validate
+
+    h = cfg.hardware
+    cluster = make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
+    for candidate in search(cfg.model_config(), world, cluster, cfg.job()):
+        trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
+                                    train=dataclasses.replace(cfg.train))
+        trial.use_job(candidate["job"])
+        try:
+            validate(trial, world)  # the trainer's own options (eval_every needs pp = 1)
+        except ConfigError:
+            continue
+        cfg.use_job(candidate["job"])
+        return candidate["job"]
+    raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run can use; "
+                      f"set the grid by hand")
+
+
+def _resolved(argv: list[str], cfg: TrainConfig) -> list[str]:
+    """`argv` with the job the planner chose (every setting `job_settings` names), for the ranks."""
+    return list(argv) + as_overrides(job_settings(cfg.job()))
+
+
+def _before_launch(cfg) -> list[str]:
+    """The checks that read files (the data's, the checkpoint the run starts from), then the data
+    prepared here, before any rank starts: tokenized (and, for data.packing = documents, packed).
+    Returns the overrides that hand the ranks the files. No rank then reads the corpus, and rank
+    0 does not prepare it while every other rank waits at the start-up barrier (whose timeout a
+    large corpus would pass)."""
+    from fourfold.spec.trainconfig import check_data_files
+    from fourfold.train.trainer import check_checkpoint
+
+    check_data_files(cfg)
+    changed = check_checkpoint(cfg)
+    if changed:
+        print(f"the model's settings differ from its checkpoint's ({'; '.join(changed)}): training goes on with "
+              f"this config's", file=sys.stderr)  # (slurm prints its script on stdout)
+    return _prepared_data(cfg)[0]
+
+
+def _prepared_data(cfg) -> tuple[list[str], Path | None]:
+    """The corpus tokenized (and, for data.packing = documents, packed) into the cache, where the
+    job's rank 0 finds it: the overrides that hand the ranks its files, and the windows file."""
+    from fourfold.train.trainer import packed_windows, tokens_files
+
+    tokenizer, tokens = tokens_files(cfg)
+    windows = packed_windows(cfg, tokenizer, tokens)
+    return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())], windows
+
+
+def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Tokenize (and pack) a config's corpus here, as its own job (a large corpus takes hours on
+    many cores: `data.workers`), so that `train` and `slurm` find it in data.cache_dir."""
+    from fourfold.spec.trainconfig import check_data_files, load_train_config, validate_data
+
+    cfg = load_train_config(args.config, overrides)
+    validate_data(cfg)
+    check_data_files(cfg)
+    files, windows = _prepared_data(cfg)
+    print(f"prepared in {cfg.data.cache_dir}, where `fourfold train` and `fourfold slurm` with this config find it"
+          f"{f' (packed windows: {windows})' if windows else ''}; or give them {shlex.join(files)}")
+    return 0
+
+
+def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fourfold.train.slurm import sbatch_script
+    from fourfold.spec.trainconfig import load_train_config, validate
+
+    cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
+    world = args.nodes * args.gpus_per_node
+    if cfg.grid.auto:
+        chosen = resolve_auto_grid(cfg, world)
+        print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}", file=sys.stderr)
+        overrides = _resolved(overrides, cfg)
+    else:
+        _check_slurm_world(cfg.layout(), args.nodes, args.gpus_per_node)
+    validate(cfg, world, gpu=True)  # an sbatch script runs on GPU nodes
+    overrides = overrides + _before_launch(cfg)
+    # The run directory absolute, so that the job writes to the same place wherever sbatch is called;
+    # it must exist before the job starts, since SLURM opens the job's output files in it.
+    run_dir = Path(cfg.log.run_dir).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = str(Path(args.config).resolve()) if args.config else ""
+    text = sbatch_script(config, _with_run_dir(overrides, run_dir), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         cpus_per_task=args.cpus_per_task or 8 * args.gpus_per_node, run_dir=str(run_dir),
+                         workdir=str(Path.cwd()), job_name=args.job_name, time=args.time, partition=args.partition,
+                         account=args.account, max_restarts=args.max_restarts)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} (the job's output goes to {run_dir}); submit it with: sbatch "
+              f"{shlex.quote(args.output)}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _with_run_dir(overrides: list[str], run_dir: Path) -> list[str]:
+    """The (flag, value) pairs of `overrides` with log.run_dir set to `run_dir` (a user's own dropped)."""
+    kept = [pair for pair in zip(overrides[::2], overrides[1::2]) if pair[0][2:].replace("-", "_") != "log.run_dir"]
+    return [*(v for pair in kept for v in pair), "--log.run_dir", str(run_dir)]
+
+
+def _check_slurm_world(layout: Layout, nodes: int, gpus_per_node: int) -> None:
+    """The grid against the GPUs the job asks for, the fix given in this command's options."""
+    world = nodes * gpus_per_node
+    if layout.world_size == world:
+        return
+    others = layout.world_size // layout.dp
+    grid_fix = f" (e.g. --grid.dp {world // others})" if world % others == 0 else ""
+    nodes_fix = (f" (--nodes {layout.world_size // gpus_per_node})" if layout.world_size % gpus_per_node == 0
+                 else "")
+    raise ConfigError(f"the grid {layout} has {layout.world_size} ranks, but --nodes {nodes} x --gpus-per-node "
+                      f"{gpus_per_node} give {world} GPUs; change the grid so that dp*pp*cp*x*y*z = {world}{grid_fix}, "
+                      f"or --nodes/--gpus-per-node so that they give {layout.world_size} GPUs{nodes_fix}")

@@ -1,0 +1,68 @@
+"""The command line: no abbreviations anywhere, unknown options named with the closest known one."""
+
+import pytest
+
+from fourfold.cli.main import main, parser
+
+
+def _action(command_parser, arg):
+    # argparse's own lookup of an option string (a list of candidates from Python 3.12 on)
+    found = command_parser._parse_optional(arg)
+    return (found[0] if isinstance(found, list) else found)[0]
+
+
+def test_no_command_accepts_an_abbreviation():
+    top, commands = parser()
+    checked = 0
+    for name, command in {"": top, **commands}.items():
+        options = [s for a in command._actions for s in a.option_strings if s.startswith("--")]
+        for option in options:
+            for end in range(3, len(option)):
+                prefix = option[:end]
+                if sum(o.startswith(prefix) for o in options) == 1 and prefix not in options:
+                    assert _action(command, prefix) is None, f"fourfold {name} takes {prefix} for {option}"
+                    checked += 1
+    assert checked > 500  # every command's options were tried
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["estimate", "--model", "llama-2-7b", "--gpus", "256"], "--gpus (did you mean"),
+    (["eval", "m", "--tokens", "t.npy", "--seq", "8", "--nproc", "8"], "--nproc (did you mean --nproc-per-node?)"),
+    (["train", "--eval_every", "0"], "--eval_every (did you mean --train.eval_every?)"),
+    (["plan", "--model", "llama-2-7b", "--gpus", "8", "--glob", "3"], "--glob (did you mean --global-batch?)"),
+])
+def test_unknown_options_are_named_with_a_suggestion(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_config_problems_are_reported_together(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text("[train]\nstep = 3\neval_evry = 2\n[optim]\nlr = 1.0\n")
+    assert main(["train", str(config), "--batch.seqq", "64"]) == 2
+    err = capsys.readouterr().err
+    for line in ("4 problems", "unknown key train.step (did you mean train.steps?)",
+                 "train.eval_evry (did you mean train.eval_every?)", "[optim] (did you mean optimizer?)",
+                 "batch.seqq (did you mean batch.seq?)"):
+        assert line in err
+
+
+def test_the_ranks_run_the_job_the_planner_chose():
+    """grid.auto hands the ranks the chosen job as overrides: every setting of it (kept gathered
+    inputs were forgotten once), so that the ranks' config makes the same job."""
+    import dataclasses
+
+    from fourfold.cli.train import _resolved
+    from fourfold.spec.layout import Layout
+    from fourfold.spec.trainconfig import load_train_config
+
+    cfg = load_train_config(None, ["--grid.auto", "true"])
+    chosen = dataclasses.replace(cfg.job(), layout=Layout(dp=2, x=2, y=2, order=("y", "x", "z", "cp", "dp", "pp")),
+                                 micro_batch=2, recompute="selective", seq_parallel=True, keep_gathered_inputs=True)
+    cfg.use_job(chosen)
+    assert cfg.job() == chosen
+    argv = _resolved(["train", "--grid.auto", "true"], cfg)
+    ranks = load_train_config(None, argv[1:])
+    assert ranks.job() == chosen and not ranks.grid.auto
