@@ -17,18 +17,45 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fourfold.parallel.comm import Group, Ledger
 from fourfold.spec.layout import DIMS, GridError, Layout, _as_dims
+from fourfold.spec.trainconfig import DEVICES
 
 
-def init_process_group(timeout_s: float = 600.0) -> None:
-    """Join the job torchrun started: NCCL with one GPU per process if CUDA is there, else gloo."""
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_device(choice: str, local_ranks: int) -> str:
+    """"cuda" or "cpu" for `local_ranks` ranks per node, from train.device: "auto" takes CUDA
+    when every rank has a visible GPU of its own and CPU when there is none. Raises GridError
+    naming the fix when the GPUs are too few (before launch, or every rank past the GPUs' count
+    would fail on its device ordinal)."""
+    if choice not in DEVICES:
+        raise GridError(f"device {choice!r} is none of {', '.join(DEVICES)}; use one of them")
+    gpus = visible_gpus()
+    if choice == "cpu" or choice == "auto" and gpus == 0:
+        return "cpu"
+    if gpus == 0:
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise GridError(f"device cuda, but torch {torch.__version__} ({build}) sees no GPU; use --train.device cpu, "
+                        f"or install a CUDA build of torch (see README, Install)")
+    if local_ranks > gpus:
+        raise GridError(f"{local_ranks} ranks per node but {gpus} visible GPU{'s' * (gpus > 1)}: NCCL needs a GPU per "
+                        f"rank; use --train.device cpu (gloo, CPU processes), or a grid of at most {gpus} ranks "
+                        f"per node")
+    return "cuda"
+
+
+def init_process_group(timeout_s: float = 600.0, device: str = "auto") -> None:
+    """Join the job torchrun started: NCCL with this rank's GPU, or gloo on CPU, as `choose_device`
+    resolves `device` (train.device) for the node's ranks."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         raise GridError("no torchrun environment (RANK is not set); launch with `torchrun --nproc-per-node N ...`")
-    device = None
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    cuda = None
+    if choose_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda":
+        cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(cuda)
         backend = "nccl"
     else:
         backend = "gloo"
@@ -36,7 +63,7 @@ def init_process_group(timeout_s: float = 600.0) -> None:
     if restart == 0:
         # With the device named, NCCL's communicator is bound to it and DeviceMesh creates each
         # dim's groups with one communicator split instead of one creation per group.
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=cuda)
         return
     # After a torchrun restart the agent's store still holds the previous round's addresses
     # under the same keys (gloo then connects to dead ports): give this round its own prefix.
@@ -44,7 +71,7 @@ def init_process_group(timeout_s: float = 600.0) -> None:
                           timeout=timedelta(seconds=timeout_s))
     dist.init_process_group(backend, store=dist.PrefixStore(f"fourfold-restart-{restart}", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timedelta(seconds=timeout_s), device_id=device)
+                            timeout=timedelta(seconds=timeout_s), device_id=cuda)
 
 
 class Grid:

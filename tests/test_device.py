@@ -1,0 +1,70 @@
+"""train.device: which device and backend the ranks of a node take, decided on CPU with the GPU
+count faked (torch.cuda.is_available / device_count), and refused with its fix when the GPUs are
+too few for the ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fourfold.parallel import grid
+from fourfold.spec.layout import GridError
+from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """gpus(n): torch sees n CUDA GPUs."""
+    def see(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return see
+
+
+def test_auto_takes_cuda_only_when_every_rank_has_a_gpu(gpus):
+    gpus(0)
+    assert grid.choose_device("auto", 8) == "cpu"
+    gpus(8)
+    assert grid.choose_device("auto", 8) == "cuda"
+    assert grid.choose_device("cpu", 8) == "cpu"  # a CPU run stays one whatever the machine has
+
+
+def test_more_ranks_than_gpus_is_refused_with_the_fix(gpus):
+    gpus(1)
+    for choice in ("auto", "cuda"):
+        with pytest.raises(GridError, match=r"8 ranks per node but 1 visible GPU: .*use --train.device cpu"):
+            grid.choose_device(choice, 8)
+    gpus(0)
+    with pytest.raises(GridError, match="sees no GPU; use --train.device cpu"):
+        grid.choose_device("cuda", 1)
+
+
+def test_an_unknown_device_is_refused_before_launch():
+    cfg = load_train_config(None, ["--train.device", "gpu"])
+    with pytest.raises(ConfigError, match="train.device 'gpu' is none of auto, cpu, cuda"):
+        validate(cfg, cfg.layout().world_size)
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The process groups init_process_group would create, as (backend, device_id), and the
+    devices it selects; under a torchrun environment of rank 3 of 8 on one node."""
+    calls = {"groups": [], "selected": []}
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls["groups"].append((backend, kw.get("device_id"))))
+    monkeypatch.setattr(torch.cuda, "set_device", calls["selected"].append)
+    for name, value in dict(RANK="3", LOCAL_RANK="3", WORLD_SIZE="8", LOCAL_WORLD_SIZE="8").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    return calls
+
+
+def test_the_rank_takes_the_chosen_backend(gpus, started):
+    gpus(8)
+    grid.init_process_group(device="cpu")
+    grid.init_process_group(device="auto")
+    assert started["groups"] == [("gloo", None), ("nccl", torch.device("cuda", 3))]
+    assert started["selected"] == [torch.device("cuda", 3)]
+    gpus(1)  # (checked before launch; a rank started anyway fails before touching a device)
+    with pytest.raises(GridError, match="8 ranks per node but 1 visible GPU"):
+        grid.init_process_group()
+    assert len(started["groups"]) == 2
