@@ -15,17 +15,13 @@ GPU's flash kernel keeps (output and log-sum-exp), the math path keeps the proba
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
-# Registers the `fake` backend (how torch's own docs and torchtitan's estimator get one).
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -35,6 +31,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
+from fourfold.tools.fake import fake_world
 from fourfold.parallel.optimizer import AdamW
 from fourfold.spec.rules import JobError, Problem, problems
 from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
@@ -123,10 +120,7 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
     """Peak bytes alive on rank 0 over two training steps of `job` (one micro-batch each), then a
     checkpoint save and load (planned without files); `flash_attention` False measures CPU's math path."""
     check_measurable(cfg, job)
-    if dist.is_initialized():
-        raise RuntimeError("measure_peak builds its own fake process group: call it in a process without one")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.world_size)
-    try:
+    with fake_world(job.world_size, 0, "measure_peak"):
         grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
         kernel = SDPBackend.FLASH_ATTENTION if flash_attention else SDPBackend.MATH
         # "auto" is a GPU's bf16 here: the measurement stands for a GPU run
@@ -150,6 +144,3 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
                 counter.enter("checkpoint save and load")
                 checkpoint.dry_run(model, opt, grid.group(("dp", "cp")))  # a save and a load use the live tensors
         return Measurement(counter.peak, counter.phase_peaks, counter.largest_at_peak(top))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()

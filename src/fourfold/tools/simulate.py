@@ -22,15 +22,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the `fake` backend
 
 from fourfold import checkpoint
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
 from fourfold.spec.job import Job
+from fourfold.tools.fake import fake_world
 from fourfold.tools.measure import LiveBytes
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.optimizer import AdamW
@@ -111,14 +110,12 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
     check(cfg, job, gpu=True)
     if not 0 <= rank < job.world_size:
         raise ValueError(f"--rank {rank} is outside a job of {job.world_size} ranks; give 0..{job.world_size - 1}")
-    if dist.is_initialized():
-        raise RuntimeError("simulate builds its own fake process group: call it in a process without one")
     if job.precision == "auto":  # what "auto" means on the GPUs this stands for
         job = dataclasses.replace(job, precision="bf16")
     startup: dict[str, float] = {}
-    with _timed(startup, "process group"):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=job.world_size)
-    try:
+    begun = time.perf_counter()
+    with fake_world(job.world_size, rank, "simulate"):
+        startup["process group"] = time.perf_counter() - begun
         with _timed(startup, "grid and groups"):
             grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
             for dims in TRAINER_GROUPS:
@@ -159,9 +156,6 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
                           startup_seconds=startup, step_seconds=seconds, device_peak_bytes=counter.phase_peaks,
                           host_peak_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                           collectives_per_step=collectives, save=save, load=load)
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
 
 def report(sim: Simulation) -> str:
