@@ -1,6 +1,9 @@
 """Pipeline and context parallelism composed with the 3D tensor grid and data parallelism:
 loss, gradients and parameters after two optimizer steps equal the serial model's (float64),
-and the P2P bytes equal the volume functions."""
+and the P2P bytes equal the volume functions. Tied embeddings over pipeline stages on each
+schedule, pp2 and pp4, with x, y, z and dp (a spread, not the product)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ LLAMA = ModelConfig("llama", hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, v
                     tied=False, eps=1e-5)
 GPT = ModelConfig("gpt2", hidden=32, layers=2, heads=4, kv_heads=4, ffn=64, vocab=64, max_positions=32,
                   tied=True, eps=1e-5)
+TIED_LLAMA = dataclasses.replace(LLAMA, tied=True, vocab=63)  # and a vocabulary padded on y=2
 BATCH, SEQ, STEPS = 8, 16, 2
 
 
@@ -113,7 +117,7 @@ def _serial(cfg):
 
 @pytest.fixture(scope="module")
 def serial(ranks):
-    return {cfg.family: ranks.run(_serial, 1, cfg)[0] for cfg in (LLAMA, GPT)}
+    return {cfg: ranks.run(_serial, 1, cfg)[0] for cfg in (LLAMA, GPT, TIED_LLAMA)}
 
 
 def _merge(results):
@@ -144,13 +148,17 @@ CASES = [  # (model, grid, schedule, virtual stages, micro-batches, sequence par
     (LLAMA, dict(pp=2, y=2, z=2), "interleaved-1f1b", 2, 2, True, False),
     (GPT, dict(cp=2, y=2, dp=2), None, 1, 1, True, False),
     (GPT, dict(cp=4, z=2), None, 1, 1, False, False),
+    # tied: the last stage's copy of the embedding
+    (GPT, dict(pp=2, x=2, dp=2), "gpipe", 1, 2, False, False),
+    (TIED_LLAMA, dict(pp=4, y=2), "1f1b", 1, 4, True, True),
+    (TIED_LLAMA, dict(pp=2, z=2, dp=2), "interleaved-1f1b", 2, 2, False, False),
 ]
 
 
 def _case_id(case):
     cfg, sizes, schedule, virtual, micro, sp, shard = case
     grid = "".join(f"{k}{v}" for k, v in sizes.items())
-    return f"{cfg.family}-{grid}-{schedule or 'nopp'}-m{micro}" + ("-sp" if sp else "") + ("-zero1" if shard else "")
+    return f"{cfg.family}{'-tied' if cfg.tied else ''}-{grid}-{schedule or 'nopp'}-m{micro}" + ("-sp" if sp else "") + ("-zero1" if shard else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -158,7 +166,7 @@ def test_equals_serial(ranks, serial, case):
     cfg, sizes, schedule, virtual, micro, sp, shard = case
     results = ranks.run(_train, 8, cfg, sizes, schedule, virtual, micro, sp, shard)
     losses, norm, grads, weights = _merge(results)
-    ref_losses, ref_norm, ref_grads, ref_weights = serial[cfg.family]
+    ref_losses, ref_norm, ref_grads, ref_weights = serial[cfg]
     assert losses == pytest.approx(ref_losses, rel=1e-10)
     assert norm == pytest.approx(ref_norm, rel=1e-10)
     # GPT-2's k bias has an exactly-zero gradient: rounding noise, and Adam amplifies it

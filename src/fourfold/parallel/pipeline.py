@@ -7,6 +7,15 @@ on the meta device, so only the stage's parameters are ever allocated), so a sta
 its own residual-stream shard [micro/z, seq/cp(/y), hidden/x] to the same tensor-grid position
 of the next stage. Parameter gradients accumulate over the micro-batches into the hooks of
 `fourfold.parallel.data.GradientSync`, which launches each bucket's reduction after the last one.
+
+Tied input and output embeddings: the last stage's head holds a copy of the first stage's table
+(`LMHead.hold_copy`), which is not a parameter there (the table is optimised, checkpointed and
+exported once, on the first stage). Each step the first stage sends its table to the copy, and
+the last stage sends the copy's gradient, summed over the micro-batches, back; the first stage adds
+it to the table's gradient in its last micro-batch's backward (the last stage finished its
+backward before that one began), before GradientSync reduces it. This sums the two gradients as
+Megatron's all-reduce over the first and last stages does, for as many bytes, without a second
+copy of the optimizer state, and the gradient's transfer hides behind the pipeline's drain.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from fourfold.parallel.comm import Group
+from fourfold.parallel import comm
+from fourfold.parallel.comm import P2P, Group, at_least_fp32
 from fourfold.parallel.grid import Grid
 from fourfold.spec.job import split_layers
 from fourfold.models.config import ModelConfig
@@ -32,10 +42,8 @@ def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range
                 seed: int, std: float, recompute: str) -> Transformer:
     """A plain model pruned to one pipeline stage: built on the meta device (no memory, no
     initialisation), cut to `layers` (plus the embedding on the first stage, the final norm and
-    head on the last), then only what is left is allocated and given its initial values."""
-    if cfg.tied and not (first and last):
-        raise ValueError("tied input and output embeddings cannot be split across pipeline stages yet; "
-                         "use pp=1 or a model config with tied=false")
+    head on the last, a tied head there a copy of the embedding), then only what is left is
+    allocated and given its initial values."""
     with torch.device("meta"):
         model = Transformer(grid, cfg, opts, seed=seed, std=std, recompute=recompute)
     for index in [i for i in model.layers if int(i) not in layers]:
@@ -45,13 +53,19 @@ def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range
     if not last:
         model.norm = model.lm_head = None
     # What to_empty does, by replacing each parameter (to_empty swaps them in place, which the fake
-    # parameters of `fourfold simulate` do not allow; the layers look theirs up by name).
+    # parameters of `fourfold simulate` do not allow; the layers look theirs up by name); a tied
+    # weight stays one parameter.
+    new: dict[nn.Parameter, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            setattr(module, name, nn.Parameter(torch.empty_like(p, device=grid.device), p.requires_grad))
+            if p not in new:
+                new[p] = nn.Parameter(torch.empty_like(p, device=grid.device), p.requires_grad)
+            setattr(module, name, new[p])
     with torch.device(grid.device):  # the initial values computed where they live, as without pp
         for layer in parallel_layers(model):
             layer.reset_parameters()
+        if cfg.tied and last and not first:
+            model.lm_head.hold_copy()
     return model
 
 
@@ -96,6 +110,10 @@ class Pipeline:
                                    std=std, recompute=recompute) for i in self.indices]
         self.module = nn.ModuleList(self.models)  # every parameter of this rank, for GradientSync
         self.has_first, self.has_last = 0 in self.indices, n_stages - 1 in self.indices
+        self.pp, self.tied = pp, cfg.tied and n_stages > 1  # a tied head on the last stage is a copy
+        if self.tied and self.has_first:
+            self.models[0].register_forward_pre_hook(self._count_forward)
+        self._forwards = 0
         # Shapes given up front: torch's run-time inference would run an extra forward and backward.
         stream = torch.empty(micro_batch, seq // grid.size("y") if opts.seq_parallel else seq,
                              cfg.hidden // grid.size("x"), dtype=opts.dtype, device="meta",
@@ -121,12 +139,62 @@ class Pipeline:
             raise ValueError(f"this pipeline was built for local batches of shape {tuple(self.batch_shape)} "
                              f"({self.microbatches} micro-batches); got {tuple(targets.shape)}")
         self._scale = scale
+        self._set_copy()
+        self._forwards = 0
         for model in self.models:  # one step of the schedule is the unit whose weight gathers repeat
             model.overlap.new_pass()
         losses: list[torch.Tensor] = []
         args = (ids,) if self.has_first else ()
         if self.has_last:
             self.schedule.step(*args, target=targets, losses=losses)
+            if self.tied:
+                head = self.models[-1].lm_head
+                comm.send(head.copy_grad, 0, self.pp)
+                head.copy_grad.zero_()
             return torch.stack(losses).sum().detach()
         self.schedule.step(*args)
         return torch.zeros((), dtype=torch.float64, device=self.grid.device)
+
+    @torch.no_grad()
+    def losses(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward only, through the stages of whatever schedule this pipeline was built for: the
+        per-token losses [batch, seq] of a local batch of any size on the ranks holding the last
+        stage, None on the others. The batch is one micro-batch; each stage waits (a blocking
+        receive) only for the one before it, and sends asynchronously."""
+        self._set_copy()
+        pp, n_stages = self.pp.size, self.pp.size * len(self.models)
+        y = self.grid.size("y") if self.seq_parallel else 1
+        stream = (ids.shape[0], ids.shape[1] // y, self.stream_shape[-1])
+        sends, out = [], None
+        for i, model in zip(self.indices, self.models):
+            model.overlap.new_pass()
+            h = ids if i == 0 else comm.recv(torch.empty(stream, dtype=model.opts.dtype, device=ids.device),
+                                             (i - 1) % pp, self.pp)
+            if i == n_stages - 1:
+                out = model(h, targets)
+            else:
+                sends.append(comm.batch_p2p([P2P("send", model(h), (i + 1) % pp)], self.pp, async_op=True))
+        for pending in sends:
+            pending.wait()
+        return out
+
+    # ----- tied embeddings: the last stage's copy of the table ---------------------------------
+    def _set_copy(self) -> None:
+        """The copy := the first stage's table (as the last optimizer step left it)."""
+        if not self.tied:
+            return
+        if self.has_first:
+            comm.send(self.models[0].embed.weight.detach(), self.pp.size - 1, self.pp)
+        elif self.has_last:
+            comm.recv(self.models[-1].lm_head.weight.detach(), 0, self.pp)
+
+    def _count_forward(self, model: nn.Module, args) -> None:
+        """Arms the embedding's last training forward of a step: its backward adds the copy's gradient."""
+        self._forwards += 1
+        if self._forwards == self.microbatches and torch.is_grad_enabled():
+            model.embed.add_grad = self._copy_grad
+
+    def _copy_grad(self) -> torch.Tensor:
+        table = self.models[0].embed.weight
+        grad = torch.empty(table.shape, dtype=at_least_fp32(table.dtype), device=table.device)
+        return comm.recv(grad, self.pp.size - 1, self.pp)

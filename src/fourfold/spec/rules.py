@@ -140,9 +140,6 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
 def _pipeline_problems(model: ModelConfig, job: Job) -> list[Problem]:
     out = []
     pp, virtual, micro = job.layout.pp, job.virtual, job.microbatches
-    if model.tied:
-        out.append(Problem("tied input and output embeddings cannot be split across pipeline stages yet",
-                           "use pp = 1 or an untied model"))
     if virtual < 1 or (virtual > 1) != (job.schedule == "interleaved-1f1b"):
         out.append(Problem(f"pipeline.virtual={virtual} does not go with the {job.schedule} schedule",
                            "use virtual >= 2 with interleaved-1f1b and virtual = 1 otherwise"))

@@ -195,10 +195,23 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
 def pipeline_sends(cfg: ModelConfig, sizes: dict, micro_batch: int, seq: int, microbatches: int, stages: list[int],
                    n_stages: int, *, seq_parallel: bool = False) -> list[Collective]:
     """The activations (forward) and their gradients (backward) one pp rank holding `stages` of
-    `n_stages` sends per step: its residual-stream shard [micro_batch, seq(/y), hidden/x]."""
+    `n_stages` sends per step: its residual-stream shard [micro_batch, seq(/y), hidden/x]; and a
+    tied embedding's (`tied_copy_sends`)."""
     shard = micro_batch * (seq // sizes["y"] if seq_parallel else seq) * (cfg.hidden // sizes["x"])
     sends = sum((s < n_stages - 1) + (s > 0) for s in stages) * microbatches
-    return [Collective("pp", "send", shard)] * sends
+    return [Collective("pp", "send", shard)] * sends + tied_copy_sends(cfg, sizes, stages, n_stages)
+
+
+def tied_copy_sends(cfg: ModelConfig, sizes: dict, stages: list[int], n_stages: int) -> list[Collective]:
+    """Tied embeddings over pipeline stages (`fourfold.parallel.pipeline`), per step: the rank of
+    the first stage sends its table shard to the last stage's copy, and the last stage sends the
+    copy's gradient back (fp32 at least). Megatron's all-reduce of the two gradients over the
+    first and last stages sends as many elements from each; the copy holds no optimizer state."""
+    if not cfg.tied or n_stages == 1:
+        return []
+    table = padded_block(sizes, padded_vocab(cfg.vocab, sizes["y"]) // sizes["y"], cfg.hidden // sizes["x"]) // sizes["z"]
+    return ([Collective("pp", "send", table)] if 0 in stages else []) + (
+        [Collective("pp", "send", table, wide=True)] if n_stages - 1 in stages else [])
 
 
 def ledger_bytes(collectives: list[Collective], sizes: dict, element_size: int) -> dict[tuple[str, str], Fraction]:

@@ -11,11 +11,15 @@ When y does not divide the vocabulary, both tables are padded to `rules.padded_v
 padding is a source of rows named PADDING, which the layers keep out of their layouts (so out of
 checkpoints, gradient norms and exports) and out of their gathered weights; its rows are zero, and
 the head sets their logits to -inf, so the loss, sampling and evaluation never see them.
+
+A tied head on the last pipeline stage is a copy of the first stage's table (`LMHead.hold_copy`;
+`fourfold.parallel.pipeline` keeps the two equal and sums their gradients into the embedding's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,7 @@ from torch import nn
 from fourfold.parallel import comm
 from fourfold.parallel.comm import Group
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.overlap import Overlapper
 from fourfold.spec.rules import padded_vocab
 from fourfold.parallel.tensor.linear import SEQ_DIM, ParallelLinear, RowSource, ShardedMatrix
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece, Read
@@ -66,6 +71,19 @@ def _without_padding(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return weights
 
 
+class _AddToGrad(torch.autograd.Function):
+    """The identity, whose backward adds `more()` to the gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, more: Callable[[], torch.Tensor]):
+        ctx.more = more
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + ctx.more().to(grad.dtype), None
+
+
 class ParallelEmbedding(ParallelModule):
     def __init__(self, grid: Grid, vocab: int, hidden: int, *, seed: int, std: float, seq_parallel: bool,
                  dtype: torch.dtype, name: str = "embed"):
@@ -74,6 +92,9 @@ class ParallelEmbedding(ParallelModule):
         self.matrix = ShardedMatrix(grid, _vocab_rows(name, vocab, grid), hidden, "x-in", name)
         self.seed, self.std = seed, std
         self.weight = nn.Parameter(torch.empty(self.matrix.shard_numel, dtype=dtype))
+        # Set for one forward: its backward adds `add_grad()` to the shard's gradient (a tied
+        # head's, sent by the last pipeline stage).
+        self.add_grad: Callable[[], torch.Tensor] | None = None
         self.initialise()
 
     @torch.no_grad()
@@ -85,7 +106,10 @@ class ParallelEmbedding(ParallelModule):
         """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""
         y_group = self.grid.group("y")
         rows = self.matrix.block_shape[0]
-        table = self.matrix.unpad(all_gather_weight(self.weight, self.grid.group("z"), dim=0))
+        weight = self.weight
+        if self.add_grad is not None:
+            weight, self.add_grad = _AddToGrad.apply(weight, self.add_grad), None
+        table = self.matrix.unpad(all_gather_weight(weight, self.grid.group("z"), dim=0))
         local = ids - y_group.rank * rows
         inside = (local >= 0) & (local < rows)
         partial = F.embedding(local.clamp(0, rows - 1), table) * inside.unsqueeze(-1).to(table.dtype)
@@ -141,6 +165,26 @@ class LMHead(ParallelLinear):
         super().__init__(grid, hidden, _vocab_rows("lm_head", vocab, grid), "x-in", reduction="scatter_tokens",
                          name="lm_head", **options)
         self.vocab = vocab
+        self.copy_grad: torch.Tensor | None = None  # a copy's gradient (`hold_copy`)
+
+    def hold_copy(self) -> None:
+        """Make this tied head (its rows the embedding's) a copy of the table on a pipeline stage
+        without the embedding: the weight leaves the module's parameters (no gradient bucket,
+        optimizer state, checkpoint or export entry: the first stage's parameter has them) and its
+        gradient accumulates over a step's micro-batches in `copy_grad` (fp32 at least), which
+        `pipeline.Pipeline` adds to the embedding's, as it sets the copy from the table. Its dW is
+        reduced over z at once (a deferred one lands in GradientSync, which does not hold it)."""
+        weight = self.weight.detach().requires_grad_()
+        del self.weight
+        self.register_buffer("weight", weight, persistent=False)
+        self.copy_grad = torch.zeros_like(weight, dtype=comm.at_least_fp32(weight.dtype))
+        weight.register_post_accumulate_grad_hook(self._accumulate)
+        options = dataclasses.replace(self.overlap.options, prefetch_weights=False, defer_weight_grads=False)
+        self.overlap = Overlapper(options, self.grid.group("z"))
+
+    def _accumulate(self, weight: torch.Tensor) -> None:
+        self.copy_grad += weight.grad
+        weight.grad = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -159,9 +203,11 @@ class LMHead(ParallelLinear):
         super().load(_padded_read(read, self.weight.dtype), put)
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
-        return _without_padding(super().full_weights(pick))
+        return {} if self.copy_grad is not None else _without_padding(super().full_weights(pick))
 
     def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        if self.copy_grad is not None:
+            return {}
         return {p: dataclasses.replace(layout, pieces=_real(layout.pieces))
                 for p, layout in super().param_layouts().items()}
 
