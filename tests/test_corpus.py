@@ -159,7 +159,7 @@ def test_workers_hold_few_blocks_in_flight(tokenizer):
             read += 1
             yield ("pieces", [(f"document {i}", True, True)]), 1
 
-    for written, (ids, _) in enumerate(corpus._encoded(units(), tokenizer, 0, np.uint16, workers=2)):
+    for written, ((ids, _), _) in enumerate(corpus._encoded(units(), tokenizer, 0, np.uint16, workers=2)):
         assert read <= written + 2 * 2
         assert len(ids) > 1
 
@@ -167,7 +167,9 @@ def test_workers_hold_few_blocks_in_flight(tokenizer):
 def test_errors_name_the_fix(tokenizer, inputs, tmp_path):
     spec, _ = inputs
     jsonl, parquet = [s.strip() for s in spec.split(",")[1:]]
-    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(its fields are id, body\); set data.field"):
+    with pytest.raises(ValueError, match=r"4 JSON lines are no document \(.*c.jsonl line 1: no field 'text' \(its fields: "
+                                         r"id, body\);.*; no line has the field 'text': set data.field to body, which "
+                                         r"every line has; fix or remove them, or set data.skip_bad_records = true"):
         corpus.prepare(None, 0, tmp_path, files=jsonl, tokenizer=str(tokenizer), workers=1)
     with pytest.raises(ValueError, match=r"has no column 'text' \(its columns are id, body\); set data.field"):
         corpus.prepare(None, 0, tmp_path, files=parquet, tokenizer=str(tokenizer), workers=1)
@@ -201,7 +203,7 @@ def test_config_checks_the_inputs_before_launch(inputs, tmp_path):
         with pytest.raises(ConfigError, match=message):
             validate(load_train_config(None, overrides), 1)
     cfg = load_train_config(None, ["--data.files", spec, "--data.cache_dir", str(tmp_path), "--data.workers", "1"])
-    with pytest.raises(ConfigError, match="data: .* has no field 'text' .*; set data.field"):
+    with pytest.raises(ConfigError, match="data: .* has no column 'text' .*; set data.field"):
         tokens_files(cfg)
 
 
@@ -373,3 +375,52 @@ def test_document_packing_errors_name_the_fix(tokenizer, tmp_path):
         check_data_files(cfg)
     cfg.data.packing = "stream"
     check_data_files(cfg)
+
+
+def _jsonl(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_every_bad_json_line_is_reported_at_once_or_skipped_and_counted(tokenizer, tmp_path, capsys):
+    """Bad lines spread over blocks read by two workers: one error names the first five in order
+    and counts the rest, suggests no data.field (most lines have "text"), and leaves no cache
+    directory; data.skip_bad_records leaves them out, says how many, and again from the cache."""
+    good = [f"document number {i}" for i in range(6)]
+    lines = [json.dumps({"text": good[0]}), "{not json", json.dumps({"text": good[1]}), json.dumps({"body": "x"}),
+             json.dumps(["a list"]), json.dumps({"text": good[2]}), json.dumps({"text": 7}), json.dumps({"text": None}),
+             json.dumps({"text": good[3]}), "", "{", json.dumps({"title": "y"}), json.dumps({"text": good[4]}),
+             json.dumps({"text": good[5]})]
+    path = _jsonl(tmp_path / "mixed.jsonl", lines)
+    cache = tmp_path / "cache"
+    options = dict(tokenizer=str(tokenizer), workers=2, block=64)
+    with pytest.raises(ValueError) as error:
+        corpus.prepare(None, 0, cache, files=str(path), **options)
+    message = str(error.value)
+    assert message.startswith(f"6 JSON lines are no document ({path} line 2: not JSON (Expecting property name "
+                              f"enclosed in double quotes); {path} line 4: no field 'text' (its fields: body); {path} "
+                              f"line 5: no field 'text' (a list); {path} line 7: field 'text' holds a int, not text; "
+                              f"{path} line 11: not JSON")
+    assert message.endswith("; and 1 more); fix or remove them, or set data.skip_bad_records = true to leave them out "
+                            "(counted)")
+    assert "data.field to" not in message
+    assert not cache.exists()  # nothing left behind
+    capsys.readouterr()
+    _, tokens = corpus.prepare(None, 0, cache, files=str(path), skip_bad=True, **options)
+    assert "data: left out 6 JSON lines are no document" in capsys.readouterr().err
+    _, expected = corpus.prepare(None, 0, tmp_path / "good", files=str(_jsonl(tmp_path / "good.jsonl", [
+        json.dumps({"text": t}) for t in good])), **options)
+    np.testing.assert_array_equal(np.load(tokens), np.load(expected))
+    corpus.prepare(None, 0, cache, files=str(path), skip_bad=True, **options)  # found in the cache: said again
+    assert "data: left out 6 JSON lines" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="6 JSON lines"):  # the skipping run's file is not the strict run's
+        corpus.prepare(None, 0, cache, files=str(path), **options)
+
+
+def test_a_failed_preparation_leaves_no_cache_directory(tmp_path):
+    """Without a tokenizer a BPE is trained first, into the cache: a corpus that then fails takes it away too."""
+    path = _jsonl(tmp_path / "bad.jsonl", [json.dumps({"body": "some text here"})] * 3)
+    (tmp_path / "cache").mkdir()  # an existing cache stays, empty
+    with pytest.raises(ValueError, match="set data.field to body"):
+        corpus.prepare(None, 300, tmp_path / "cache", files=str(path), workers=1)
+    assert list((tmp_path / "cache").iterdir()) == []

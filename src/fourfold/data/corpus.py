@@ -26,9 +26,12 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
+import sys
 import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 
 import numpy as np
@@ -132,11 +135,11 @@ def _bundled_file(cache: Path) -> Path:
     return path
 
 
-def _fingerprint(inputs: list[tuple[Path, str]], field: str) -> str:
+def _fingerprint(inputs: list[tuple[Path, str]], field: str, skip_bad: bool = False) -> str:
     """The inputs' part of the cache key: each file's path, size and modification time (hashing
     every byte of a large corpus would cost minutes at each launch; rewriting a file changes its
-    modification time)."""
-    h = hashlib.sha256(f"fourfold-corpus-2|field={field}".encode())
+    modification time), and whether bad JSON lines were left out."""
+    h = hashlib.sha256(f"fourfold-corpus-2|field={field}{'|skip-bad' if skip_bad else ''}".encode())
     for path, fmt in inputs:
         st = path.stat()
         h.update(f"\n{path.resolve()}|{fmt}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -226,28 +229,66 @@ def _jsonl_units(path: Path, field: str, block: int):
             line += data.count(b"\n")
 
 
-def _jsonl_texts(data: bytes, field: str, path: str, line: int) -> list[str]:
-    """The documents of a block of JSON lines; a null field is no document."""
-    texts = []
+@dataclass
+class Rejects:
+    """The JSON lines that are no document: how many, the first few (where, and why), the lines that
+    are, and the fields holding text that every line without `field` has (None: no such line yet).
+    Each block's are found by the worker that parses it, then merged in order."""
+
+    count: int = 0
+    first: list[str] = dataclass_field(default_factory=list)
+    good: int = 0
+    fields: set[str] | None = None
+    SHOWN = 5
+
+    def add(self, where: str, why: str, text_fields: set[str]) -> None:
+        self.count += 1
+        if len(self.first) < self.SHOWN:
+            self.first.append(f"{where}: {why}")
+        self.fields = text_fields if self.fields is None else self.fields & text_fields
+
+    def merge(self, other: "Rejects") -> None:
+        self.count, self.good = self.count + other.count, self.good + other.good
+        self.first = (self.first + other.first)[: self.SHOWN]
+        if other.fields is not None:
+            self.fields = other.fields if self.fields is None else self.fields & other.fields
+
+    def report(self, field: str) -> str:
+        """The rejected lines in one message: how many, the first few, and a data.field that would fit
+        every line (only when no line has `field` and every one has that one)."""
+        more = f"; and {self.count - len(self.first)} more" if self.count > len(self.first) else ""
+        said = f"{self.count} JSON lines are no document ({'; '.join(self.first)}{more})"
+        if not self.good and self.fields and self.count:
+            said += f"; no line has the field {field!r}: set data.field to {' or '.join(sorted(self.fields))}, which every line has"
+        return said
+
+
+def _jsonl_texts(data: bytes, field: str, path: str, line: int) -> tuple[list[str], Rejects]:
+    """The documents of a block of JSON lines, and the lines that are none; a null field is no
+    document (and no error)."""
+    texts, rejects = [], Rejects()
     for n, record in enumerate(data.split(b"\n"), line):
         if not record.strip():
             continue
+        where = f"{path} line {n}"
         try:
             record = json.loads(record)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n} is not JSON ({e.msg}); give one JSON object per line") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            rejects.add(where, f"not JSON ({getattr(e, 'msg', e)})", set())
+            continue
         if not isinstance(record, dict) or field not in record:
-            has = (f"its fields are {', '.join(record)}" if isinstance(record, dict)
-                   else f"it is a {type(record).__name__}")
-            raise ValueError(f"{path} line {n} has no field {field!r} ({has}); set data.field to the field that holds "
-                             f"the text")
+            has = (f"its fields: {', '.join(record)}" if isinstance(record, dict) else f"a {type(record).__name__}")
+            text_fields = {k for k, v in record.items() if isinstance(v, str | None)} if isinstance(record, dict) else set()
+            rejects.add(where, f"no field {field!r} ({has})", text_fields)
+            continue
         text = record[field]
         if not isinstance(text, str | None):
-            raise ValueError(f"{path} line {n}: field {field!r} holds a {type(text).__name__}, not text; set "
-                             f"data.field to the field that holds the text")
+            rejects.add(where, f"field {field!r} holds a {type(text).__name__}, not text", set())
+            continue
+        rejects.good += 1
         if text is not None:
             texts.append(text)
-    return texts
+    return texts, rejects
 
 
 def _parquet_units(path: Path, field: str, block: int):
@@ -315,8 +356,8 @@ def _units(inputs: list[tuple[Path, str]], field: str, block: int):
         yield from _READERS[fmt](path, field, block)
 
 
-def _texts(unit) -> list[str]:
-    return _jsonl_texts(*unit[1:]) if unit[0] == "jsonl" else [text for text, _, _ in unit[1]]
+def _texts(unit) -> tuple[list[str], Rejects]:
+    return _jsonl_texts(*unit[1:]) if unit[0] == "jsonl" else ([text for text, _, _ in unit[1]], Rejects())
 
 
 def _sample(inputs: list[tuple[Path, str]], field: str, budget: int, block: int):
@@ -325,7 +366,7 @@ def _sample(inputs: list[tuple[Path, str]], field: str, budget: int, block: int)
     share = max(1, budget // len(inputs))
     for path, fmt in inputs:
         taken = 0
-        for text in (t for unit, _ in _READERS[fmt](path, field, block) for t in _texts(unit)):
+        for text in (t for unit, _ in _READERS[fmt](path, field, block) for t in _texts(unit)[0]):  # (rejects: later)
             if taken >= share:
                 break
             taken += len(text)
@@ -344,12 +385,13 @@ def _start_worker(tokenizer_path: str, eos: int, dtype: str, pool: bool) -> None
     _worker = (load_tokenizer(tokenizer_path), eos, np.dtype(dtype))
 
 
-def _encode(unit) -> np.ndarray:
-    """A unit's ids: each document as the tokenizer encodes it, then the end-of-document id. The
-    pieces after a long document's first are encoded without the special tokens the tokenizer
-    adds (a BOS), as within the document."""
+def _encode(unit) -> tuple[np.ndarray, Rejects]:
+    """A unit's ids, and its JSON lines that are no document: each document as the tokenizer
+    encodes it, then the end-of-document id. The pieces after a long document's first are encoded
+    without the special tokens the tokenizer adds (a BOS), as within the document."""
     tokenizer, eos, dtype = _worker
-    pieces = [(t, True, True) for t in _texts(unit)] if unit[0] == "jsonl" else unit[1]
+    texts, rejects = _texts(unit)
+    pieces = [(t, True, True) for t in texts] if unit[0] == "jsonl" else unit[1]
     pieces = [p for p in pieces if p[0] or not (p[1] and p[2])]  # an empty document is none
     firsts = iter(tokenizer.encode_batch([text for text, first, _ in pieces if first]))
     rests = iter(tokenizer.encode_batch([text for text, first, _ in pieces if not first], add_special_tokens=False))
@@ -358,11 +400,11 @@ def _encode(unit) -> np.ndarray:
         ids.append((next(firsts) if first else next(rests)).ids)
         if last:
             ids.append((eos,))
-    return np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype)
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype), rejects
 
 
 def _encoded(units, tokenizer_path: Path, eos: int, dtype, workers: int):
-    """(ids, input bytes) of each unit, in order. With workers > 1, worker processes encode them,
+    """((ids, rejects), input bytes) of each unit, in order. With workers > 1, worker processes encode them,
     at most two units per worker in flight: memory stays bounded however fast the reading is."""
     args = (str(tokenizer_path), eos, np.dtype(dtype).str)
     if workers == 1:
@@ -436,7 +478,7 @@ def _digest(*parts) -> str:
 
 
 def prepare(text_path: str | None, vocab: int, cache_dir: str, *, files: str | list[str] = "", tokenizer: str = "",
-            field: str = "text", workers: int = 0, block: int = BLOCK, sample: int = SAMPLE,
+            field: str = "text", skip_bad: bool = False, workers: int = 0, block: int = BLOCK, sample: int = SAMPLE,
             progress: bool | None = None) -> tuple[Path, Path]:
     """Tokenize the corpus into a token file, or find it cached; returns (tokenizer.json, tokens.npy).
 
@@ -444,24 +486,39 @@ def prepare(text_path: str | None, vocab: int, cache_dir: str, *, files: str | l
     `input_files`; a JSONL or Parquet document is its `field`), else the bundled text. The
     `tokenizer` (a tokenizer.json) is used as it is; without one, a byte-level BPE of `vocab`
     tokens is trained on up to `sample` bytes of the corpus. `workers` processes (0: one per
-    core) encode blocks of `block` bytes; `progress` shows a bar (None: on a terminal only)."""
+    core) encode blocks of `block` bytes; `progress` shows a bar (None: on a terminal only).
+
+    JSON lines that are no document (not JSON, without `field`, or not text there) are all
+    reported in one ValueError; with `skip_bad` they are left out, and their count is said on
+    stderr (again whenever the cached file is found). A failed preparation leaves no directory behind."""
     cache = Path(cache_dir).expanduser()
     inputs = ([(Path(text_path), "text")] if text_path else input_files(files) if files
               else [(_bundled_file(cache), "text")])
-    key = _fingerprint(inputs, field)
+    key = _fingerprint(inputs, field, skip_bad)
     if tokenizer:
         tok_path = Path(tokenizer)
         folder = cache / _digest(key, tok_path.read_bytes(), end_of_document(tok_path))
     else:
         folder = cache / _digest(key, f"bpe|vocab={vocab}|sample={sample}")
         tok_path = folder / "tokenizer.json"
-    ids_path = folder / "tokens.npy"
+    ids_path, skipped = folder / "tokens.npy", folder / "skipped.txt"
     if tok_path.exists() and ids_path.exists():
+        if skipped.exists():
+            print(f"data: {skipped.read_text()} (found prepared in {folder})", file=sys.stderr)
         return tok_path, ids_path
+    made = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)  # the first this call makes
     folder.mkdir(parents=True, exist_ok=True)
-    if not tok_path.exists():
-        _train_bpe(_sample(inputs, field, sample, block), vocab, tok_path)
-    _tokenize(inputs, field, tok_path, ids_path, workers or _cores(), block, progress)
+    try:
+        if not tok_path.exists():
+            _train_bpe(_sample(inputs, field, sample, block), vocab, tok_path)
+        rejects = _tokenize(inputs, field, skip_bad, tok_path, ids_path, workers or _cores(), block, progress)
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    if rejects.count:
+        _atomic_write(skipped, lambda p: p.write_text(f"left out {rejects.report(field)} (data.skip_bad_records)"))
+        print(f"data: {skipped.read_text()}", file=sys.stderr)
     return tok_path, ids_path
 
 
@@ -473,13 +530,26 @@ def _train_bpe(texts, vocab: int, path: Path) -> None:
     _atomic_write(path, lambda p: bpe.save(str(p)))
 
 
-def _tokenize(inputs: list[tuple[Path, str]], field: str, tok_path: Path, ids_path: Path, workers: int, block: int,
-              progress: bool | None) -> None:
+def _tokenize(inputs: list[tuple[Path, str]], field: str, skip_bad: bool, tok_path: Path, ids_path: Path,
+              workers: int, block: int, progress: bool | None) -> Rejects:
+    """The token file written (or ValueError naming every bad JSON line, unless `skip_bad`); returns
+    the lines left out."""
     dtype = np.uint16 if load_tokenizer(tok_path).get_vocab_size() <= 2**16 else np.uint32
     total = sum(path.stat().st_size for path, _ in inputs)
     workers = min(workers, max(1, -(-total // block)))  # no more processes than blocks
-    arrays = _encoded(_units(inputs, field, block), tok_path, end_of_document(tok_path), dtype, workers)
-    _atomic_write(ids_path, lambda p: _write_tokens(p, arrays, dtype, total, progress))
+    rejects = Rejects()
+
+    def arrays():
+        for (ids, found), size in _encoded(_units(inputs, field, block), tok_path, end_of_document(tok_path), dtype,
+                                           workers):
+            rejects.merge(found)
+            yield ids, size
+        if rejects.count and not skip_bad:  # every line read: all of them in one error (the partial file removed)
+            raise ValueError(f"{rejects.report(field)}; fix or remove them, or set data.skip_bad_records = true to "
+                             f"leave them out (counted)")
+
+    _atomic_write(ids_path, lambda p: _write_tokens(p, arrays(), dtype, total, progress))
+    return rejects
 
 
 def token_range(path: str | Path, chunk: int = 1 << 24) -> tuple[int, int]:
