@@ -4,6 +4,7 @@ and the sbatch script."""
 
 import importlib.machinery
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -53,7 +54,7 @@ def _losses(run_dir):
     out = {}
     for line in (Path(run_dir) / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "step" in record:  # (held-out records carry eval_after_step)
+        if "step" in record and "event" not in record:  # (held-out records carry eval_after_step)
             out[record["step"]] = record
     return {s: r["loss"] for s, r in sorted(out.items())}, out
 
@@ -84,6 +85,8 @@ def _scalars_of_log(run_dir):
     out = {}
     for line in (Path(run_dir) / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
+        if "event" in record:  # a start or resume: TensorBoard's text, no scalar
+            continue
         if "eval_after_step" in record:
             step = record.pop("eval_after_step") - 1
             tags = {f"eval/{k.removeprefix('eval_')}": v for k, v in record.items()}
@@ -440,22 +443,77 @@ def test_the_run_starts_from_its_own_latest_checkpoint_then_from_checkpoint_load
         path.mkdir(parents=True)
         model = dc.replace(load_train_config(None).model_config(), **model_changes)
         (path / checkpoint.META).write_text(json.dumps({"step": step, "model": dc.asdict(model)}))
+        (path / ".metadata").touch()  # (a checkpoint without a manifest, as before manifests: its DCP metadata)
         return path
 
     start = fake_checkpoint(tmp_path / "pretrained" / "checkpoints", 4)
     options = ["--log.run_dir", str(tmp_path / "run"), "--checkpoint.load", str(tmp_path / "pretrained" / "checkpoints")]
     cfg = load_train_config(None, options)
-    assert checkpoint_source(cfg) == start  # the run has none of its own yet; a run's directory: its latest
+    assert checkpoint_source(cfg) == (start, [])  # the run has none of its own yet; a run's directory: its latest
     check_checkpoint(cfg)
     own = fake_checkpoint(tmp_path / "run" / "checkpoints", 6, rope_theta=5e5, max_positions=128)
-    assert checkpoint_source(cfg) == own
+    assert checkpoint_source(cfg) == (own, [])
     # settings that shape no tensor may change (a long-context extension): reported, not refused
     assert check_checkpoint(cfg) == ["max_positions 128 there, 512 here", "rope_theta 500000.0 there, 10000.0 here"]
-    assert checkpoint_source(load_train_config(None, [*options, "--checkpoint.resume", "false"])) == start
+    assert checkpoint_source(load_train_config(None, [*options, "--checkpoint.resume", "false"])) == (start, [])
     fake_checkpoint(tmp_path / "run" / "checkpoints", 8, hidden=96)  # (the default model has 128)
     with pytest.raises(ConfigError, match=r"holds another model \(hidden 96 there, 128 here\): give another "
                                           r"--log.run_dir, or --checkpoint.resume false, to start anew"):
         check_checkpoint(cfg)
     missing = load_train_config(None, ["--log.run_dir", str(tmp_path / "new"), "--checkpoint.load", str(tmp_path / "x")])
-    with pytest.raises(ConfigError, match="checkpoint.load .*x is not a fourfold checkpoint"):
+    with pytest.raises(ConfigError, match="checkpoint.load .*x does not exist; give a step-N directory"):
         check_checkpoint(missing)
+    (tmp_path / "x").mkdir()
+    with pytest.raises(ConfigError, match=r"checkpoint.load .*x is not a fourfold checkpoint \(no meta.json, no step-N"):
+        check_checkpoint(missing)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+DAMAGES = {  # how the latest checkpoint is damaged, and what the check before launch finds
+    "missing shard": (lambda step: (step / "__1_0.distcp").unlink(), "__1_0.distcp is missing"),
+    "missing metadata": (lambda step: (step / ".metadata").unlink(), ".metadata is missing"),
+    "truncated shard": (lambda step: _truncate(step / "__0_0.distcp"), r"__0_0.distcp has \d+ bytes, not the \d+ written"),
+}
+
+
+@pytest.mark.parametrize("how", list(DAMAGES))
+def test_a_damaged_latest_checkpoint_is_passed_over_on_resume_and_refused_as_checkpoint_load(
+        data, reference, tmp_path, how, monkeypatch, capsys):
+    """The latest checkpoint damaged three ways: `checkpoint.load` of it is refused before any rank
+    starts, naming what is missing and the intact one; the run's own resume continues from the
+    intact step-3 instead, says so in one line, and trains the uninterrupted run's losses."""
+    from fourfold.cli.main import main
+
+    shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
+    damaged, intact = tmp_path / "checkpoints" / "step-00000006", tmp_path / "checkpoints" / "step-00000003"
+    damage, found = DAMAGES[how]
+    damage(damaged)
+
+    def launched(*args, **kwargs):
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr("fourfold.cli.train.relaunch_with_torchrun", launched)
+    options = _options(tmp_path / "elsewhere", data, "--grid.dp", "2", "--grid.x", "2")
+    for named in (damaged, tmp_path / "checkpoints"):  # the step-N directory, or the run's directory (its latest)
+        assert main(["train", *options, "--checkpoint.load", str(named)]) == 2
+        err = capsys.readouterr().err
+        assert re.search(f"fourfold: error: checkpoint.load: the checkpoint {damaged} is damaged \\({found}\\): copy it "
+                         f"again, or --checkpoint.load {intact}, the newest intact one", err), err
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "train", "--nproc-per-node", "4",
+                           *_options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if "step-00000006 (" in line]
+    assert len(said) == 1 and re.fullmatch(f"start: resumed {intact} at step 3; the newest intact checkpoint, passing "
+                                           f"over 1 damaged: step-00000006 \\({found}\\)", said[0]), done.stdout
+    assert "Traceback" not in done.stderr
+    expected, _ = _losses(reference)
+    got, _ = _losses(tmp_path)
+    assert got == {s: expected[s] for s in (3, 4, 5)}
+    assert checkpoint.damage(damaged) == ""  # written again by the resumed run

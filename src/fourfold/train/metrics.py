@@ -5,6 +5,14 @@ one scalar to TensorBoard (RUN/tensorboard) and to Weights & Biases, when they a
 A training record's field F is the scalar "train/F" at its "step"; a held-out record's field
 eval_F is "eval/F" at the index of the last step it follows (eval_after_step - 1), as loss.png
 plots it. A skipped step's `skipped` is 1, and a None (no MFU on CPU) is no scalar.
+
+Each start of the trainer, the first or a resume, writes an event record first ({"event": "start"
+or "resume", "step": N, "from": the checkpoint, "grid", ...}; in TensorBoard a text at step N under
+"run/events"). log.jsonl is only appended to, never rewritten: the records of steps >= N written
+before a resume at step N belong to an attempt that was lost (its work after the checkpoint), and
+the resume's record marks them so (its "replays": the first and last of them); `trajectory` reads
+the run as it counts, each step's record from the attempt that went on. Appending keeps what the
+lost attempt logged (a loss spike that made someone stop it) and never puts a large log at risk.
 """
 
 from __future__ import annotations
@@ -63,6 +71,14 @@ class Metrics:
                 self.wandb.define_metric(f"{kind}/step")
                 self.wandb.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
 
+    def event(self, record: dict, text: str) -> None:
+        """A record of the run's own (a start, a resume), and `text` saying it in TensorBoard."""
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.add_text("run/events", text, record["step"])
+            self.tensorboard.flush()
+
     def write(self, record: dict) -> None:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
@@ -81,3 +97,34 @@ class Metrics:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def records(run_dir: Path) -> list[dict]:
+    """The records of RUN/log.jsonl (none if there is none); a line cut short by a killed process is left out."""
+    path = run_dir / "log.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def trajectory(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict], list[dict]]:
+    """The run as it counts, from log.jsonl: ({step: its record}, {eval_after_step: the held-out
+    record}, the start and resume events in order). A resume at step N drops the records of steps
+    >= N before it (an attempt whose work was lost); a start (at step 0, or from another run's
+    checkpoint) drops what came before it in the file too (an earlier run in this directory)."""
+    steps, held_out, events = {}, {}, []
+    for record in records(run_dir):
+        if "event" in record:
+            cut = record["step"] if record["event"] == "resume" else -1
+            steps = {s: r for s, r in steps.items() if s < cut}
+            held_out = {s: r for s, r in held_out.items() if s <= cut}
+            events = (events if record["event"] == "resume" else []) + [record]
+        elif "eval_after_step" in record:
+            held_out[record["eval_after_step"]] = record
+        elif "step" in record:
+            steps[record["step"]] = record
+    return dict(sorted(steps.items())), dict(sorted(held_out.items())), events

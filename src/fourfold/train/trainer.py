@@ -46,8 +46,9 @@ from fourfold.parallel.transformer import Transformer
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.overlap import OverlapOptions
 from fourfold.parallel.pipeline import Pipeline
+from fourfold.spec.counts import flops_per_token
 from fourfold.spec.hardware import GPUS
-from fourfold.plan.perf import model_flops_per_token
+from fourfold.spec.layout import DIMS
 from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
 from fourfold.spec.trainconfig import ConfigError, TrainConfig, validate
 
@@ -89,16 +90,46 @@ def packed_windows(cfg: TrainConfig, tokenizer_path: Path, tokens_path: Path) ->
                                    cfg.data.cache_dir)
 
 
-def checkpoint_source(cfg: TrainConfig) -> Path | None:
-    """The checkpoint this run starts from: its own latest (checkpoint.resume), else
-    checkpoint.load (a step-N directory, or a run's checkpoint directory: its latest), else none.
-    The run's own wins, so that running the same command again, or a torchrun restart, continues
-    instead of going back to checkpoint.load."""
+def checkpoint_source(cfg: TrainConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the checkpoint this run starts from, the damaged newer ones of its own passed over with what
+    is wrong in each): its own newest intact one (checkpoint.resume), else checkpoint.load (a
+    step-N directory, or a run's checkpoint directory: its latest), else none. The run's own wins,
+    so that running the same command again, or a torchrun restart, continues instead of going back
+    to checkpoint.load. Every file is checked there with its size (`checkpoint.damage`); raises
+    ConfigError, naming what is missing and the fix, where nothing intact is left to start from:
+    a checkpoint.load that is damaged or does not exist, or a run whose checkpoints all are."""
     c = cfg.checkpoint
-    own = checkpoint.latest(cfg.checkpoint_dir) if c.resume else None
-    if own is not None or not c.load:
-        return own
-    return checkpoint.latest(c.load) or Path(c.load)
+    if c.resume:
+        own, skipped = checkpoint.newest_intact(cfg.checkpoint_dir)
+        if own is not None:
+            return own, skipped
+        if skipped:
+            raise ConfigError(f"every checkpoint in {cfg.checkpoint_dir} is damaged ({_damages(skipped)}): move them "
+                              f"aside (out of step-*) to start anew, or give another --log.run_dir")
+    if not c.load:
+        return None, []
+    load = Path(c.load)
+    if not load.exists():
+        raise ConfigError(f"checkpoint.load {load} does not exist; give a step-N directory or a run's checkpoint "
+                          f"directory written by `fourfold train`")
+    step = load
+    if not (load / checkpoint.META).is_file() and not checkpoint.STEP.fullmatch(load.name):  # a run's directory
+        steps = sorted(p for p in load.glob("step-*") if checkpoint.STEP.fullmatch(p.name))
+        if not steps:
+            raise ConfigError(f"checkpoint.load {load} is not a fourfold checkpoint (no {checkpoint.META}, no step-N "
+                              f"directories); give a step-N directory or a run's checkpoint directory written by "
+                              f"`fourfold train`")
+        step = steps[-1]
+    what = checkpoint.damage(step)
+    if what:
+        intact = checkpoint.newest_intact(step.parent)[0]
+        other = f", or --checkpoint.load {intact}, the newest intact one" if intact else ""
+        raise ConfigError(f"checkpoint.load: the checkpoint {step} is damaged ({what}): copy it again{other}")
+    return step, []
+
+
+def _damages(skipped: list[tuple[Path, str]]) -> str:
+    return "; ".join(f"{path.name}: {what}" for path, what in skipped)
 
 
 # The model settings that shape its tensors: a checkpoint of other values cannot be loaded. (The
@@ -109,20 +140,16 @@ SHAPES = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "ti
 
 
 def check_checkpoint(cfg: TrainConfig) -> list[str]:
-    """The checkpoint the run would start from, before any process starts: complete, and of the
-    configured model's shapes (raises ConfigError naming the fix). Returns the other settings
+    """The checkpoint the run would start from, before any process starts: every file there with its
+    size (`checkpoint_source`), and of the configured model's shapes (raises ConfigError naming the fix). Returns the other settings
     that differ from the checkpoint's, as "key there -> here", for the user to see."""
-    source = checkpoint_source(cfg)
+    source, _ = checkpoint_source(cfg)  # (the ranks say which damaged ones they pass over)
     if source is None:
         return []
     own = source.parent == Path(cfg.checkpoint_dir)
-    try:
-        saved = ModelConfig.from_dict(checkpoint.read_meta(source)["model"])
-    except checkpoint.CheckpointError:
-        raise ConfigError(f"checkpoint.load {cfg.checkpoint.load} is not a fourfold checkpoint (no {checkpoint.META}); "
-                          f"give a step-N directory or a run's checkpoint directory written by `fourfold train`") from None
+    saved = ModelConfig.from_dict(checkpoint.read_meta(source)["model"])
     model = cfg.model_config()
-    shapes = SHAPES + (("max_positions",) if model.family == "gpt2" else ())  # GPT-2's learned positions
+    shapes = SHAPES + (("max_positions",) if model.family_spec().learned_positions else ())
     differ = {f.name: f"{f.name} {getattr(saved, f.name)} there, {getattr(model, f.name)} here"
               for f in dataclasses.fields(model) if getattr(saved, f.name) != getattr(model, f.name)}
     refused = [text for name, text in differ.items() if name in shapes]
@@ -151,7 +178,7 @@ def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
         return Path(cfg.tokenizer), Path(d.tokens)
     try:
         return corpus.prepare(d.text or None, d.vocab, os.path.expanduser(d.cache_dir), files=d.files,
-                              tokenizer=cfg.tokenizer, field=d.field, workers=d.workers)
+                              tokenizer=cfg.tokenizer, field=d.field, skip_bad=d.skip_bad_records, workers=d.workers)
     except ValueError as e:  # a corpus file the checks before launch could not see into
         raise ConfigError(f"data: {e}") from None
 
@@ -225,6 +252,13 @@ class Reporter:
             self.message(f"no TensorBoard event files: the tensorboard package is not installed (pip install "
                          f"{metrics.TENSORBOARD}, or --log.tensorboard false to silence this)")
 
+    def start(self, event: dict, header: list[str]) -> None:
+        """The start's record (log.jsonl, TensorBoard) and its header lines."""
+        if self.rank0:
+            self.metrics.event(event, header[-1])
+        for line in header:
+            self.message(line)
+
     def step(self, record: dict) -> None:
         if not self.rank0:
             return
@@ -261,20 +295,35 @@ class Reporter:
             self.metrics.close()
 
 
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None  # (JSON has no NaN)
+
+
+def run_summary(run_dir: Path, tokens_per_step: int) -> dict:
+    """summary.json's numbers over the whole run, every segment of it (`metrics.trajectory`): the
+    first and last loss, the steps and tokens it trained, the seconds its steps took, the last
+    held-out loss, and where each segment started from."""
+    steps, held_out, events = metrics.trajectory(run_dir)
+    records = list(steps.values())
+    return dict(first_loss=_finite(records[0]["loss"]) if records else None,
+                last_loss=_finite(records[-1]["loss"]) if records else None,
+                eval_loss=list(held_out.values())[-1]["eval_loss"] if held_out else None,
+                steps=len(records), tokens=len(records) * tokens_per_step,
+                seconds=sum(r["seconds"] for r in records),
+                segments=[{k: e.get(k) for k in ("event", "step", "from", "grid")} for e in events])
+
+
 def loss_curve(run_dir: Path) -> Path:
-    """Plot log.jsonl's losses (the last entry of each step, after restarts) to loss.png."""
+    """Plot the run's losses (`metrics.trajectory`: after a resume, the attempt that went on) to loss.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    losses, held_out = {}, {}
-    for line in (run_dir / "log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("loss") is not None and math.isfinite(record["loss"]):
-            losses[record["step"]] = record["loss"]
-        if "eval_loss" in record:  # scored after `eval_after_step` steps: plotted at the last one's index
-            held_out[record["eval_after_step"] - 1] = record["eval_loss"]
+    records, evals, _ = metrics.trajectory(run_dir)
+    losses = {s: r["loss"] for s, r in records.items() if _finite(r["loss"]) is not None}
+    # a held-out score after `eval_after_step` steps: plotted at the last one's index
+    held_out = {after - 1: r["eval_loss"] for after, r in evals.items()}
     steps = sorted(losses)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, [losses[s] for s in steps], label="training")
@@ -345,6 +394,72 @@ def _maybe_kill(cfg: TrainConfig, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _agreed_source(cfg: TrainConfig, group) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """`checkpoint_source` as rank 0 finds it (the rule the check before launch applied), on every
+    rank, its contents then verified by all of them together (`checkpoint.verify_contents`): every
+    rank loads the same step, and none reads a checkpoint before it is verified."""
+    found = [None]
+    if dist.get_rank() == 0:
+        try:
+            found = [checkpoint_source(cfg)]
+        except ConfigError as e:  # (a file changed since the check before launch): raised on every rank
+            found = [e]
+    dist.broadcast_object_list(found, src=0, group=group)
+    if isinstance(found[0], ConfigError):
+        raise found[0]
+    source, skipped = found[0]
+    if source is not None:
+        checkpoint.verify_contents(source, group)
+    return source, skipped
+
+
+def _grid_text(sizes: dict) -> str:
+    return ",".join(f"{d}={sizes.get(d, 1)}" for d in DIMS if sizes.get(d, 1) > 1) or "dp=1"
+
+
+def _start_event(cfg: TrainConfig, source: Path | None, skipped: list[tuple[Path, str]], start: int,
+                 saved_config: dict) -> dict:
+    """log.jsonl's record of this start: "resume" from a checkpoint of the run's own, else "start"
+    (from scratch, model.hf's weights, or checkpoint.load's checkpoint), with where from and on what grid."""
+    resume = source is not None and source.parent == cfg.checkpoint_dir
+    event = {"event": "resume" if resume else "start", "step": start, "from": str(source) if source else None,
+             "model": cfg.model.hf or cfg.model.preset, "grid": _grid_text(cfg.to_dict()["grid"]),
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if saved_config.get("grid") and _grid_text(saved_config["grid"]) != event["grid"]:
+        event["grid_before"] = _grid_text(saved_config["grid"])
+    if skipped:
+        event["skipped"] = {str(path): what for path, what in skipped}
+    logged = [s for s in metrics.trajectory(Path(cfg.log.run_dir))[0] if s >= start] if resume else []
+    if logged:
+        event["replays"] = [start, max(logged)]  # steps logged before, lost with the attempt that logged them
+    return event
+
+
+def _header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader, tokens_path: Path, event: dict,
+            device: torch.device) -> list[str]:
+    """Rank 0's lines at the start: what runs, where on, on what data, from where."""
+    source = (f"weights of {cfg.model.hf}" if cfg.model.hf and not event["from"] else
+              f"preset {cfg.model.preset}" if not cfg.model.hf else cfg.model.hf)
+    windows = loader.train_sequences
+    epochs = cfg.train.steps * cfg.batch.global_batch / windows
+    lines = [f"model: {model_cfg.family}, {model_cfg.layers} layers, hidden {model_cfg.hidden}, "
+             f"{model_cfg.parameter_count() / 1e6:,.1f}M parameters ({source})",
+             f"grid: {event['grid']} ({dist.get_world_size()} ranks), "
+             f"precision {str(torch_dtype(cfg.train.precision, device)).removeprefix('torch.')}",
+             f"data: {len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows of {cfg.batch.seq}: "
+             f"train.steps={cfg.train.steps} x {cfg.batch.global_batch} sequences = {epochs:.3g} epochs"]
+    if event["from"] is None:
+        lines.append("start: step 0" + (f", {cfg.model.hf}'s weights" if cfg.model.hf else ", random weights"))
+        return lines
+    said = f"start: {'resumed' if event['event'] == 'resume' else 'loaded'} {event['from']} at step {event['step']}"
+    if "grid_before" in event:
+        said += f", written on grid {event['grid_before']}: resharded onto {event['grid']}"
+    if "skipped" in event:
+        said += (f"; the newest intact checkpoint, passing over {len(event['skipped'])} damaged: "
+                 + "; ".join(f"{Path(p).name} ({what})" for p, what in event["skipped"].items()))
+    return lines + [said]
+
+
 def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
     """Run (or resume) the configured training on every rank of the default process group
     (torchrun's, joined by `fourfold train`); returns a summary. SIGINT and SIGTERM are noted by
@@ -377,7 +492,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
     start, saved_config = 0, {}
     replicas = grid.group(("dp", "cp"))  # ranks holding the same parameters: they share loads and saves
-    source = checkpoint_source(cfg)
+    source, skipped = _agreed_source(cfg, comm.host_group())
     if source is None and cfg.model.hf:
         from fourfold.checkpoint.hf import load_hf
 
@@ -386,10 +501,10 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     if source is not None:
         meta = checkpoint.load_checkpoint(source, model.module, opt, replicas=replicas)
         start, saved_config = meta["step"], meta.get("config", {})
-    reporter = Reporter(cfg, start, model_flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
+    reporter = Reporter(cfg, start, flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
                         grid.device)
-    if start:
-        reporter.message(f"resumed from {source} at step {start}")
+    event = _start_event(cfg, source, skipped, start, saved_config)
+    reporter.start(event, _header(cfg, model_cfg, loader, tokens_path, event, grid.device))
     changed = schedule_changes(saved_config, cfg)
     if changed:
         reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): from "
@@ -411,7 +526,6 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
 
     everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
     scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
-    last_loss, first_loss, t_start = math.nan, None, time.perf_counter()
     bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
     window: list[dict] = []  # the steps not read yet, their numbers on the device
 
@@ -419,7 +533,6 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         """Records of the window's steps, read in one host sync. Each step's seconds are the
         window's mean: without a sync per step the host cannot time one step of the GPU's. The
         non-finite count is checked here too, before any checkpoint could save after it."""
-        nonlocal first_loss, last_loss
         if not window:
             return
         numbers = torch.stack([torch.stack([w["loss"], w["norm"], w["updated"].double(), w["bad"].double()])
@@ -433,13 +546,11 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
                 if in_a_row >= cfg.train.max_bad_steps:
                     raise TrainingError(f"{int(in_a_row)} non-finite steps in a row (last at step {step}: {why}); "
                                         f"lower optimizer.lr, check the data, or resume from an earlier checkpoint")
-            first_loss = loss if first_loss is None else first_loss
-            last_loss = loss
             reporter.step(dict(step=step, loss=loss, lr=w["lr"], grad_norm=norm if math.isfinite(loss) else None,
                                seconds=seconds, skipped=not updated, peak_memory_gib=w["peak_memory_gib"]))
         window.clear()
 
-    last_eval, stopped, done, saved_at = None, None, start, start
+    stopped, done, saved_at = None, start, start
     agreement = StopAgreement(stop)
     try:
         for step in range(start, cfg.train.steps):
@@ -464,10 +575,9 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
             if evaluating or saving or done % cfg.log.every == 0:
                 read_window()
             if evaluating:
-                held_out = evaluate(model.module, grid, loader.held_out(), cfg.batch.seq,
+                held_out = evaluate(model.pipeline or model.module, grid, loader.held_out(), cfg.batch.seq,
                                     max(1, cfg.batch.micro_batch // grid.size("z")), cfg.train.eval_tokens)
                 reporter.evaluation(done, held_out)
-                last_eval = held_out["loss"]
             if saving:
                 reporter.message(f"checkpoint {save(done)}")
                 saved_at = done
@@ -482,12 +592,10 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
     if stopped:
         reporter.message(_stop_message(cfg, stopped, done))
     reporter.close()
-    summary = dict(first_loss=first_loss, last_loss=None if math.isnan(last_loss) else last_loss,  # (JSON has no NaN)
-                   eval_loss=last_eval, steps=done - start,
-                   seconds=time.perf_counter() - t_start, tokens=(done - start) * cfg.batch.global_batch
-                   * cfg.batch.seq, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
+    summary = dict(step=done, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
                    stopped=stopped.name if stopped else None)
     if grid.rank == 0:
+        summary.update(run_summary(Path(cfg.log.run_dir), cfg.batch.global_batch * cfg.batch.seq))
         summary["loss_curve"] = str(loss_curve(Path(cfg.log.run_dir)))
         (Path(cfg.log.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()

@@ -1,0 +1,83 @@
+"""A checkpoint's manifest (every file's size and CRC-32, from the rank that wrote it), the check of
+the sizes before launch (`checkpoint.damage`, `newest_intact`) and of the contents by the ranks
+before they read (`checkpoint.verify_contents`). The trainer's resume past a damaged checkpoint:
+tests/test_trainer.py."""
+
+import json
+import zlib
+
+import pytest
+
+from fourfold import checkpoint
+from fourfold.models.config import load_config
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
+
+
+def _save(root, notes, background):
+    model = Transformer(Grid(Layout(x=2)), load_config("tiny-llama"))
+    if background:
+        saver = checkpoint.AsyncSaver()
+        saver.save(root, 1, model, None, {}, keep=1, files={"notes.txt": notes})
+        saver.wait()
+    else:
+        checkpoint.save(root, 1, model, None, {}, keep=1, files={"notes.txt": notes})
+
+
+def _verify(path):
+    checkpoint.verify_contents(path)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
+def test_the_manifest_records_every_file_of_the_checkpoint(ranks, tmp_path, background):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("copied in")
+    ranks.run(_save, 2, tmp_path / "run", notes, background)
+    step = checkpoint.latest(tmp_path / "run")
+    files = checkpoint.read_meta(step)["files"]
+    assert set(files) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "notes.txt"}
+    assert set(files) == {p.name for p in step.iterdir()} - {checkpoint.META}
+    for name, record in files.items():
+        data = (step / name).read_bytes()
+        assert record == {"bytes": len(data), "crc32": zlib.crc32(data)}, name
+    assert checkpoint.damage(step) == ""
+
+
+def test_a_changed_byte_is_found_by_the_ranks_before_any_reads(ranks, tmp_path):
+    """The sizes are right (the check before launch finds nothing); the CRC-32, which the ranks
+    check together, is not."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("copied in")
+    ranks.run(_save, 2, tmp_path / "run", notes, False)
+    step = checkpoint.latest(tmp_path / "run")
+    ranks.run(_verify, 2, step)
+    shard = bytearray((step / "__1_0.distcp").read_bytes())
+    shard[len(shard) // 2] ^= 1
+    (step / "__1_0.distcp").write_bytes(bytes(shard))
+    assert checkpoint.damage(step) == ""
+    with pytest.raises(AssertionError, match=r"checkpoint .*step-00000001 is damaged \(the CRC-32 of __1_0.distcp is "
+                                             r"not the one written\): move it aside"):
+        ranks.run(_verify, 2, step)
+
+
+def test_newest_intact_passes_over_damaged_checkpoints_and_says_why(tmp_path):
+    def step(n, meta):
+        path = tmp_path / f"step-{n:08d}"
+        path.mkdir()
+        (path / "a.distcp").write_bytes(b"12345")
+        if meta is not None:
+            (path / checkpoint.META).write_text(meta)
+        return path
+
+    intact = step(1, json.dumps({"files": {"a.distcp": {"bytes": 5, "crc32": 0}}}))
+    short = step(2, json.dumps({"files": {"a.distcp": {"bytes": 9, "crc32": 0}, "b.distcp": {"bytes": 1, "crc32": 0}}}))
+    no_meta = step(3, None)
+    broken = step(4, "{")
+    (tmp_path / ".step-00000005.partial").mkdir()  # a save in progress is none
+    assert checkpoint.newest_intact(tmp_path) == (intact, [
+        (broken, "its meta.json is not JSON (damaged)"),
+        (no_meta, "it has no meta.json (deleted, or not written by `fourfold train`)"),
+        (short, "a.distcp has 5 bytes, not the 9 written; b.distcp is missing")])
+    assert checkpoint.damage(tmp_path / "step-00000009") == "it does not exist"
+    assert checkpoint.newest_intact(tmp_path / "none") == (None, [])
