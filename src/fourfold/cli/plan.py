@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
 from fourfold.plan.search import HEADROOM, as_json, predict, search
 from fourfold.spec.rules import problems, with_flags
+from fourfold.spec.trainconfig import as_overrides, job_settings
 
 # The rules name the training config's keys; the planner's commands take these flags instead.
 FLAGS = {"batch.global_batch": "--global-batch", "batch.micro_batch": "--micro-batch", "batch.seq": "--seq",
@@ -91,7 +93,7 @@ def _context(args):
     return cfg, cluster, cal
 
 
-def _one(args) -> tuple[ModelConfig, Job, dict]:
+def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
     cfg, cluster, cal = _context(args)
     sizes = {d: getattr(args, d) for d in DIMS}
     if args.tp:
@@ -102,7 +104,28 @@ def _one(args) -> tuple[ModelConfig, Job, dict]:
         sizes.update(x=1, y=args.tp, z=1)
     order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
     job = _job(args, Layout(**sizes, order=order), args.virtual)
-    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, args.framework)
+    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, args.framework), cal
+
+
+def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
+    """The commands that give `job` again: `fourfold estimate` (the same prediction) and the
+    `fourfold train` overrides that run it (what `train --grid.auto` hands its ranks)."""
+    machine = {"--cluster": args.cluster, "--gpu": args.gpu, "--gpus-per-node": args.gpus_per_node,
+               "--intra-node-gbs": args.intra_node_gbs, "--inter-node-gbs": args.inter_node_gbs,
+               "--latency-us": args.latency_us, "--calibrate": args.calibrate}
+    estimate = ["fourfold", "estimate", "--model", args.model, *(v for flag, value in machine.items()
+                                                                 if value is not None for v in (flag, str(value)))]
+    estimate += ["--seq", job.seq, "--global-batch", job.global_batch, "--micro-batch", job.micro_batch,
+                 "--recompute", job.recompute, "--seq-parallel" if job.seq_parallel else "--no-seq-parallel",
+                 "--precision", job.precision, "--framework", args.framework, *(["--no-80-rule"] * args.no_80_rule),
+                 *(v for d in DIMS for v in (f"--{d}", getattr(job.layout, d))), "--virtual", job.virtual,
+                 "--order", ",".join(job.layout.order), *(["--keep-gathered-inputs"] * job.keep_gathered_inputs)]
+    model = "--model.hf" if Path(args.model).is_dir() else "--model.preset"
+    hardware = [v for key, value in (("gpu", args.gpu), ("cluster", args.cluster)) if value
+                for v in (f"--hardware.{key}", value)]
+    train = ["fourfold", "train", model, args.model, "--batch.seq", job.seq, "--batch.global_batch", job.global_batch,
+             "--train.precision", job.precision, *as_overrides(job_settings(job)), *hardware]
+    return {"estimate": shlex.join(map(str, estimate)), "train": shlex.join(map(str, train))}
 
 
 def _measure(cfg: ModelConfig, job: Job, r: dict) -> None:
@@ -155,6 +178,20 @@ def error_note(cal: Calibration) -> str:
             f"micro-batch); measure them before choosing")
 
 
+def passed_over(found: list[dict]) -> str:
+    """How the first row was chosen, and the faster candidate a tight fit, if any, that it passed over."""
+    rule = (f"ranked: candidates that leave {HEADROOM:.0%} of the GPU's memory free first, fastest first, then tight "
+            f"fits (yes*), then what does not fit")
+    first = found[0]
+    faster = [r for r in found if r["fits"] and r["tight"] and r["step_seconds"] < first["step_seconds"]]
+    if first["tight"] or not faster:
+        return rule
+    r = faster[0]
+    return (f"{rule}; passed over: dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']} "
+            f"mb{r['micro_batch']} {r['recompute']}, {r['step_seconds']:.3f} s but {r['memory_gib']:.1f} of "
+            f"{r['memory_limit_gib']:.1f} GiB (the estimate's error or fragmentation can push it over)")
+
+
 def _print_one(r: dict, memory_only: bool) -> None:
     print(f"{MEMORY_HEADER}  order" if memory_only else HEADER)
     print(row(r))
@@ -172,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command in ("memory", "estimate"):
-            cfg, job, r = _one(args)
-            r = as_json(r)
+            cfg, job, r, cal = _one(args)
+            r = as_json(r) | {"commands": reproduce(args, job)}
             if args.command == "memory":
                 r = {k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_second", "model_tflops_per_gpu",
                                                             "mfu", "time_breakdown_seconds")}
@@ -185,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
                 _print_one(r, args.command == "memory")
                 if "measured_gib" in r:
                     _print_measured(r)
+                if args.command == "estimate" and cal.cv_error is not None:
+                    print(f"step time: +-{cal.cv_error:.1%} (the model's cross-validated error)")
+                elif args.command == "estimate":
+                    print(error_note(cal))
             return 0
         cfg, cluster, cal = _context(args)
         start = time.perf_counter()
@@ -201,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
                                           f"with dp={args.gpus}:", *map(str, simplest)]))
         if args.json:
             shown = found[: args.top] if args.top else found
-            print(json.dumps({"cv_error": cal.cv_error, "candidates": [as_json(r) for r in shown]}))
+            print(json.dumps({"cv_error": cal.cv_error, "candidates": [as_json(r) | {"commands": reproduce(args, r["job"])}
+                                                                        for r in shown]}))
         else:
             n = cfg.parameter_count()
             size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
@@ -217,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
                 print("nothing fits: add GPUs, enable recompute, or lower the micro-batch")
             else:
                 print(error_note(cal))
+                print(passed_over(found))
+                print(f"the first row again: {reproduce(args, found[0]['job'])['estimate']}\n"
+                      f"run it:              {reproduce(args, found[0]['job'])['train']}")
         if args.plot:
             from fourfold.plan.plots import plot_candidates
 

@@ -56,7 +56,7 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
         world = args.nproc_per_node or cfg.layout().world_size
         if cfg.grid.auto:
             chosen = resolve_auto_grid(cfg, world)
-            print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}")
+            print(f"grid.auto: the planner's choice on {world} x {cfg.cluster().gpu.name}: {chosen}")
             argv = _resolved(argv, cfg)
         import torch
 
@@ -85,17 +85,14 @@ def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
     import dataclasses
 
     from fourfold.plan.search import search
-    from fourfold.spec.hardware import make_cluster
     from fourfold.spec.trainconfig import validate
 
-    h = cfg.hardware
-    cluster = make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
-    for candidate in search(cfg.model_config(), world, cluster, cfg.job()):
+    for candidate in search(cfg.model_config(), world, cfg.cluster(), cfg.job()):
         trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
                                     train=dataclasses.replace(cfg.train))
         trial.use_job(candidate["job"])
         try:
-            validate(trial, world)  # the trainer's own options (eval_every needs pp = 1)
+            validate(trial, world)  # the trainer's own options too
         except ConfigError:
             continue
         cfg.use_job(candidate["job"])
@@ -158,7 +155,7 @@ def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     world = args.nodes * args.gpus_per_node
     if cfg.grid.auto:
         chosen = resolve_auto_grid(cfg, world)
-        print(f"grid.auto: the planner's choice for {cfg.hardware.gpu}: {chosen}", file=sys.stderr)
+        print(f"grid.auto: the planner's choice on {world} x {cfg.cluster().gpu.name}: {chosen}", file=sys.stderr)
         overrides = _resolved(overrides, cfg)
     else:
         _check_slurm_world(cfg.layout(), args.nodes, args.gpus_per_node)

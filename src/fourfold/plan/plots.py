@@ -24,7 +24,8 @@ def plot_candidates(candidates: list[dict], path: str, title: str, top: int = 5)
         left.plot([c["memory_gib"] for c in frontier], [c["tokens_per_second"] for c in frontier], "-", c="tab:orange",
                   label="frontier")
         left.axvline(frontier[0]["memory_limit_gib"], ls="--", c="tab:red", label="memory limit")
-        chosen = max(frontier, key=lambda c: c["tokens_per_second"])
+    chosen = next((c for c in candidates if c["fits"]), None)  # the table's first row: the same ranking
+    if chosen:
         left.scatter([chosen["memory_gib"]], [chosen["tokens_per_second"]], s=80, marker="*", c="tab:red", label="chosen")
     left.set_xlabel("memory per GPU (GiB)")
     left.set_ylabel("predicted tokens/s")

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from fourfold.spec.hardware import Cluster, make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS, GridError, Layout
 from fourfold.models.config import ModelConfig, load_config
@@ -69,11 +70,11 @@ class TrainSection:
     device: str = "auto"
     precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or bf16, float32, float64
     recompute: str = "none"
-    seq_parallel: bool = False
+    seq_parallel: bool = True  # the planner's assumption too (plan/estimate --seq-parallel)
     keep_gathered_inputs: bool = False  # linears keep their gathered input (more memory, one all-gather less)
     overlap: bool = True
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
-    eval_every: int = 0  # score the held-out tail every N steps (0: never; needs pp = 1)
+    eval_every: int = 0  # score the held-out tail every N steps (0: never)
     eval_tokens: int = 1 << 20  # tokens of the held-out tail each evaluation scores (0: all of it)
     # norms, RoPE and activations under torch.compile (needs a C++ compiler on CPU, Triton on GPUs);
     # off until a GPU run confirms it pays (docs/benchmarks.md)
@@ -124,9 +125,9 @@ class LogSection:
 
 @dataclass
 class HardwareSection:
-    gpu: str = "h100-80gb"  # the preset MFU is measured against on GPUs
-    cluster: str = ""  # for grid.auto: a cluster preset (else gpu with gpus_per_node)
-    gpus_per_node: int = 8
+    cluster: str = ""  # a cluster preset, for grid.auto (default dgx-h100)
+    gpu: str = ""  # a GPU preset (default: the cluster's), MFU is measured against it on GPUs
+    gpus_per_node: int = 0  # 0: the cluster's
 
 
 @dataclass
@@ -171,6 +172,11 @@ class TrainConfig:
                    recompute=t.recompute, seq_parallel=t.seq_parallel, schedule=p.schedule, virtual=p.virtual,
                    stage_layers=tuple(p.stage_layers), precision=t.precision,
                    keep_gathered_inputs=t.keep_gathered_inputs)
+
+    def cluster(self) -> Cluster:
+        """The machine of [hardware], as the planner's --cluster, --gpu and --gpus-per-node make it."""
+        h = self.hardware
+        return make_cluster(h.cluster or None, h.gpu or None, h.gpus_per_node or None)
 
     def use_job(self, job: Job) -> None:
         """Take the settings of `job` (the planner's choice) that `job_settings` names."""
@@ -329,13 +335,14 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         raise ConfigError(f"grid: {e}") from None
     if cfg.train.device not in DEVICES:
         found.append(f"train.device {cfg.train.device!r} is none of {', '.join(DEVICES)}; use one of them")
+    try:
+        cfg.cluster()
+    except ValueError as e:
+        found.append(f"hardware: {e}")
     if cfg.train.eval_every < 0:
         found.append("train.eval_every must be >= 0 (0: never)")
     if cfg.train.eval_tokens < 0:
         found.append("train.eval_tokens must be >= 0 (0: the whole held-out tail)")
-    if cfg.train.eval_every and cfg.grid.pp > 1:
-        found.append("train.eval_every scores a whole model per rank: use grid.pp = 1, or --train.eval_every 0 and "
-                     "score the checkpoints with `fourfold eval --checkpoint` on a grid without pp")
     if hf and not cfg.tokenizer:
         found.append(f"model.hf {hf} has no tokenizer.json, and a tokenizer trained on the corpus would not match its "
                      f"embeddings: give data.tokenizer (the model's tokenizer.json, or a directory holding one)")
