@@ -47,3 +47,8 @@ def test_the_hardware_section_is_the_planners_machine():
     assert load_train_config(None, []).cluster() == make_cluster()
     with pytest.raises(ConfigError, match="hardware: unknown GPU 'b300'"):
         validate(load_train_config(None, ["--hardware.gpu", "b300"]), 1)
+
+
+def test_a_gpu_count_of_partial_nodes_is_named(capsys):
+    assert main(["plan", "--model", "llama-2-7b", "--gpus", "100", "--top", "1"]) == 0
+    assert "100 GPUs are not whole nodes of 8" in capsys.readouterr().out

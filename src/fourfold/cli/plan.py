@@ -249,6 +249,11 @@ def run(args: argparse.Namespace) -> int:
             size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
             print(f"{cfg.family} {size} on {args.gpus} x {cluster.gpu.name}, "
                   f"{args.framework} profile: {found.considered} candidates in {time.perf_counter() - start:.1f} s")
+            per_node = cluster.gpus_per_node
+            if args.gpus > per_node and args.gpus % per_node:
+                print(f"note: {args.gpus} GPUs are not whole nodes of {per_node}: a grid's groups then straddle nodes "
+                      f"unevenly; {args.gpus // per_node * per_node} or {(args.gpus // per_node + 1) * per_node} "
+                      f"GPUs plan whole nodes")
             print(HEADER)
             shown = found[: args.top or 10]
             for r in shown:
