@@ -66,3 +66,11 @@ def test_the_ranks_run_the_job_the_planner_chose():
     argv = _resolved(["train", "--grid.auto", "true"], cfg)
     ranks = load_train_config(None, argv[1:])
     assert ranks.job() == chosen and not ranks.grid.auto
+
+
+def test_every_config_key_is_explained_in_the_help():
+    from fourfold.spec.trainconfig import config_keys, key_help, sections_help
+
+    meaning = key_help()
+    assert [k for k in config_keys() if not meaning.get(k)] == []
+    assert "--train.steps 100" in sections_help() and "optimizer steps of the whole run" in sections_help()

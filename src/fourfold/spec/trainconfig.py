@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import shutil
 import textwrap
 import tomllib
@@ -23,8 +24,8 @@ from fourfold.spec.rules import describe, problems
 class ModelSection:
     preset: str = "tiny-llama"  # a preset name or a config.json path
     hf: str = ""  # a Hugging Face checkpoint directory to start from (overrides preset)
-    seed: int = 0
-    init_std: float = 0.02
+    seed: int = 0  # the initial values' seed (any grid gives the same model)
+    init_std: float = 0.02  # standard deviation of the initial weights
 
 
 # [grid]: the sizes of the dims Layout declares, the placement order (innermost first, e.g.
@@ -37,26 +38,26 @@ GridSection = dataclasses.make_dataclass(
 class BatchSection:
     global_batch: int = 16  # sequences per optimizer step
     micro_batch: int = 2  # sequences per forward/backward on one data-parallel replica
-    seq: int = 128
+    seq: int = 128  # tokens per sequence
 
 
 @dataclass
 class PipelineSection:
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # gpipe, 1f1b or interleaved-1f1b (with pp > 1)
     virtual: int = 1  # virtual stages per rank (interleaved-1f1b)
     stage_layers: list[int] = field(default_factory=list)  # uneven split; empty = even
 
 
 @dataclass
 class OptimizerSection:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    clip: float = 1.0
-    zero1: bool = True
+    lr: float = 3e-3  # peak learning rate, after the warmup
+    min_lr: float = 3e-4  # where the cosine decay ends, at train.steps
+    warmup: int = 10  # steps of linear warmup
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    clip: float = 1.0  # the global gradient norm is clipped to this (0: no clipping)
+    zero1: bool = True  # shard the optimizer state over the data-parallel ranks (ZeRO-1)
 
 
 DEVICES = ("auto", "cpu", "cuda")  # train.device; fourfold.parallel.grid.choose_device resolves auto
@@ -64,15 +65,15 @@ DEVICES = ("auto", "cpu", "cuda")  # train.device; fourfold.parallel.grid.choose
 
 @dataclass
 class TrainSection:
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the whole run (the learning-rate schedule's length)
     # auto: CUDA (NCCL, one GPU per rank) when every rank of a node has a visible GPU of its own, CPU
     # (gloo) when there is none, else an error before launch; or cpu, cuda
     device: str = "auto"
     precision: str = "auto"  # auto: bf16 parameters/activations on GPU, float32 on CPU; or bf16, float32, float64
-    recompute: str = "none"
+    recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (block)
     seq_parallel: bool = True  # the planner's assumption too (plan/estimate --seq-parallel)
     keep_gathered_inputs: bool = False  # linears keep their gathered input (more memory, one all-gather less)
-    overlap: bool = True
+    overlap: bool = True  # overlap the tensor-parallel collectives with compute
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
     eval_every: int = 0  # score the held-out tail every N steps (0: never)
     eval_tokens: int = 1 << 20  # tokens of the held-out tail each evaluation scores (0: all of it)
@@ -89,10 +90,10 @@ class DataSection:
     skip_bad_records: bool = False  # JSONL lines that are no document (not JSON, no text field): leave out, counted
     tokens: str = ""  # an already tokenized .npy file (then `tokenizer` names its tokenizer.json)
     tokenizer: str = ""  # a tokenizer.json (or a directory with one), used as it is; empty = train a byte-level BPE of `vocab` tokens
-    vocab: int = 4096
+    vocab: int = 4096  # the trained byte-level BPE's vocabulary (without data.tokenizer)
     workers: int = 0  # processes that tokenize the corpus; 0 = one per CPU core
-    cache_dir: str = "~/.cache/fourfold"
-    seed: int = 0
+    cache_dir: str = "~/.cache/fourfold"  # tokenized corpora and tokenizers, by content hash
+    seed: int = 0  # the batch order's seed
     # "stream": windows cut one after another from the token stream. "documents": each window starts
     # at a document start and holds that document and the whole ones after it, the last cut at the
     # window's end; the next window starts at that cut document (its cut part is seen twice). A
@@ -104,8 +105,8 @@ class DataSection:
 @dataclass
 class CheckpointSection:
     dir: str = ""  # default: RUN/checkpoints
-    every: int = 50
-    keep: int = 2
+    every: int = 50  # save every N steps (and at the end)
+    keep: int = 2  # the newest checkpoints kept
     resume: bool = True  # continue from the latest complete checkpoint in `dir`
     load: str = ""  # start from this checkpoint (any grid; or a run's checkpoint dir: its latest) when `dir` has none
     async_save: bool = False  # write in the background (host memory: one rank's share of the state)
@@ -113,7 +114,7 @@ class CheckpointSection:
 
 @dataclass
 class LogSection:
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # log.jsonl, loss.png, summary.json, checkpoints/ and tensorboard/ go here
     # Steps' numbers are read from the device every N steps, one host sync for N (also before an
     # evaluation or a checkpoint); a step's seconds are then the mean over those N; printed every N.
     # (A stop signal is agreed on every step, host to host, one step behind: it needs no read.)
@@ -133,10 +134,10 @@ class HardwareSection:
 @dataclass
 class FaultSection:  # fault injection, to test recovery
     kill_rank: int = -1  # this rank kills itself once, at kill_step
-    kill_step: int = -1
+    kill_step: int = -1  # the step kill_rank dies at
     nan_steps: list[int] = field(default_factory=list)  # these steps' losses are made NaN
     signal_rank: int = -1  # this rank sends itself `signal` once, at the start of signal_step
-    signal_step: int = -1
+    signal_step: int = -1  # the step signal_rank sends its signal at
     signal: str = "SIGTERM"  # or SIGINT
 
 
@@ -265,17 +266,44 @@ def _shown(value) -> str:
     return str(value) if value != "" else "''"
 
 
+_FIELD = re.compile(r"^    (\w+): [^=]+=.*?(?:#\s*(.*))?$")
+
+
+def key_help() -> dict[str, str]:
+    """Each key's meaning: the comment beside it (or the comment lines above it) in this file's
+    section classes, the one place a key is explained."""
+    meaning = {f"grid.{d}": f"ranks along {d}" for d in DIMS}
+    meaning.update({"grid.order": "placement order, innermost first (default x,y,z,cp,dp,pp): the innermost "
+                                  "dim's groups are consecutive ranks", "grid.auto": "take the planner's best job "
+                                  "for [hardware] (grid, micro-batch, recompute, sequence parallelism)"})
+    section, above = None, []
+    for line in Path(__file__).read_text(encoding="utf-8").splitlines():
+        if match := re.match(r"class (\w+)Section\b", line):
+            section, above = match[1].lower(), []
+        elif section and line.strip().startswith("#"):
+            above.append(line.strip()[1:].strip())
+        elif section and (match := _FIELD.match(line)):
+            meaning[f"{section}.{match[1]}"] = match[2] or " ".join(above)
+            above = []
+        elif not line.startswith((" ", "@")) and line:
+            section = None
+    return meaning
+
+
 def sections_help(width: int = 100) -> str:
-    """The override syntax and every section's keys with their defaults (from the dataclasses above),
-    for `fourfold train --help`."""
+    """The override syntax and every key with its default and meaning (from the section classes
+    above), for `fourfold train --help`."""
     lines = ["Any key of the TOML config can be given on the command line as --section.key value, e.g.",
              "  fourfold train my.toml --optimizer.lr 1e-3 --grid.dp 2 --train.steps 500",
              "(lists are comma-separated: --pipeline.stage_layers 3,5). Sections and keys, with their defaults:"]
+    meaning = key_help()
     for section in fields(TrainConfig):
         part = section.default_factory()
-        keys = " ".join(f"{f.name}={_shown(getattr(part, f.name))}" for f in fields(part))
-        lines += textwrap.wrap(keys, width, initial_indent=f"  [{section.name}] ",
-                               subsequent_indent=" " * (len(section.name) + 5), break_on_hyphens=False)
+        lines.append(f"[{section.name}]")
+        for f in fields(part):
+            key = f"--{section.name}.{f.name} {_shown(getattr(part, f.name))}"
+            lines += textwrap.wrap(meaning.get(f"{section.name}.{f.name}", ""), width, initial_indent=f"  {key:<38} ",
+                                   subsequent_indent=" " * 41) or [f"  {key}"]
     return "\n".join(lines)
 
 
