@@ -1,6 +1,10 @@
 """train.device: which device and backend the ranks of a node take, decided on CPU with the GPU
 count faked (torch.cuda.is_available / device_count), and refused with its fix when the GPUs are
-too few for the ranks."""
+too few for the ranks. And the install (`make`) that keeps a torch the Python already has."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +72,15 @@ def test_the_rank_takes_the_chosen_backend(gpus, started):
     with pytest.raises(GridError, match="8 ranks per node but 1 visible GPU"):
         grid.init_process_group()
     assert len(started["groups"]) == 2
+
+
+@pytest.mark.parametrize("python, kept", [(sys.executable, True), (f"{sys.executable} -S", False)],
+                         ids=["with-torch", "without-torch"])
+def test_make_keeps_the_pythons_own_torch(tmp_path, python, kept):
+    """The commands `make` would run to create a venv from `python` (-S: one that imports no torch)."""
+    venv = tmp_path / "venv"
+    commands = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"PYTHON={python}", f"{venv}/.installed"],
+                              cwd=Path(__file__).parents[1], capture_output=True, text=True, check=True).stdout
+    assert ("--system-site-packages" in commands) == kept
+    assert ('pip install --quiet "torch==' in commands) != kept  # installed only when there is none
+    assert f"-c {venv}/torch.txt -e" in commands  # pip held to the torch there is, whichever

@@ -108,8 +108,9 @@ class AdamW:
         if loss_finite is not None:
             updated &= loss_finite
         grads = [bucket.reduced for bucket in buckets]
-        if self.clip is not None:  # as a tensor (torch's clip_grad_norm_ rule)
-            torch._foreach_mul_(grads, (self.clip / (self.norm + 1e-6)).clamp(max=1.0))
+        if self.clip is not None:  # as a tensor (torch's clip_grad_norm_ rule), in the gradients' dtype (a
+            # float64 scalar on fp32 gradients takes CUDA's slow path)
+            torch._foreach_mul_(grads, (self.clip / (self.norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
         b1, b2 = self.betas
         adamw([s["master"] for s in self.state], grads, [s["m"] for s in self.state], [s["v"] for s in self.state],
               [], [s["step"] for s in self.state], fused=True, amsgrad=False, beta1=b1, beta2=b2, lr=self.lr,
