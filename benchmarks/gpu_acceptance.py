@@ -1,37 +1,36 @@
-"""GPU acceptance of fourfold: one command, one JSON object on stdout, progress on stderr.
+"""GPU acceptance of fourfold on ONE GPU: one command, a JSON report rewritten after every section.
 
-Run from the repository root on a machine with one GPU (a few minutes on an H100 or H200):
+Run from the repository root (about 6 minutes on an H100 or H200; stopped at --deadline-s, 480):
 
-    python benchmarks/gpu_acceptance.py > acceptance.json
+    python benchmarks/gpu_acceptance.py --output benchmarks/results/acceptance-H200.json
 
-Options: --gpu PRESET (a preset of fourfold.spec.hardware.GPUS, when the device's name matches
-none), --peak-tflops (any other bf16 peak), --micro-batch (else the largest of 8, 4, 2, 1
-sequences whose planner estimate takes at most half the GPU), --warmup, --steps.
+The report holds what finished whatever happens after: it is written (atomically) when each
+section starts ("running": its name) and ends; at the deadline a watchdog writes "stopped" and
+ends the process (a hang, a slow compile); a crash leaves the last section named in "running".
+Strict JSON: a non-finite number is null. Progress goes to stderr. Exit status 0: every check passed.
 
-What the JSON holds:
-  kernels   ring attention's per-block CUDA kernels (fourfold.parallel.context.attend_block and
-            attend_block_backward) in bf16 on each kind of ring block, against float32
-            references, each {name, max_error, bound, ok}: the checks of tests/gpu/test_kernels.py
-            (tests/gpu/kernel_checks.py, where the bounds are explained)
-  training  one bf16 training step of a 0.9B Llama on one GPU: fourfold (a one-rank grid on NCCL;
-            the trainer's Model, GradientSync and AdamW) against transformers' LlamaForCausalLM
-            (SDPA attention) with torch's fused AdamW, on the same batch: tokens/s and MFU
-  memory    fourfold's peak memory in that step against the planner's estimate
-            (fourfold.plan.memory.estimate_memory), its GPU-only terms (the CUDA context, NCCL,
-            fragmentation) beside what they stand for
-  model     the model both frameworks build: parameter counts, from meta-device builds
-  skipped   what did not run and why; "ok": every check that ran passed (the exit status too)
+Sections (each {"error": ...} if it raised; the others still run):
+  device          the GPU, torch, CUDA, NCCL; the bf16 peak MFU is taken against (--gpu, --peak-tflops)
+  process_group   a one-rank NCCL world, started inside the guard
+  model           fourfold's and transformers' models of the ~1B Llama built on the meta device: equal counts
+  ring_attention  context._RingAttention forward and backward for cp = 2, 4, 8 with GQA, the cp ranks as
+                  threads on the one GPU (tests/gpu/ring_checks.py), against float64 attention
+  kernels         ring attention's per-block flash kernels against float32 (tests/gpu/kernel_checks.py)
+  same_weights    transformers' random init loaded into fourfold: step-1 loss and gradient norm of fourfold
+                  (bf16, fp32 master weights) and of transformers with autocast, each against transformers
+                  in float32; fourfold's error at most twice autocast's (floor 1e-3 relative); both losses
+                  after 10 AdamW steps
+  throughput      tokens/s and MFU of fourfold, transformers like for like (fp32 master weights, bf16
+                  autocast, fused AdamW) and transformers in pure bf16 (bf16 weights and moments)
+  memory          fourfold's peak at recompute none / selective / full x micro-batch 1 / 8 against the
+                  planner's estimate (fourfold.plan.memory.estimate_memory)
+  compile         train.compile off and on: compile seconds, tokens/s
+  flash           fourfold's attention forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)): a
+                  silent fall-back to another kernel would raise here
 
-Without CUDA it is a dry run (about ten seconds, light on CPU): the configuration, the FLOPs and
-the memory estimate of the GPU run (for --gpu, default the trainer's preset), both models built on
-the meta device, and a `smoke` section: one step of each framework's benchmark code on a tiny
-model on CPU, which checks the code runs and measures nothing.
-
-The multi-GPU checks, every collective of fourfold.parallel.comm on NCCL (the in-place ZeRO-1
-reduce-scatter among them) and ring attention across GPUs, are pytest tests run under torchrun
-on N >= 2 GPUs (each rank also runs the kernel tests on its own GPU):
-
-    torchrun --nproc-per-node N -m pytest tests/gpu -m gpu
+--dry-run (the default without CUDA): every section on a tiny model on CPU, which checks the code and
+measures nothing (compile is skipped: inductor on CPU takes minutes); tests/gpu/test_acceptance.py
+runs it. N >= 2 GPUs: also `torchrun --nproc-per-node N -m pytest tests/gpu -m gpu` (NCCL collectives).
 """
 
 from __future__ import annotations
@@ -41,49 +40,69 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import re
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+START = time.perf_counter()
 
-# The kernel checks live with the tests that share them (tests/gpu/kernel_checks.py).
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+# The kernel and ring checks live with the tests that share them (tests/gpu/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gpu.kernel_checks import BLOCKS, SHAPES, check_block  # noqa: E402
+from gpu.kernel_checks import BLOCKS, SHAPES, Shape, check_block  # noqa: E402
+from gpu.ring_checks import check_ring  # noqa: E402
 
+from fourfold.checkpoint.hf import load_hf  # noqa: E402
+from fourfold.models.config import ModelConfig  # noqa: E402
 from fourfold.parallel.data import GradientSync  # noqa: E402
 from fourfold.parallel.grid import Grid  # noqa: E402
-from fourfold.spec.job import Job  # noqa: E402
-from fourfold.spec.layout import Layout  # noqa: E402
-from fourfold.tools.measure import GPU_ONLY_TERMS  # noqa: E402
-from fourfold.models.config import ModelConfig  # noqa: E402
-from fourfold.parallel.transformer import Transformer  # noqa: E402
 from fourfold.parallel.optimizer import AdamW  # noqa: E402
-from fourfold.spec.hardware import GPUS  # noqa: E402
+from fourfold.parallel.transformer import Transformer  # noqa: E402
+from fourfold.parallel.tensor.block import TensorOptions  # noqa: E402
 from fourfold.plan.memory import GIB, estimate_memory  # noqa: E402
 from fourfold.plan.perf import model_flops_per_token  # noqa: E402
-from fourfold.spec.rules import check  # noqa: E402
-from fourfold.parallel.tensor.block import TensorOptions, torch_dtype  # noqa: E402
+from fourfold.spec.hardware import GPUS  # noqa: E402
+from fourfold.spec.job import Job  # noqa: E402
+from fourfold.spec.layout import Layout  # noqa: E402
 from fourfold.spec.trainconfig import TrainConfig  # noqa: E402
+from fourfold.tools.measure import GPU_ONLY_TERMS  # noqa: E402
 from fourfold.train.trainer import Model, learning_rate, local_batch  # noqa: E402
 
-# A 0.9B Llama (hidden 2048, 16 layers, 16 heads of 128 over 8 kv heads) at sequence 2048; the dry
-# run's smoke model.
-MODEL = ModelConfig("llama", hidden=2048, layers=16, heads=16, kv_heads=8, ffn=5632, vocab=32000,
-                    max_positions=2048, tied=False, eps=1e-5)
-SEQ = 2048
-TINY = ModelConfig("llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, vocab=256, max_positions=64,
-                   tied=False, eps=1e-5)
-TINY_SEQ = 64
-MICRO_BATCHES = (8, 4, 2, 1)  # tried largest first
 DEFAULTS = TrainConfig()  # the trainer's defaults: optimizer, overlap, initialisation
-# The trainer's first (warm-up) learning rate, held: a step's cost does not depend on it.
-LR = learning_rate(DEFAULTS, 0)
-START = time.perf_counter()
+LR = learning_rate(DEFAULTS, DEFAULTS.optimizer.warmup)  # the peak rate (a step's cost does not depend on it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The sizes of a run: the GPU's, or the dry run's tiny ones."""
+    model: ModelConfig
+    seq: int
+    micro_batch: int  # the throughput section's
+    ring: Shape  # per cp: seq divisible by 2 * 8
+    steps: int
+    warmup: int
+
+
+# A 1.1B Llama (hidden 2048, 22 layers, 16 heads of 128 over 8 kv heads, TinyLlama's shape) at seq 2048.
+GPU = Setup(ModelConfig("llama", hidden=2048, layers=22, heads=16, kv_heads=8, head_dim=128, ffn=5632, vocab=32000,
+                        max_positions=2048, tied=False, eps=1e-5), seq=2048, micro_batch=8,
+            ring=Shape(1, 8, 2, 4096, 128), steps=10, warmup=3)
+DRY = Setup(ModelConfig("llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=176, vocab=256, max_positions=64,
+                        tied=False, eps=1e-5), seq=64, micro_batch=8, ring=Shape(1, 4, 2, 128, 32), steps=2, warmup=1)
+DRY_RUN_GPU = "h100-80gb"  # the memory the dry run's estimates take
+MICRO_BATCHES = (1, 8)
+RECOMPUTE = ("none", "selective", "full")
+SAME_WEIGHT_STEPS = 10
+FLOOR = 2e-4  # relative: a distance below this is no signal (transformers' own may be ~0 by chance)
 
 
 def say(message: str) -> None:
@@ -94,7 +113,83 @@ def gib(n: float) -> float:
     return round(n / GIB, 3)
 
 
-# ----- the device and its peak ---------------------------------------------------------------
+def strict(node):
+    """The report with every non-finite float as None (strict JSON has no NaN)."""
+    if isinstance(node, float):
+        return node if math.isfinite(node) else None
+    if isinstance(node, dict):
+        return {k: strict(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [strict(v) for v in node]
+    return node
+
+
+class Report:
+    """The JSON report, rewritten after every change; a watchdog ends the run at the deadline."""
+
+    def __init__(self, path: Path, deadline_s: float):
+        self.path, self.data, self.lock = path, {"ok": None, "running": None, "skipped": []}, threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+        self.watchdog = threading.Timer(max(0.0, deadline_s - (time.perf_counter() - START)), self._stop, [deadline_s])
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def write(self) -> None:
+        with self.lock:
+            self.data["seconds"] = round(time.perf_counter() - START, 1)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(strict(self.data), indent=1, allow_nan=False) + "\n")
+            os.replace(tmp, self.path)
+
+    def _stop(self, deadline_s: float) -> None:
+        self.data["stopped"] = f"deadline of {deadline_s:g} s passed during {self.data['running']}"
+        self.data["ok"] = False
+        self.write()
+        say(self.data["stopped"])
+        os._exit(3)
+
+    def section(self, name: str, run, device: torch.device) -> dict:
+        """`run()` into report[name], or {"error": ...} if it raised (the traceback to stderr)."""
+        say(name)
+        self.data["running"] = name
+        self.write()
+        try:
+            result = run()
+        except Exception as e:  # reported; the other sections still run
+            traceback.print_exc(file=sys.stderr)
+            result = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.data[name] = result
+        self.data["running"] = None
+        self.write()
+        return result
+
+    def skip(self, what: str, why: str) -> None:
+        self.data["skipped"].append({"what": what, "why": why})
+        self.write()
+
+    def finish(self) -> bool:
+        self.watchdog.cancel()
+        self.data["ok"] = all_ok(self.data)
+        self.write()
+        return self.data["ok"]
+
+
+def all_ok(report: dict) -> bool:
+    """No section failed and every check that ran passed."""
+    def walk(node):
+        if isinstance(node, dict):
+            return "error" not in node and node.get("ok") is not False and all(walk(v) for v in node.values())
+        return all(walk(v) for v in node) if isinstance(node, list) else True
+
+    return walk({k: v for k, v in report.items() if k != "ok"})
+
+
+# ----- the device ----------------------------------------------------------------------------
 
 def gpu_preset(device_name: str, memory_gib: float) -> str | None:
     """The preset of this GPU: its family named as a word in the device name ('h200' is not in
@@ -107,14 +202,14 @@ def gpu_preset(device_name: str, memory_gib: float) -> str | None:
     return min(family, key=lambda g: abs(GPUS[g].memory_gib - memory_gib), default=None)
 
 
-def device_facts(args) -> dict:
+def device_facts(args, device: torch.device) -> dict:
     """The device, the bf16 peak MFU is taken against, and where that peak comes from."""
-    if not torch.cuda.is_available():
-        preset = args.gpu or DEFAULTS.hardware.gpu
-        return {"cuda": False, "planned_for": preset, "memory_gib": GPUS[preset].memory_gib,
-                "peak_tflops": GPUS[preset].bf16_tflops, "peak_source": f"preset {preset} (dry run)"}
-    props = torch.cuda.get_device_properties(0)
-    name, memory = torch.cuda.get_device_name(0), props.total_memory / GIB
+    facts = {"torch": torch.__version__, "dry_run": device.type != "cuda"}
+    if device.type != "cuda":
+        preset = args.gpu or DRY_RUN_GPU
+        return facts | {"memory_gib": GPUS[preset].memory_gib, "peak_tflops": None, "peak_source": "dry run"}
+    props = torch.cuda.get_device_properties(device)
+    name, memory = torch.cuda.get_device_name(device), props.total_memory / GIB
     preset = args.gpu or gpu_preset(name, memory)
     if args.peak_tflops:
         peak, source = args.peak_tflops, "--peak-tflops"
@@ -122,13 +217,12 @@ def device_facts(args) -> dict:
         peak, source = GPUS[preset].bf16_tflops, f"preset {preset}" + ("" if args.gpu else f" (matched {name!r})")
     else:
         peak, source = None, f"no preset matches {name!r}: give --gpu or --peak-tflops for MFU"
-    return {"cuda": True, "name": name, "capability": list(torch.cuda.get_device_capability(0)),
-            "memory_gib": round(memory, 2), "peak_tflops": peak, "peak_source": source,
-            "torch": torch.__version__, "cuda_runtime": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    return facts | {"name": name, "capability": list(torch.cuda.get_device_capability(device)),
+                    "memory_gib": round(memory, 2), "peak_tflops": peak, "peak_source": source,
+                    "cuda_runtime": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
 
 
-def start_process_group(device: torch.device) -> None:
+def start_process_group(device: torch.device) -> dict:
     """A world of this one process (no torchrun; the store lives in the process): NCCL on the GPU,
     as the trainer's ranks join it, gloo on CPU."""
     if device.type == "cuda":
@@ -136,6 +230,7 @@ def start_process_group(device: torch.device) -> None:
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return {"backend": dist.get_backend()}
 
 
 def synchronize(device: torch.device) -> None:
@@ -143,53 +238,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def free_device_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+# ----- the frameworks' steps -----------------------------------------------------------------
 
-
-# ----- the job -------------------------------------------------------------------------------
-
-def job_for(micro_batch: int, seq: int) -> Job:
+def job_for(setup: Setup, micro_batch: int, recompute: str = "none") -> Job:
     """The trainer's default job on one rank, one micro-batch per step, in bf16."""
-    return dataclasses.replace(DEFAULTS.job(), global_batch=micro_batch, micro_batch=micro_batch, seq=seq,
-                               precision="bf16")
+    return dataclasses.replace(DEFAULTS.job(), global_batch=micro_batch, micro_batch=micro_batch, seq=setup.seq,
+                               precision="bf16", recompute=recompute)
 
 
-def choose_micro_batch(memory_gib: float) -> int:
-    """The largest micro-batch whose fourfold estimate takes at most half the GPU: transformers'
-    model keeps more activations per token (its norms save float32 copies), so it needs room."""
-    for micro_batch in MICRO_BATCHES:
-        if estimate_memory(MODEL, job_for(micro_batch, SEQ), memory_gib).total <= memory_gib * GIB / 2:
-            return micro_batch
-    raise RuntimeError(f"even one sequence of {SEQ} tokens is estimated above half of {memory_gib:.0f} GiB; "
-                       f"give --micro-batch")
+def batch(setup: Setup, micro_batch: int) -> torch.Tensor:
+    return torch.randint(0, setup.model.vocab, (micro_batch, setup.seq + 1), generator=torch.Generator().manual_seed(0))
 
 
-def model_section(grid: Grid) -> dict:
-    """Both frameworks' models built on the meta device: the same parameter count as the config."""
-    import transformers
-
-    with torch.device("meta"):
-        ours = Transformer(grid, MODEL, TensorOptions(dtype=torch.bfloat16))
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**MODEL.to_hf()),
-                                                               attn_implementation="sdpa", dtype=torch.bfloat16)
-    counts = {"config": MODEL.parameter_count(), "fourfold": sum(p.numel() for p in ours.parameters()),
-              "transformers": sum(p.numel() for p in theirs.parameters())}
-    same = len(set(counts.values())) == 1
-    return {"config": dataclasses.asdict(MODEL), "seq": SEQ, "parameters": counts,
-            "checks": [{"name": "parameter counts equal (config, fourfold, transformers)", "ok": same}]}
-
-
-# ----- one training step of each framework ---------------------------------------------------
-
-def fourfold_step(cfg: ModelConfig, job: Job, ids: torch.Tensor, device: torch.device):
-    """The trainer's construction (trainer._train) and one step of it: (step function, model)."""
-    check(cfg, job, world=1, gpu=device.type == "cuda")
+def fourfold_step(cfg: ModelConfig, job: Job, ids: torch.Tensor, *, compile: bool = False, load: str = ""):
+    """The trainer's construction (trainer._train) and its step: (step -> loss, model, optimizer)."""
     grid = Grid(job.layout)
-    model = Model(grid, job, cfg, dtype=torch_dtype(job.precision, grid.device), overlap=DEFAULTS.train.overlap,
-                  seed=DEFAULTS.model.seed, std=DEFAULTS.model.init_std)
+    model = Model(grid, job, cfg, dtype=torch.bfloat16, overlap=DEFAULTS.train.overlap, seed=DEFAULTS.model.seed,
+                  std=DEFAULTS.model.init_std, compile=compile)
+    if load:
+        load_hf(model.module, load)
     sync = GradientSync(model.module, grid, shard=DEFAULTS.optimizer.zero1)
     o = DEFAULTS.optimizer
     opt = AdamW(sync, lr=LR, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
@@ -201,197 +268,241 @@ def fourfold_step(cfg: ModelConfig, job: Job, ids: torch.Tensor, device: torch.d
         updated = opt.step()  # on the device: a skipped update (non-finite norm) reads as a NaN loss, no sync
         return torch.where(updated, loss, torch.nan)
 
-    return step, model.module
+    return step, model.module, opt
 
 
-def transformers_step(cfg: ModelConfig, ids: torch.Tensor, device: torch.device):
-    """transformers' LlamaForCausalLM in bf16 with SDPA attention, torch's fused AdamW and the
-    trainer's clipping, the loss in float32 over every position as fourfold scores it."""
+def transformers_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     import transformers
 
-    o = DEFAULTS.optimizer
+    torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()),
-                                                              attn_implementation="sdpa", dtype=torch.bfloat16)
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg.to_hf()),
+                                                             attn_implementation="sdpa", dtype=dtype)
+
+
+def forward_backward(model, ids: torch.Tensor, device: torch.device, autocast: bool) -> torch.Tensor:
+    """transformers' loss in float32 over every position, as fourfold scores it, and its backward.
+    autocast: bf16 autocast over fp32 weights (its Trainer's bf16=True); else the weights' dtype."""
+    inputs, targets = ids[:, :-1].to(device), ids[:, 1:].to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=inputs, use_cache=False).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def transformers_step(model, ids: torch.Tensor, device: torch.device, autocast: bool):
+    """transformers' model with torch's fused AdamW and the trainer's clipping: step -> (loss,
+    gradient norm before clipping)."""
+    o = DEFAULTS.optimizer
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
                             fused=True)
-    inputs, targets = ids[:, :-1].to(device), ids[:, 1:].to(device)
 
-    def step() -> torch.Tensor:
-        logits = model(input_ids=inputs, use_cache=False).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        if o.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip)
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        loss = forward_backward(model, ids, device, autocast)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip or math.inf)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss, norm
 
-    return step, model
+    return step
 
 
-def measure(build, cfg: ModelConfig, seq: int, micro_batch: int, device: torch.device, warmup: int, steps: int,
-            peak_tflops: float | None) -> dict:
-    """Build one framework's step, run `warmup` steps, then time `steps` (fenced by synchronize;
-    losses are read afterwards, so no step waits for the host). Memory peaks count from the built
-    model on, over every step (the first traces the gradient buckets and creates the optimizer state)."""
+def timed(step, setup: Setup, micro_batch: int, device: torch.device, peak: float | None) -> dict:
+    """`warmup` steps, then `steps` timed (fenced by synchronize; losses read afterwards, so no
+    step waits for the host). The first step's seconds beside (compilation, optimizer state)."""
     started = time.perf_counter()
-    step, model = build()
+    losses = [step()]
     synchronize(device)
-    out = {"build_seconds": round(time.perf_counter() - started, 2),
-           "parameters": sum(p.numel() for p in model.parameters())}
+    first = time.perf_counter() - started
+    losses += [step() for _ in range(setup.warmup - 1)]
+    synchronize(device)
+    started = time.perf_counter()
+    losses += [step() for _ in range(setup.steps)]
+    synchronize(device)
+    seconds = (time.perf_counter() - started) / setup.steps
+    tokens_per_s = micro_batch * setup.seq / seconds
+    tflops = model_flops_per_token(setup.model, setup.seq) * tokens_per_s / 1e12
+    losses = [float(loss[0] if isinstance(loss, tuple) else loss) for loss in losses]
+    return {"first_step_seconds": round(first, 2), "seconds_per_step": round(seconds, 4),
+            "tokens_per_s": round(tokens_per_s, 1), "tflops_per_s": round(tflops, 2),
+            "mfu": round(tflops / peak, 4) if peak else None, "first_loss": losses[0], "last_loss": losses[-1],
+            "checks": [{"name": "every loss finite", "ok": all(map(math.isfinite, losses))}]}
+
+
+def peak_memory(device: torch.device) -> dict | None:
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return {"max_allocated": gib(torch.cuda.max_memory_allocated(device)),
+            "max_reserved": gib(torch.cuda.max_memory_reserved(device)),
+            "device_used": gib(total - free), "reserved_now": gib(torch.cuda.memory_reserved(device))}
+
+
+def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    losses = [step() for _ in range(warmup)]
-    synchronize(device)
-    started = time.perf_counter()
-    losses += [step() for _ in range(steps)]
-    synchronize(device)
-    seconds = (time.perf_counter() - started) / steps
-    tokens_per_s = micro_batch * seq / seconds
-    tflops = model_flops_per_token(cfg, seq) * tokens_per_s / 1e12
-    losses = [float(loss) for loss in losses]
-    out.update(seconds_per_step=round(seconds, 4), tokens_per_s=round(tokens_per_s, 1), tflops_per_s=round(tflops, 2),
-               mfu=round(tflops / peak_tflops, 4) if peak_tflops else None, first_loss=losses[0], last_loss=losses[-1],
-               checks=[{"name": "every loss finite", "ok": all(map(math.isfinite, losses))}])
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        out["memory_gib"] = {"max_allocated": gib(torch.cuda.max_memory_allocated(device)),
-                             "max_reserved": gib(torch.cuda.max_memory_reserved(device)),
-                             "device_used": gib(total - free), "reserved_now": gib(torch.cuda.memory_reserved(device))}
-    return out
 
 
-def guarded(what: str, run, device: torch.device) -> dict:
-    """`run()`, or {"error": ...} if it raised (the traceback goes to stderr); device memory freed."""
-    say(what)
-    try:
-        return run()
-    except Exception as e:  # a failed section is reported; the other sections still run
-        traceback.print_exc(file=sys.stderr)
-        return {"error": f"{type(e).__name__}: {e}"}
-    finally:
-        free_device_memory(device)
+# ----- the sections --------------------------------------------------------------------------
+
+def model_section(setup: Setup) -> dict:
+    """Both frameworks' models built on the meta device: the same parameter count as the config."""
+    grid = Grid(Layout())
+    with torch.device("meta"):
+        ours = Transformer(grid, setup.model, TensorOptions(dtype=torch.bfloat16))
+    theirs = transformers_model(setup.model, torch.device("meta"), torch.bfloat16)
+    counts = {"config": setup.model.parameter_count(), "fourfold": sum(p.numel() for p in ours.parameters()),
+              "transformers": sum(p.numel() for p in theirs.parameters())}
+    return {"config": dataclasses.asdict(setup.model), "seq": setup.seq, "parameters": counts,
+            "checks": [{"name": "parameter counts equal (config, fourfold, transformers)",
+                        "ok": len(set(counts.values())) == 1}]}
 
 
-def memory_section(cfg: ModelConfig, job: Job, memory_gib: float, measured: dict | None) -> dict:
-    """The planner's estimate for the job, the GPU-only terms apart, beside fourfold's measured step."""
-    estimate = estimate_memory(cfg, job, memory_gib)
-    allocator = {k: v for k, v in estimate.terms.items() if k not in GPU_ONLY_TERMS}
-    gpu_only = {k: estimate.terms[k] for k in GPU_ONLY_TERMS}
-    out = {"estimate_gib": {"allocator_terms": {k: gib(v) for k, v in allocator.items()},
-                            "allocator_total": gib(sum(allocator.values())),
-                            "gpu_only_terms": {k: gib(v) for k, v in gpu_only.items()},
-                            "total": gib(estimate.total), "fits": estimate.fits}}
-    if measured is not None:  # GiB
-        m = measured
-        out["measured_gib"] = {
-            "max_allocated": m["max_allocated"],  # against the allocator terms
-            "max_reserved": m["max_reserved"],
-            "reserved_minus_allocated": round(m["max_reserved"] - m["max_allocated"], 3),  # against fragmentation
-            # the CUDA context, NCCL and library workspaces (if nothing else runs on the GPU):
-            # against cuda_context + nccl
-            "outside_allocator": round(m["device_used"] - m["reserved_now"], 3),
-            "device_used": m["device_used"],  # against the total
-        }
-        out["measured_over_estimated"] = {
-            "max_allocated / allocator terms": round(m["max_allocated"] * GIB / sum(allocator.values()), 3),
-            "device_used / total": round(m["device_used"] * GIB / estimate.total, 3),
-        }
-    return out
+def ring_section(setup: Setup, device: torch.device) -> dict:
+    return {"shape": str(setup.ring), "checks": [c for cp in (2, 4, 8) for c in check_ring(setup.ring, cp, device)]}
 
-
-# ----- the run -------------------------------------------------------------------------------
 
 def kernel_section(device: torch.device) -> dict:
-    checks = [c for shape in SHAPES for block in BLOCKS for c in check_block(block, shape, device)]
-    return {"checks": checks}
+    return {"checks": [c for shape in SHAPES for block in BLOCKS for c in check_block(block, shape, device)]}
 
 
-def training_section(args, device: torch.device, memory_gib: float, peak: float | None) -> tuple[dict, dict]:
-    micro_batch = args.micro_batch or choose_micro_batch(memory_gib)
-    job = job_for(micro_batch, SEQ)
-    ids = torch.randint(0, MODEL.vocab, (micro_batch, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    run = dict(cfg=MODEL, seq=SEQ, micro_batch=micro_batch, device=device, warmup=args.warmup, steps=args.steps,
-               peak_tflops=peak)
-    ours = guarded(f"fourfold: build and {args.warmup} + {args.steps} steps, micro-batch {micro_batch}",
-                   lambda: measure(lambda: fourfold_step(MODEL, job, ids, device), **run), device)
-    theirs = guarded("transformers: the same", lambda: measure(lambda: transformers_step(MODEL, ids, device), **run),
-                     device)
-    training = {"micro_batch": micro_batch, "seq": SEQ, "tokens_per_step": micro_batch * SEQ, "lr": LR,
-                "flops_per_token": model_flops_per_token(MODEL, SEQ), "peak_tflops": peak,
-                "note": "transformers trains in plain bf16 (bf16 gradients and AdamW state); fourfold keeps "
-                        "float32 gradient accumulators, master weights and moments, as the trainer does",
-                "fourfold": ours, "transformers": theirs}
-    if "tokens_per_s" in ours and "tokens_per_s" in theirs:
-        training["fourfold_over_transformers"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
-    return training, memory_section(MODEL, job, memory_gib, ours.get("memory_gib"))
+def _close(name: str, value: float, reference: float, yardstick: float) -> dict:
+    """value within max(2 x the yardstick's distance, FLOOR relative) of the reference."""
+    distance, allowed = abs(value - reference), max(2 * abs(yardstick - reference), FLOOR * abs(reference))
+    return {"name": name, "fourfold": value, "transformers_autocast": yardstick, "transformers_float32": reference,
+            "distance": distance, "allowed": allowed, "ok": distance <= allowed}
 
 
-def smoke_section(device: torch.device) -> dict:
-    """One step of each framework's benchmark code on a tiny model on CPU: the code runs."""
-    job = job_for(2, TINY_SEQ)
-    ids = torch.randint(0, TINY.vocab, (2, TINY_SEQ + 1), generator=torch.Generator().manual_seed(0))
-    run = dict(cfg=TINY, seq=TINY_SEQ, micro_batch=2, device=device, warmup=1, steps=1, peak_tflops=None)
-    return {"note": "a tiny model on CPU: exercises the benchmark's code, measures nothing",
-            "model": dataclasses.asdict(TINY),
-            "fourfold": guarded("smoke: fourfold",
-                                lambda: measure(lambda: fourfold_step(TINY, job, ids, device), **run), device),
-            "transformers": guarded("smoke: transformers",
-                                    lambda: measure(lambda: transformers_step(TINY, ids, device), **run), device)}
+def same_weights_section(setup: Setup, device: torch.device) -> dict:
+    """transformers' initial weights in fourfold: step 1 of fourfold and of transformers with
+    autocast against transformers in float32, then SAME_WEIGHT_STEPS steps of both."""
+    ids = batch(setup, 1)
+    theirs = transformers_model(setup.model, device, torch.float32)
+    with tempfile.TemporaryDirectory() as directory:
+        theirs.save_pretrained(directory)
+        step, _, opt = fourfold_step(setup.model, job_for(setup, 1), ids, load=directory)
+    ours = []
+    for _ in range(SAME_WEIGHT_STEPS):
+        loss = float(step())
+        ours.append((loss, opt.last_norm))
+    del step, opt
+    exact_loss = float(forward_backward(theirs, ids, device, autocast=False))  # float32, no update
+    exact_norm = float(torch.nn.utils.clip_grad_norm_(theirs.parameters(), math.inf))
+    theirs.zero_grad(set_to_none=True)
+    step = transformers_step(theirs, ids, device, autocast=True)
+    autocast = [tuple(map(float, step())) for _ in range(SAME_WEIGHT_STEPS)]
+    return {"tokens": setup.seq,
+            "checks": [_close("step-1 loss", ours[0][0], exact_loss, autocast[0][0]),
+                       _close("step-1 gradient norm", ours[0][1], exact_norm, autocast[0][1])],
+            f"loss_at_step_{SAME_WEIGHT_STEPS}": {"fourfold": ours[-1][0], "transformers_autocast": autocast[-1][0],
+                                                 "relative_difference": abs(ours[-1][0] / autocast[-1][0] - 1)}}
 
 
-def all_ok(report: dict) -> bool:
-    """No section failed and every check that ran passed."""
-    def walk(node):
-        if isinstance(node, dict):
-            if "error" in node or node.get("ok") is False:
-                return False
-            return all(walk(v) for v in node.values())
-        if isinstance(node, list):
-            return all(walk(v) for v in node)
-        return True
+def throughput_section(setup: Setup, device: torch.device, peak: float | None) -> dict:
+    mb, ids = setup.micro_batch, batch(setup, setup.micro_batch)
+    out = {"micro_batch": mb, "seq": setup.seq, "tokens_per_step": mb * setup.seq, "lr": LR,
+           "flops_per_token": model_flops_per_token(setup.model, setup.seq), "peak_tflops": peak}
+    step = fourfold_step(setup.model, job_for(setup, mb), ids)[0]
+    out["fourfold"] = timed(step, setup, mb, device, peak)
+    del step
+    gc.collect()
+    for name, dtype, autocast in (("transformers_autocast", torch.float32, True),
+                                  ("transformers_bf16", torch.bfloat16, False)):
+        step = transformers_step(transformers_model(setup.model, device, dtype), ids, device, autocast)
+        out[name] = timed(step, setup, mb, device, peak)
+        del step
+        gc.collect()
+    out["fourfold_over_transformers_autocast"] = round(
+        out["fourfold"]["tokens_per_s"] / out["transformers_autocast"]["tokens_per_s"], 3)
+    return out
 
-    return walk(report)
+
+def memory_section(setup: Setup, device: torch.device, memory_gib: float) -> dict:
+    """fourfold's peak over two steps (from the model's build on) against the planner's estimate: its
+    allocator terms against max_allocated, its total (with the CUDA context, NCCL, fragmentation)
+    against the device memory in use."""
+    rows = []
+    for micro_batch in MICRO_BATCHES:
+        for recompute in RECOMPUTE:
+            job = job_for(setup, micro_batch, recompute)
+            estimate = estimate_memory(setup.model, job, memory_gib)
+            allocator = sum(v for k, v in estimate.terms.items() if k not in GPU_ONLY_TERMS)
+            row = {"micro_batch": micro_batch, "recompute": recompute,
+                   "estimate_gib": {"allocator_terms": gib(allocator), "total": gib(estimate.total)}}
+            reset_peak(device)
+            step = fourfold_step(setup.model, job, batch(setup, micro_batch))[0]
+            losses = [float(step()) for _ in range(2)]
+            row["losses_finite"] = {"name": "both losses finite", "ok": all(map(math.isfinite, losses))}
+            measured = peak_memory(device)
+            if measured:
+                row["measured_gib"] = measured
+                row["max_allocated / allocator terms"] = round(measured["max_allocated"] * GIB / allocator, 3)
+                row["device_used / total"] = round(measured["device_used"] * GIB / estimate.total, 3)
+            rows.append(row)
+            del step
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return {"seq": setup.seq, "runs": rows}
+
+
+def compile_section(setup: Setup, device: torch.device, peak: float | None) -> dict:
+    """train.compile off and on: the first step's extra seconds (compilation) and tokens/s."""
+    mb, ids, out = setup.micro_batch, batch(setup, setup.micro_batch), {}
+    for compile in (False, True):
+        step = fourfold_step(setup.model, job_for(setup, mb), ids, compile=compile)[0]
+        out["on" if compile else "off"] = timed(step, setup, mb, device, peak)
+        del step
+        gc.collect()
+    out["compile_seconds"] = round(out["on"]["first_step_seconds"] - out["off"]["first_step_seconds"], 2)
+    out["on_over_off"] = round(out["on"]["tokens_per_s"] / out["off"]["tokens_per_s"], 3)
+    return out
+
+
+def flash_section(setup: Setup, device: torch.device, peak: float | None) -> dict:
+    """fourfold's steps with SDPA allowed the flash kernel only: a fall-back would raise."""
+    mb, ids = setup.micro_batch, batch(setup, setup.micro_batch)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        step = fourfold_step(setup.model, job_for(setup, mb), ids)[0]
+        return timed(step, setup, mb, device, peak)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", default="acceptance.json", help="the JSON report, rewritten after every section")
+    p.add_argument("--deadline-s", type=float, default=480.0, help="stop here, keeping what finished (default 480)")
+    p.add_argument("--dry-run", action="store_true", help="tiny models on CPU (the default without CUDA)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="the GPU preset (peak, memory) when the name matches none")
     p.add_argument("--peak-tflops", type=float, help="the bf16 dense peak to take MFU against")
-    p.add_argument("--micro-batch", type=int, help="sequences per step (default: from the planner's estimate)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    facts = device_facts(args)
-    report: dict = {"device": facts, "skipped": []}
-    start_process_group(device)
-    try:
-        report["model"] = guarded("both models on the meta device", lambda: model_section(Grid(Layout())), device)
-        if cuda:
-            report["kernels"] = guarded("ring attention's kernels", lambda: kernel_section(device), device)
-            report["training"], report["memory"] = training_section(args, device, facts["memory_gib"],
-                                                                   facts["peak_tflops"])
-        else:
-            why = "no CUDA device: a dry run"
-            report["skipped"] = [{"what": "kernels (CUDA flash attention)", "why": why},
-                                 {"what": "training step of the 0.9B model, tokens/s and MFU", "why": why},
-                                 {"what": "measured GPU memory", "why": why}]
-            micro_batch = args.micro_batch or choose_micro_batch(facts["memory_gib"])
-            report["plan"] = {"micro_batch": micro_batch, "seq": SEQ, "tokens_per_step": micro_batch * SEQ,
-                              "flops_per_token": model_flops_per_token(MODEL, SEQ), "lr": LR}
-            report["memory"] = memory_section(MODEL, job_for(micro_batch, SEQ), facts["memory_gib"], None)
-            report["smoke"] = smoke_section(device)
-    finally:
-        dist.destroy_process_group()
-    report["ok"] = all_ok(report)
-    report["seconds"] = round(time.perf_counter() - START, 1)
-    print(json.dumps(report, indent=1))
-    say(f"done: {'every check passed' if report['ok'] else 'FAILED (see the JSON)'}")
-    return 0 if report["ok"] else 1
+    dry = args.dry_run or not torch.cuda.is_available()
+    setup, device = (DRY, torch.device("cpu")) if dry else (GPU, torch.device("cuda", 0))
+    report = Report(Path(args.output), args.deadline_s)
+    facts = report.section("device", lambda: device_facts(args, device), device)
+    peak, memory_gib = facts.get("peak_tflops"), facts.get("memory_gib", 80.0)
+    if "error" in report.section("process_group", lambda: start_process_group(device), device):
+        report.skip("every other section", "no process group (see process_group)")
+        return 0 if report.finish() else 1
+    report.section("model", lambda: model_section(setup), device)
+    report.section("ring_attention", lambda: ring_section(setup, device), device)
+    if dry:
+        report.skip("kernels", "CUDA's flash kernels: a dry run")
+    else:
+        report.section("kernels", lambda: kernel_section(device), device)
+    report.section("same_weights", lambda: same_weights_section(setup, device), device)
+    report.section("throughput", lambda: throughput_section(setup, device, peak), device)
+    report.section("memory", lambda: memory_section(setup, device, memory_gib), device)
+    if dry:
+        report.skip("compile", "inductor on CPU takes minutes: a dry run")
+    else:
+        report.section("compile", lambda: compile_section(setup, device, peak), device)
+    report.section("flash", lambda: flash_section(setup, device, peak), device)
+    dist.destroy_process_group()
+    ok = report.finish()
+    say(f"done, {args.output}: {'every check passed' if ok else 'FAILED (see the report)'}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
