@@ -167,9 +167,10 @@ def test_workers_hold_few_blocks_in_flight(tokenizer):
 def test_errors_name_the_fix(tokenizer, inputs, tmp_path):
     spec, _ = inputs
     jsonl, parquet = [s.strip() for s in spec.split(",")[1:]]
-    with pytest.raises(ValueError, match=r"4 JSON lines are no document \(.*c.jsonl line 1: no field 'text' \(its fields: "
-                                         r"id, body\);.*; no line has the field 'text': set data.field to body, which "
-                                         r"every line has; fix or remove them, or set data.skip_bad_records = true"):
+    reported = (r"4 JSON lines are no document \(.*c.jsonl line 1: no field 'text' \(its fields: id, body\);.*; "
+                r"no line has the field 'text': set data.field to body, which every line has; fix or remove them, "
+                r"or set data.skip_bad_records = true")
+    with pytest.raises(ValueError, match=reported):
         corpus.prepare(None, 0, tmp_path, files=jsonl, tokenizer=str(tokenizer), workers=1)
     with pytest.raises(ValueError, match=r"has no column 'text' \(its columns are id, body\); set data.field"):
         corpus.prepare(None, 0, tmp_path, files=parquet, tokenizer=str(tokenizer), workers=1)

@@ -10,15 +10,14 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from fourfold import checkpoint
-
-from fourfold.data import corpus
 from fourfold.checkpoint.export import export
-from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import Layout
-from fourfold.models.config import ModelConfig
 from fourfold.checkpoint.hf import to_hf_tensors
-from fourfold.parallel.transformer import Transformer
+from fourfold.data import corpus
+from fourfold.models.config import ModelConfig
+from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.params import full_weights
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
 from fourfold.train.trainer import tokenizer_files
 
 transformers = pytest.importorskip("transformers")
@@ -142,3 +141,41 @@ def test_a_failed_export_leaves_no_directory(ranks, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         export(tmp_path / "run", tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tok"]
+
+
+def _save_fine_tuned(root, tokenizer, generation):
+    """A checkpoint as fine-tuning a Hugging Face model leaves it: its generation_config.json copied
+    in, its config.json's pad_token_id in the meta."""
+    model = Transformer(Grid(Layout()), MODELS["llama"], seed=7)
+    checkpoint.save(root, 1, model, None, {"model": dataclasses.asdict(MODELS["llama"]), "pad_token_id": 5}, keep=1,
+                    files=tokenizer_files(tokenizer) | {"generation_config.json": generation})
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_keeps_the_pad_token_and_the_generation_settings(ranks, tmp_path):
+    """The pad id of the model fine-tuned (or the one its tokenizer_config.json names) and its
+    generation_config.json reach the export; transformers reads both."""
+    generation = tmp_path / "generation_config.json"
+    generation.write_text(json.dumps({"do_sample": True, "temperature": 0.6}))
+    ranks.run(_save_fine_tuned, 1, tmp_path / "run", _tokenizer(tmp_path / "tok" / "tokenizer.json"), generation)
+    export(tmp_path / "run", tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    settings = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert config.pad_token_id == settings.pad_token_id == 5 and settings.eos_token_id == config.eos_token_id == 1
+    assert settings.do_sample and settings.temperature == 0.6
+    tokenizer = _tokenizer(tmp_path / "named" / "tokenizer.json")  # a pad token named by the tokenizer wins
+    (tmp_path / "named" / "tokenizer_config.json").write_text(json.dumps({"pad_token": "w3"}))
+    ranks.run(_save_fine_tuned, 1, tmp_path / "run2", tokenizer, generation)
+    export(tmp_path / "run2", tmp_path / "hf2")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf2").pad_token_id == 3
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "hf2").pad_token_id == 3
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_damaged_checkpoint_is_not_exported(ranks, tmp_path):
+    ranks.run(_save_with, 1, "llama", tmp_path / "run", _tokenizer(tmp_path / "tok" / "tokenizer.json"))
+    (checkpoint.latest(tmp_path / "run") / "__0_0.distcp").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"step-00000001 is damaged \(__0_0.distcp is missing\); "
+                                                          r"export an intact one"):
+        export(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 from fourfold import checkpoint
-
-from fourfold.data import corpus
 from fourfold.cli.main import main
+from fourfold.data import corpus
 from fourfold.spec.trainconfig import TrainConfig
 
 STEPS = 6
@@ -37,7 +36,8 @@ def data(tmp_path_factory):
 
 
 def _options(run_dir, *extra):
-    return ["--log.run_dir", str(run_dir), "--log.progress", "false", "--log.every", "1000", "--train.steps", str(STEPS),
+    return ["--log.run_dir", str(run_dir), "--log.progress", "false", "--log.every", "1000", "--train.steps",
+            str(STEPS),
             "--batch.global_batch", "8", "--batch.micro_batch", "2", "--batch.seq", "32", "--optimizer.warmup", "2",
             "--checkpoint.every", "100", *extra]
 
@@ -53,7 +53,7 @@ def no_launch(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("torchrun was started")
 
-    monkeypatch.setattr("fourfold.cli.main.relaunch_with_torchrun", launched)
+    monkeypatch.setattr("fourfold.cli.train.relaunch_with_torchrun", launched)
 
 
 def _error(capsys, argv) -> str:
@@ -94,10 +94,13 @@ def test_train_checks_tokenizer_and_token_ids_against_the_model_before_launch(da
     err = _error(capsys, ["train", "--model.preset", str(small), *data["options"]])
     assert "data.vocab=512 is larger than the model's vocabulary of 256" in err and "set data.vocab <= 256" in err
     np.save(tmp_path / "ids.npy", np.array([1, 2, 5000, 3], dtype=np.uint16))
-    err = _error(capsys, ["train", "--data.tokens", str(tmp_path / "ids.npy"), "--data.tokenizer", str(data["tokenizer"])])
-    assert "holds id 5000, outside the model's vocabulary [0, 4096); tokenize the data with the model's tokenizer" in err
+    err = _error(capsys, ["train", "--data.tokens", str(tmp_path / "ids.npy"), "--data.tokenizer",
+                          str(data["tokenizer"])])
+    assert ("holds id 5000, outside the model's vocabulary [0, 4096); tokenize the data with the model's "
+            "tokenizer") in err
     (tmp_path / "text.npy").write_text("not numpy")
-    err = _error(capsys, ["train", "--data.tokens", str(tmp_path / "text.npy"), "--data.tokenizer", str(data["tokenizer"])])
+    err = _error(capsys, ["train", "--data.tokens", str(tmp_path / "text.npy"), "--data.tokenizer",
+                          str(data["tokenizer"])])
     assert "give a .npy file of token ids" in err
 
 
@@ -143,7 +146,8 @@ def test_slurm_script_runs_unchanged_on_a_cluster(tmp_path, monkeypatch):
     submit.mkdir()
     monkeypatch.chdir(submit)
     odd = "out/$(whoami) x"
-    assert main(["slurm", str(EXAMPLE), "--nodes", "2", "--gpus-per-node", "8", "--grid.dp", "4", "--output", "job.sbatch",
+    assert main(["slurm", str(EXAMPLE), "--nodes", "2", "--gpus-per-node", "8", "--grid.dp", "4", "--output",
+                 "job.sbatch",
                  "--log.run_dir", "my runs/8b", "--checkpoint.dir", odd, "--partition", "gpu"]) == 0
     script = (submit / "job.sbatch").read_text()
     run_dir = submit / "my runs" / "8b"
@@ -152,7 +156,8 @@ def test_slurm_script_runs_unchanged_on_a_cluster(tmp_path, monkeypatch):
                  "#SBATCH --cpus-per-task=64", "#SBATCH --exclusive", "#SBATCH --signal=TERM@300",
                  f"#SBATCH --chdir='{submit}'", f"#SBATCH --output='{run_dir}/slurm-%j.out'",
                  f"#SBATCH --error='{run_dir}/slurm-%j.err'", "#SBATCH --partition=gpu",
-                 "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}", "# export NCCL_SOCKET_IFNAME=ib0", "# export NCCL_IB_HCA=mlx5"]:
+                 "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}", "# export NCCL_SOCKET_IFNAME=ib0",
+                 "# export NCCL_IB_HCA=mlx5"]:
         assert line in script.splitlines(), line
     assert subprocess.run(["bash", "-n", "job.sbatch"]).returncode == 0
     ran = subprocess.run(["bash", str(submit / "job.sbatch")], env=_fake_slurm(tmp_path / "bin"), cwd=tmp_path,
@@ -228,7 +233,9 @@ def test_resume_with_another_schedule_says_what_changed(data, stopped, tmp_path)
     def no_nan(token):
         raise ValueError(f"{token} is not JSON")
     summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_nan)  # strict JSON
-    assert summary["steps"] == 0 and summary["last_loss"] is None
+    # the whole run: steps 3-7 of the first segment, none in the second
+    assert summary["step"] == 8 and summary["steps"] == 5
+    assert [(s["event"], s["step"]) for s in summary["segments"]] == [("resume", 3), ("resume", 8)]
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigint to the launcher", "sigterm to the launcher"])
@@ -244,7 +251,8 @@ def test_a_signal_to_the_command_stops_every_rank_in_one_line(data, tmp_path, ho
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     log = tmp_path / "log.jsonl"
     deadline = time.monotonic() + 180
-    while proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+    while (proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2)
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     if how == "ctrl-c":
         os.killpg(proc.pid, signal.SIGINT)
@@ -290,7 +298,8 @@ def test_torchrun_and_the_ranks_stop_when_the_launcher_is_killed(data, tmp_path)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     log, deadline = tmp_path / "log.jsonl", time.monotonic() + 180
-    while proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+    while (proc.poll() is None and not (log.exists() and log.read_text().count("\n") >= 2)
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     assert len(_processes_naming(str(tmp_path))) >= 4  # the launcher, torchrun and two ranks
     proc.kill()
@@ -324,12 +333,16 @@ def test_export_then_fine_tune_from_the_hugging_face_directory(data, stopped, tm
     assert f"wrote {hf} from {run / 'checkpoints' / 'step-00000003'}" in capsys.readouterr().out
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in hf.iterdir()}
     fine = tmp_path / "fine"
-    done = _fourfold("train", "--model.hf", hf, "--data.tokens", data["tokens"], "--data.tokenizer", hf / "tokenizer.json",
+    done = _fourfold("train", "--model.hf", hf, "--data.tokens", data["tokens"], "--data.tokenizer",
+                     hf / "tokenizer.json",
                      *_options(fine, "--train.steps", "2"))
     assert done.returncode == 0, done.stderr[-3000:]
-    first = [json.loads(line)["loss"] for line in (fine / "log.jsonl").read_text().splitlines()][0]
-    from_scratch = json.loads((run / "log.jsonl").read_text().splitlines()[0])["loss"]
+    first, from_scratch = (_first_loss(r) for r in (fine, run))
     assert first < from_scratch - 0.1  # the same first batch, scored by the exported (trained) weights
+
+
+def _first_loss(run):
+    return next(r["loss"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "loss" in r)
 
 
 def test_fine_tuning_a_hugging_face_directory_on_jsonl_uses_its_tokenizer(data, stopped, tmp_path, capsys):

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from fourfold.data import corpus
-
-from fourfold.train import metrics
 from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
+from fourfold.train import metrics
 
 
 def test_wandb_asked_for_but_not_installed_fails_before_launch(monkeypatch):

@@ -44,9 +44,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
+from fourfold.checkpoint.sharded_io import Rectangle, RectangleLoadPlanner, RectangleSavePlanner, ShardError, rectangles
 from fourfold.parallel import comm
 from fourfold.parallel.optimizer import AdamW
-from fourfold.checkpoint.sharded_io import Rectangle, RectangleLoadPlanner, RectangleSavePlanner, ShardError, rectangles
 from fourfold.parallel.tensor import params
 
 META = "meta.json"

@@ -7,8 +7,10 @@ size limit. Memory is bounded by one shard plus the largest tensor, whatever the
 The directory is written under OUT_DIR.partial and renamed at the end (a failed export leaves no
 half directory); config.json, the index and the checkpoint's tokenizer go with it, with a
 tokenizer_config.json naming its end-of-document token, so that transformers and a later
-`--model.hf OUT_DIR` agree with training on it. An existing non-empty OUT_DIR is refused, never
-replaced: a typo naming the source model must not delete it.
+`--model.hf OUT_DIR` agree with training on it, and a generation_config.json (the fine-tuned
+model's settings, with the bos, eos and pad ids of config.json). An existing non-empty OUT_DIR is
+refused, never replaced: a typo naming the source model must not delete it. A checkpoint missing a
+file, or with one cut short (`checkpoint.damage`), is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from fourfold import checkpoint
-
+from fourfold.checkpoint.hf import hf_sources, hf_tensor
 from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
-from fourfold.checkpoint.hf import hf_sources, hf_tensor
 
 SHARD_BYTES = 2 * 2**30
 
@@ -42,6 +43,9 @@ def export(source: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYT
     if not (path / checkpoint.META).is_file():
         path = checkpoint.latest(path) or path
     cfg = ModelConfig.from_dict(checkpoint.read_meta(path)["model"])
+    what = checkpoint.damage(path)
+    if what:
+        raise checkpoint.CheckpointError(f"the checkpoint {path} is damaged ({what}); export an intact one")
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -85,16 +89,29 @@ def _write_model(cfg: ModelConfig, path: Path, partial: Path, shard_bytes: int) 
         index = {"metadata": {"total_size": total}, "weight_map": {hf: names[i] for hf, i in weight_map.items()}}
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     token_ids = _write_tokenizer(cfg, path, partial)
+    if token_ids.get("pad_token_id") is None:  # none named by the tokenizer: the one of the model fine-tuned, if any
+        token_ids["pad_token_id"] = checkpoint.read_meta(path).get("pad_token_id")
     (partial / "config.json").write_text(json.dumps(cfg.to_hf() | token_ids, indent=1))
+    _write_generation_config(path, partial, token_ids)
+
+
+def _write_generation_config(path: Path, out: Path, token_ids: dict) -> None:
+    """generation_config.json, as transformers' generate reads it: the checkpoint's copy of the
+    fine-tuned model's (its sampling settings) with the token ids of config.json."""
+    source = path / "generation_config.json"
+    settings = json.loads(source.read_text(encoding="utf-8")) if source.is_file() else {}
+    settings.update({key: value for key, value in token_ids.items() if value is not None})
+    (out / "generation_config.json").write_text(json.dumps(settings, indent=1))
 
 
 def _write_tokenizer(cfg: ModelConfig, path: Path, out: Path) -> dict:
     """The checkpoint's tokenizer.json and a tokenizer_config.json naming its end-of-document token
     (eos_token, as `corpus.end_of_document` found it for training) and BOS; returns config.json's
-    bos_token_id and eos_token_id. An id not known is null: left out, transformers would take its
-    class default (Llama's 1 and 2, GPT-2's 50256), another token or none of the vocabulary."""
+    bos_token_id, eos_token_id and pad_token_id (the tokenizer_config.json's pad_token). An id not
+    known is null: left out, transformers would take its class default (Llama's 1 and 2, GPT-2's
+    50256), another token or none of the vocabulary."""
     if not (path / "tokenizer.json").is_file():
-        return {"bos_token_id": None, "eos_token_id": None}
+        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     shutil.copyfile(path / "tokenizer.json", out / "tokenizer.json")
     # the user's own tokenizer_config.json (its class, EOS, chat template) when the run had one
     settings = (json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -114,7 +131,9 @@ def _write_tokenizer(cfg: ModelConfig, path: Path, out: Path) -> dict:
         if token is not None:
             settings[key] = tokenizer.id_to_token(token)
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))
-    return {"bos_token_id": bos, "eos_token_id": eos}
+    pad = settings.get("pad_token")
+    pad = tokenizer.token_to_id(pad.get("content") if isinstance(pad, dict) else pad) if pad else None
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
 
 
 def _prepended(tokenizer) -> int | None:

@@ -31,7 +31,8 @@ import sys
 import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
 import numpy as np
@@ -259,7 +260,8 @@ class Rejects:
         more = f"; and {self.count - len(self.first)} more" if self.count > len(self.first) else ""
         said = f"{self.count} JSON lines are no document ({'; '.join(self.first)}{more})"
         if not self.good and self.fields and self.count:
-            said += f"; no line has the field {field!r}: set data.field to {' or '.join(sorted(self.fields))}, which every line has"
+            said += (f"; no line has the field {field!r}: set data.field to {' or '.join(sorted(self.fields))}, which "
+                     f"every line has")
         return said
 
 
@@ -278,7 +280,8 @@ def _jsonl_texts(data: bytes, field: str, path: str, line: int) -> tuple[list[st
             continue
         if not isinstance(record, dict) or field not in record:
             has = (f"its fields: {', '.join(record)}" if isinstance(record, dict) else f"a {type(record).__name__}")
-            text_fields = {k for k, v in record.items() if isinstance(v, str | None)} if isinstance(record, dict) else set()
+            text_fields = ({k for k, v in record.items() if isinstance(v, str | None)} if isinstance(record, dict)
+                           else set())
             rejects.add(where, f"no field {field!r} ({has})", text_fields)
             continue
         text = record[field]
@@ -661,11 +664,13 @@ def document_windows(tokens_path: str | Path, seq: int, eos: int, cache_dir: str
     other ranks memory-map it: no rank but one scans the file or holds the starts in its own memory."""
     path = Path(tokens_path).resolve()
     stat = path.stat()
-    out = Path(cache_dir).expanduser() / f"windows-{_digest(path, stat.st_size, stat.st_mtime_ns, seq, eos, eval_fraction)}.npy"
+    key = _digest(path, stat.st_size, stat.st_mtime_ns, seq, eos, eval_fraction)
+    out = Path(cache_dir).expanduser() / f"windows-{key}.npy"
     if not out.exists():
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         try:
-            starts, held_out_start = _document_windows(tokens, seq, eos, _train_windows(len(tokens), seq, eval_fraction))
+            train = _train_windows(len(tokens), seq, eval_fraction)
+            starts, held_out_start = _document_windows(tokens, seq, eos, train)
         except ValueError as e:
             raise ValueError(f"the token file {tokens_path} {e}") from None
         out.parent.mkdir(parents=True, exist_ok=True)

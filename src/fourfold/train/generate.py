@@ -10,14 +10,13 @@ import torch
 import torch.distributed as dist
 
 from fourfold import checkpoint
-
+from fourfold.checkpoint.hf import load_hf, model_directory
 from fourfold.data import corpus
+from fourfold.models.config import ModelConfig, load_config
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.models.config import ModelConfig, load_config
-from fourfold.checkpoint.hf import load_hf, model_directory
-from fourfold.parallel.transformer import Transformer
 from fourfold.spec.rules import check
 
 
@@ -44,6 +43,9 @@ def open_model(path: str | Path) -> tuple[Transformer, object, int, int | None]:
             raise checkpoint.CheckpointError(f"{path}: {e}") from None
     else:
         cfg = ModelConfig.from_dict(checkpoint.read_meta(path)["model"])
+        what = checkpoint.damage(path)
+        if what:
+            raise checkpoint.CheckpointError(f"the checkpoint {path} is damaged ({what}); give an intact one")
     window = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)
     check(cfg, Job(micro_batch=1, global_batch=1, seq=window, precision="float32"), world=1)
     if not (path / "tokenizer.json").is_file():
@@ -87,10 +89,18 @@ def continue_ids(model: Transformer, ids: list[int], window: int, max_new_tokens
 
 
 def generate(path: str | Path, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> str:
-    """The prompt and its continuation, from a checkpoint or Hugging Face directory (see `open_model`)."""
+    """The prompt and its continuation, from a checkpoint or Hugging Face directory (see `open_model`);
+    ValueError for a prompt and max_new_tokens past the model's positions (it was not trained there)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
     model, tokenizer, window, eos = open_model(path)
-    ids = continue_ids(model, tokenizer.encode(prompt).ids or [0], window, max_new_tokens, temperature, seed, eos)
-    dist.destroy_process_group()
-    return tokenizer.decode(ids)
+    try:
+        ids = tokenizer.encode(prompt).ids or [0]
+        positions = model.cfg.max_positions
+        if len(ids) + max_new_tokens > positions:
+            raise ValueError(f"--max-new-tokens {max_new_tokens} after the prompt's {len(ids)} tokens passes the "
+                             f"model's {positions} positions; give --max-new-tokens {max(0, positions - len(ids))} or "
+                             f"less, or a shorter prompt")
+        return tokenizer.decode(continue_ids(model, ids, window, max_new_tokens, temperature, seed, eos))
+    finally:
+        dist.destroy_process_group()

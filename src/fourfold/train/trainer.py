@@ -30,27 +30,23 @@ import torch
 import torch.distributed as dist
 
 from fourfold import checkpoint
-
-from fourfold.parallel import comm, context
-
 from fourfold.data import corpus
-
-from fourfold.train import metrics
-from fourfold.parallel.data import GradientSync
-from fourfold.train.evaluate import evaluate
-from fourfold.parallel.grid import Grid
-from fourfold.spec.job import Job
-from fourfold.train.launch import StopRequest
 from fourfold.models.config import ModelConfig
-from fourfold.parallel.transformer import Transformer
+from fourfold.parallel import comm, context
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.overlap import OverlapOptions
 from fourfold.parallel.pipeline import Pipeline
-from fourfold.spec.counts import flops_per_token
-from fourfold.spec.hardware import GPUS
-from fourfold.spec.layout import DIMS
 from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.counts import flops_per_token
+from fourfold.spec.job import Job
+from fourfold.spec.layout import DIMS
 from fourfold.spec.trainconfig import ConfigError, TrainConfig, validate
+from fourfold.train import metrics
+from fourfold.train.evaluate import evaluate
+from fourfold.train.launch import StopRequest
 
 
 class TrainingError(RuntimeError):
@@ -141,8 +137,9 @@ SHAPES = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "ti
 
 def check_checkpoint(cfg: TrainConfig) -> list[str]:
     """The checkpoint the run would start from, before any process starts: every file there with its
-    size (`checkpoint_source`), and of the configured model's shapes (raises ConfigError naming the fix). Returns the other settings
-    that differ from the checkpoint's, as "key there -> here", for the user to see."""
+    size (`checkpoint_source`), and of the configured model's shapes (raises ConfigError naming the
+    fix). Returns the other settings that differ from the checkpoint's, as "key there -> here", for
+    the user to see."""
     source, _ = checkpoint_source(cfg)  # (the ranks say which damaged ones they pass over)
     if source is None:
         return []
@@ -167,6 +164,17 @@ def tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
     tokenizer_path = Path(tokenizer_path)
     config = tokenizer_path.with_name("tokenizer_config.json")
     return {"tokenizer.json": tokenizer_path, **({"tokenizer_config.json": config} if config.is_file() else {})}
+
+
+def generation_settings(cfg: TrainConfig) -> tuple[dict[str, Path], int | None]:
+    """What model.hf says about generating, kept with each checkpoint for `fourfold export`: its
+    generation_config.json (to copy in; name -> path) and its config.json's pad_token_id."""
+    if not cfg.model.hf:
+        return {}, None
+    folder = Path(cfg.model.hf).expanduser()
+    generation = folder / "generation_config.json"
+    pad = json.loads((folder / "config.json").read_text()).get("pad_token_id")
+    return ({"generation_config.json": generation} if generation.is_file() else {}), pad
 
 
 def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
@@ -209,7 +217,8 @@ class Model:
         total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
         for m, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
             sync.sync = m == self.microbatches - 1  # reduce gradients in the last backward only
-            loss = self.module(x, y).sum() * scale
+            # a mixture's load-balancing loss: each micro-batch's, averaged as the token losses are
+            loss = self.module(x, y).sum() * scale + self.module.router_loss() / self.microbatches
             loss.backward()
             total += loss.detach()
         return total
@@ -238,7 +247,7 @@ class Reporter:
     def __init__(self, cfg: TrainConfig, start: int, flops_per_token: float, world: int, device: torch.device):
         self.cfg, self.rank0 = cfg, dist.get_rank() == 0
         self.flops_per_token, self.world = flops_per_token, world
-        self.peak = GPUS[cfg.hardware.gpu].bf16_tflops if device.type == "cuda" else None
+        self.peak = cfg.cluster().gpu.bf16_tflops if device.type == "cuda" else None
         self.bar = None
         tensorboard = cfg.log.tensorboard and metrics.installed("tensorboard")
         if self.rank0:
@@ -253,9 +262,8 @@ class Reporter:
                          f"{metrics.TENSORBOARD}, or --log.tensorboard false to silence this)")
 
     def start(self, event: dict, header: list[str]) -> None:
-        """The start's record (log.jsonl, TensorBoard) and its header lines."""
-        if self.rank0:
-            self.metrics.event(event, header[-1])
+        """Rank 0: the start's record (log.jsonl, TensorBoard) and its header lines."""
+        self.metrics.event(event, header[-1])
         for line in header:
             self.message(line)
 
@@ -438,8 +446,7 @@ def _start_event(cfg: TrainConfig, source: Path | None, skipped: list[tuple[Path
 def _header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader, tokens_path: Path, event: dict,
             device: torch.device) -> list[str]:
     """Rank 0's lines at the start: what runs, where on, on what data, from where."""
-    source = (f"weights of {cfg.model.hf}" if cfg.model.hf and not event["from"] else
-              f"preset {cfg.model.preset}" if not cfg.model.hf else cfg.model.hf)
+    source = cfg.model.hf or f"preset {cfg.model.preset}"
     windows = loader.train_sequences
     epochs = cfg.train.steps * cfg.batch.global_batch / windows
     lines = [f"model: {model_cfg.family}, {model_cfg.layers} layers, hidden {model_cfg.hidden}, "
@@ -503,8 +510,9 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
         start, saved_config = meta["step"], meta.get("config", {})
     reporter = Reporter(cfg, start, flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
                         grid.device)
-    event = _start_event(cfg, source, skipped, start, saved_config)
-    reporter.start(event, _header(cfg, model_cfg, loader, tokens_path, event, grid.device))
+    if reporter.rank0:  # (reads log.jsonl: one rank does)
+        event = _start_event(cfg, source, skipped, start, saved_config)
+        reporter.start(event, _header(cfg, model_cfg, loader, tokens_path, event, grid.device))
     changed = schedule_changes(saved_config, cfg)
     if changed:
         reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): from "
@@ -514,13 +522,14 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
                          f"raise --train.steps, or start over with another --log.run_dir")
 
     saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
-    tokenizer = tokenizer_files(tokenizer_path)
+    generation, pad_token_id = generation_settings(cfg)
+    copied = tokenizer_files(tokenizer_path) | generation
 
     def save(done: int) -> str:
         meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
-                    model=dataclasses.asdict(model_cfg))
+                    model=dataclasses.asdict(model_cfg), pad_token_id=pad_token_id)
         path = (saver.save if saver else checkpoint.save)(cfg.checkpoint_dir, done, model.module, opt, meta,
-                                                          cfg.checkpoint.keep, files=tokenizer,
+                                                          cfg.checkpoint.keep, files=copied,
                                                           replicas=replicas)
         return f"{path} (being written in the background)" if saver else str(path)
 
