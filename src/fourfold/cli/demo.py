@@ -57,7 +57,8 @@ def print_plan(model: str = "llama-3.1-70b", gpus: int = 512, cluster: str = "dg
 
     base = Job(seq=4096, global_batch=1024, seq_parallel=True, precision="bf16")
     found = search(load_config(model), gpus, make_cluster(cluster), base, top=3)
-    print(f"\nthe planner's best configurations for {model} on {gpus} GPUs of {cluster} (seq 4096, 1024 sequences/step):")
+    print(f"\nthe planner's best configurations for {model} on {gpus} GPUs of {cluster} "
+          f"(seq 4096, 1024 sequences/step):")
     print(HEADER)
     for r in found[:3]:
         print(row(r, r["tie"]))

@@ -152,8 +152,9 @@ def _print_measured(r: dict) -> None:
 def row(r: dict, tie: bool = False) -> str:
     grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
     kept = "yes" if r["keep_gathered_inputs"] else "no"
-    memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} {r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f}"
-              f" {('yes*' if r['tight'] else 'yes') if r['fits'] else 'NO ':<4}")
+    fits = ("yes*" if r["tight"] else "yes") if r["fits"] else "NO "
+    memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} "
+              f"{r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f} {fits:<4}")
     if "step_seconds" not in r:  # `fourfold memory`
         return f"{memory}  {r['order']}"
     return (f"{memory} {TIE if tie else ' '}{r['step_seconds']:8.3f} {r['tokens_per_second']:12.0f}"
@@ -212,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
             cfg, job, r, cal = _one(args)
             r = as_json(r) | {"commands": reproduce(args, job)}
             if args.command == "memory":
-                r = {k: v for k, v in r.items() if k not in ("step_seconds", "tokens_per_second", "model_tflops_per_gpu",
-                                                            "mfu", "time_breakdown_seconds")}
+                timing = ("step_seconds", "tokens_per_second", "model_tflops_per_gpu", "mfu", "time_breakdown_seconds")
+                r = {k: v for k, v in r.items() if k not in timing}
                 if args.measure:
                     _measure(cfg, job, r)
             if args.json:
@@ -242,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
                                           f"with dp={args.gpus}:", *map(str, simplest)]))
         if args.json:
             shown = found[: args.top] if args.top else found
-            print(json.dumps({"cv_error": cal.cv_error, "candidates": [as_json(r) | {"commands": reproduce(args, r["job"])}
-                                                                        for r in shown]}))
+            rows = [as_json(r) | {"commands": reproduce(args, r["job"])} for r in shown]
+            print(json.dumps({"cv_error": cal.cv_error, "candidates": rows}))
         else:
             n = cfg.parameter_count()
             size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
@@ -273,13 +274,14 @@ def run(args: argparse.Namespace) -> int:
             plot_candidates(found, args.plot, f"{args.model} on {args.gpus} GPUs")
         return 0
     except (ValueError, GridError, OSError) as err:
-        print(f"fourfold: error: {err if args.command == 'calibrate' else with_flags(str(err), FLAGS)}", file=sys.stderr)
+        message = err if args.command == "calibrate" else with_flags(str(err), FLAGS)
+        print(f"fourfold: error: {message}", file=sys.stderr)
         return 2
 
 
 def _calibrate(args) -> int:
     """`fourfold calibrate`: fit the constants to the runs given, cross-validate, write the JSON."""
-    from fourfold.plan.calibrate import KNOBS, calibrate, comparison, read_csv, read_run_dir
+    from fourfold.plan.calibrate import calibrate, comparison, knobs, read_csv, read_run_dir
 
     machine = (args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
     cluster = make_cluster(*machine) if any(v is not None for v in machine) else None
@@ -294,10 +296,13 @@ def _calibrate(args) -> int:
         json.dump(dict(dataclasses.asdict(cal), fit=fit), f, indent=1)
     print(f"{len(runs)} runs in {n_groups} groups (one model, cluster, GPU count, sequence and batch each)")
     print("constants: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(cal).items()
-                                     if k != "cv_error" and v is not None))
+                                     if k not in ("cv_error", "profiles") and v is not None))
+    for p in cal.profiles:  # a fit changes only the profiles of the clusters its runs ran on
+        print(f"profile of {p.cluster}: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(p).items()
+                                                      if k != "cluster"))
     print(comparison(runs, cross))
-    if len(runs) <= len(KNOBS):
-        print(f"{len(runs)} runs for {len(KNOBS)} constants: the fit is underdetermined; add runs (other grids, "
+    if len(runs) <= len(knobs(runs)):
+        print(f"{len(runs)} runs for {len(knobs(runs))} constants: the fit is underdetermined; add runs (other grids, "
               f"micro-batches, GPU counts)")
     print(f"wrote {args.output}: use it with plan/estimate --calibrate {args.output}")
     return 0

@@ -15,7 +15,8 @@ def add_parser(commands) -> None:
                                                "FakeTensorMode): start-up, per-step Python time, memory, collectives",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sim.add_argument("--model", required=True, help="a preset name or a Hugging Face config.json (or its directory)")
-    sim.add_argument("--grid", required=True, help="the whole job's grid, e.g. dp=128,pp=16,x=2,y=4 (dims left out are 1)")
+    sim.add_argument("--grid", required=True,
+                     help="the whole job's grid, e.g. dp=128,pp=16,x=2,y=4 (dims left out are 1)")
     sim.add_argument("--order", default=",".join(DEFAULT_ORDER), help="placement order, innermost first")
     sim.add_argument("--rank", type=int, default=0, help="the rank to simulate (0: the first stage)")
     sim.add_argument("--steps", type=int, default=2, help="timed training steps after the two counted ones")

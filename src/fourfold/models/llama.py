@@ -25,9 +25,10 @@ def from_hf(d: dict) -> ModelConfig:
     require(d, kind, hidden_act=("silu",), attention_dropout=(0, 0.0), pretraining_tp=(1,))
     if kind != "llama":  # transformers fixes these families' biases whatever the flags say
         require(d, kind, attention_bias=(False,), mlp_bias=(False,))
-    if kind == "qwen2" and (d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or [])):
-        raise ValueError("config.json (qwen2) uses sliding-window layers (use_sliding_window / layer_types); fourfold's "
-                         "attention is full causal: use a config with use_sliding_window false")
+    sliding = any(t != "full_attention" for t in d.get("layer_types") or [])
+    if kind == "qwen2" and (d.get("use_sliding_window") or sliding):
+        raise ValueError("config.json (qwen2) uses sliding-window layers (use_sliding_window / layer_types); "
+                         "fourfold's attention is full causal: use a config with use_sliding_window false")
     heads = d["num_attention_heads"]
     window = 0 if kind != "mistral" else (d.get("sliding_window", 4096) or 0)  # MistralConfig's default
     bias = bool(d.get("attention_bias", False))

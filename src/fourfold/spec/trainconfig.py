@@ -85,11 +85,13 @@ class TrainSection:
 @dataclass
 class DataSection:
     text: str = ""  # a UTF-8 text file; empty (and no `files`) = the bundled King James Bible
-    files: str = ""  # or: text/.jsonl (also .gz), .parquet, .arrow files, save_to_disk dirs; paths/globs, comma-separated
+    # or: text/.jsonl (also .gz), .parquet, .arrow files, save_to_disk dirs; paths/globs, comma-separated
+    files: str = ""
     field: str = "text"  # the JSONL field or Parquet column that holds each document
     skip_bad_records: bool = False  # JSONL lines that are no document (not JSON, no text field): leave out, counted
     tokens: str = ""  # an already tokenized .npy file (then `tokenizer` names its tokenizer.json)
-    tokenizer: str = ""  # a tokenizer.json (or a directory with one), used as it is; empty = train a byte-level BPE of `vocab` tokens
+    # a tokenizer.json (or a directory with one), used as it is; empty = train a byte-level BPE of `vocab` tokens
+    tokenizer: str = ""
     vocab: int = 4096  # the trained byte-level BPE's vocabulary (without data.tokenizer)
     workers: int = 0  # processes that tokenize the corpus; 0 = one per CPU core
     cache_dir: str = "~/.cache/fourfold"  # tokenized corpora and tokenizers, by content hash
@@ -421,7 +423,8 @@ def _optimizer_problems(o: OptimizerSection) -> list[str]:
             found.append(f"optimizer.{name}={beta} must be in [0, 1)")
     for name, value in (("weight_decay", o.weight_decay), ("clip", o.clip)):
         if value < 0:
-            found.append(f"optimizer.{name}={value} must be >= 0 (0: {'none' if name == 'weight_decay' else 'no clipping'})")
+            zero = "none" if name == "weight_decay" else "no clipping"
+            found.append(f"optimizer.{name}={value} must be >= 0 (0: {zero})")
     return found
 
 
