@@ -43,6 +43,13 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_window: int = 0  # Mistral's: attention within the last W tokens (0: none)
     hf_type: str = ""  # config.json's model_type when it is not the family's name (mistral, qwen2)
+    # Mixture of experts (Mixtral, Qwen2-MoE): `ffn` is then each expert's FFN size
+    experts: int = 0  # routed experts per layer (0: a dense MLP)
+    top_k: int = 0  # experts per token
+    norm_topk: bool = False  # the chosen experts' weights renormalised to sum to 1
+    shared_ffn: int = 0  # a shared expert's FFN size, under a sigmoid gate (Qwen2-MoE); 0: none
+    aux_loss: bool = False  # the load-balancing loss is added to the loss (config.json's output_router_logits)
+    aux_loss_coef: float = 0.0  # its coefficient (router_aux_loss_coef)
 
     def __post_init__(self) -> None:
         self.family_spec()  # an unknown family is refused here, by name

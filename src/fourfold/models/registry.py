@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from fourfold.models import gpt2, llama
+from fourfold.models import gpt2, llama, mixtral, qwen2_moe
 from fourfold.models.family import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, gpt2.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY)}
 HF_TYPES: dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_types}
 
 

@@ -11,7 +11,7 @@ from fourfold.spec.job import RECOMPUTE
 from fourfold.parallel.grid import Grid
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.overlap import Overlapper
-from fourfold.parallel.tensor import init
+from fourfold.parallel.tensor import init, moe
 from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions
 from fourfold.parallel.tensor.norm import ParallelNorm
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
@@ -98,6 +98,13 @@ class Transformer(nn.Module):
         if cfg.tied:
             self.lm_head.weight = self.embed.weight
             self.lm_head.matrix = self.embed.matrix
+
+    def router_loss(self) -> torch.Tensor | float:
+        """A mixture's load-balancing loss of the last forward times its coefficient, this rank's
+        share (`moe.router_loss`), when the model config adds it to the loss (output_router_logits); else 0."""
+        if not (self.cfg.experts and self.cfg.aux_loss):
+            return 0.0
+        return moe.router_loss([layer.mlp for layer in self.layers.values()], self.grid, self.cfg.aux_loss_coef)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel logits [1, tokens/x, padded_vocab/y]: this x rank's share of the batch's

@@ -7,6 +7,7 @@ made in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -65,6 +66,13 @@ class BlockConfig:
     rope_scaling: RopeScaling | None = None
     head_size: int = 0  # an explicit head dim (config.json's head_dim); 0: hidden / heads
     eps: float = 1e-5
+    # Mixture of experts (experts > 0): each token's MLP is the weighted sum of its top_k experts,
+    # SwiGLU MLPs of `ffn` features; the router's softmax weights of the chosen ones, renormalised
+    # to sum to 1 with `norm_topk`; plus a shared expert of `shared_ffn` features under a sigmoid gate.
+    experts: int = 0
+    top_k: int = 0
+    norm_topk: bool = False
+    shared_ffn: int = 0
 
     def __post_init__(self) -> None:
         if not self.head_size and self.hidden % self.heads:
@@ -75,6 +83,9 @@ class BlockConfig:
             raise ValueError(f"norm {self.norm!r} must be one of {', '.join(NORMS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
+        if self.experts and not (0 < self.top_k <= self.experts and self.gated):
+            raise ValueError(f"a mixture of {self.experts} SwiGLU experts needs 0 < top_k <= experts (top_k={self.top_k}, "
+                             f"activation {self.activation!r})")
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +94,10 @@ class BlockConfig:
     @property
     def gated(self) -> bool:
         return self.activation == "swiglu"
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
 
 def attention_chunks(cfg: BlockConfig, x: int, y: int, non_redundant: bool = True) -> int:
@@ -98,13 +113,15 @@ def attention_chunks(cfg: BlockConfig, x: int, y: int, non_redundant: bool = Tru
     )
 
 
-def mlp_chunks(cfg: BlockConfig, x: int, y: int, non_redundant: bool = True) -> int:
-    """FFN feature groups: x*y when they divide the FFN size, else y (activation replicated over x)."""
-    if non_redundant and cfg.ffn % (x * y) == 0:
+def mlp_chunks(cfg: BlockConfig, x: int, y: int, non_redundant: bool = True, ffn: int = 0) -> int:
+    """FFN feature groups (of `ffn`, else cfg.ffn): x*y when they divide the FFN size, else y
+    (activation replicated over x)."""
+    ffn = ffn or cfg.ffn
+    if non_redundant and ffn % (x * y) == 0:
         return x * y
-    if cfg.ffn % y == 0:
+    if ffn % y == 0:
         return y
-    raise GridError(f"y={y} must divide ffn={cfg.ffn}; choose y dividing {cfg.ffn}")
+    raise GridError(f"y={y} must divide ffn={ffn}; choose y dividing {ffn}")
 
 
 # ----- the block plan: one block's layers over the tensor grid, as data ----------------------
@@ -137,6 +154,11 @@ class LinearPlan:
     def out_features(self) -> int:
         return sum(r.count for r in self.rows)
 
+    def renamed(self, old: str, new: str) -> "LinearPlan":
+        """The same layer under other serial names (an expert's copy of the MLP: mlp. -> mlp.experts.3.)."""
+        rows = tuple(dataclasses.replace(r, name=r.name.replace(old, new, 1)) for r in self.rows)
+        return dataclasses.replace(self, name=self.name.replace(old, new, 1), rows=rows)
+
     @property
     def in_dim(self) -> str:
         return LINEAR_KINDS[self.kind][0]
@@ -153,13 +175,21 @@ class BlockPlan:
     mlp_chunks: int  # FFN feature groups: x*y or y
     qkv: LinearPlan
     out: LinearPlan
-    up: LinearPlan
+    up: LinearPlan  # a mixture's: one expert's, named mlp.gate, mlp.up, mlp.down (`expert` renames it)
     down: LinearPlan
+    shared_up: LinearPlan | None = None  # a mixture's shared expert: mlp.shared.{gate,up,down}
+    shared_down: LinearPlan | None = None
 
     @property
     def linears(self) -> tuple[LinearPlan, ...]:
-        """In the order a forward runs them."""
-        return self.qkv, self.out, self.up, self.down
+        """In the order a forward runs them (a mixture's expert once: how many tokens each
+        expert gets is known only at run time)."""
+        shared = (self.shared_up, self.shared_down) if self.shared_up else ()
+        return (self.qkv, self.out) + shared + (self.up, self.down)
+
+    def expert(self, e: int) -> tuple[LinearPlan, LinearPlan]:
+        """Expert e's up (gate and up rows) and down projections, under its serial names."""
+        return self.up.renamed("mlp.", f"mlp.experts.{e}."), self.down.renamed("mlp.", f"mlp.experts.{e}.")
 
     @property
     def local_heads(self) -> int:
@@ -179,25 +209,34 @@ def block_plan(cfg: BlockConfig, x: int, y: int, *, seq_parallel: bool, non_redu
     """The layers of one block on an (x, y) grid (z splits every weight block evenly, padded)."""
     heads_chunks = attention_chunks(cfg, x, y, non_redundant)
     ffn_chunks = mlp_chunks(cfg, x, y, non_redundant)
-    own_heads, own_ffn = heads_chunks == x * y, ffn_chunks == x * y
+    own_heads = heads_chunks == x * y
     d, h_local, kv_local = cfg.head_dim, cfg.heads // heads_chunks, cfg.kv_heads // heads_chunks
     # Fused rows chunk by chunk: each chunk holds whole heads with their q, k and v.
     qkv_rows = tuple(r for c in range(heads_chunks) for r in (
         RowSource("attn.q", c * h_local * d, h_local * d), RowSource("attn.k", c * kv_local * d, kv_local * d),
         RowSource("attn.v", c * kv_local * d, kv_local * d)))
-    f = cfg.ffn // ffn_chunks
-    up_rows = (tuple(RowSource(f"mlp.{n}", c * f, f) for c in range(ffn_chunks) for n in ("gate", "up"))
-               if cfg.gated else (RowSource("mlp.fc", 0, cfg.ffn),))
-    gather_in = "tokens" if seq_parallel else "none"  # the residual stream's tokens over y
-    scatter_out = "scatter_tokens" if seq_parallel else "all_reduce"
+    # A mixture gathers the residual stream's tokens over y itself (each expert gets some of them)
+    gather_in = "tokens" if seq_parallel and not cfg.moe else "none"  # the residual stream's tokens over y
+    scatter_out = "scatter_tokens" if seq_parallel and not cfg.moe else "all_reduce"
+
+    def mlp(name: str, ffn: int) -> tuple[LinearPlan, LinearPlan]:
+        chunks = mlp_chunks(cfg, x, y, non_redundant, ffn)
+        f, own = ffn // chunks, chunks == x * y
+        rows = (tuple(RowSource(f"{name}.{n}", c * f, f) for c in range(chunks) for n in ("gate", "up"))
+                if cfg.gated else (RowSource(f"{name}.fc", 0, ffn),))
+        return (LinearPlan(f"{name}.up", "x-in", cfg.hidden, rows, "scatter_features" if own else "all_reduce",
+                           gather_in, cfg.mlp_bias),
+                LinearPlan(f"{name}.down", "y-in", ffn, (RowSource(f"{name}.down", 0, cfg.hidden),), scatter_out,
+                           "features" if own else "none", cfg.mlp_bias))
+
+    up, down = mlp("mlp", cfg.ffn)
+    shared_up, shared_down = mlp("mlp.shared", cfg.shared_ffn) if cfg.shared_ffn else (None, None)
     return BlockPlan(
         cfg, heads_chunks, ffn_chunks,
         qkv=LinearPlan("attn.qkv", "x-in", cfg.hidden, qkv_rows, "scatter_features" if own_heads else "all_reduce",
-                       gather_in, cfg.qkv_bias),
-        out=LinearPlan("attn.o", "y-in", cfg.heads * d, (RowSource("attn.o", 0, cfg.hidden),), scatter_out,
-                       "features" if own_heads else "none", cfg.out_bias),
-        up=LinearPlan("mlp.up", "x-in", cfg.hidden, up_rows, "scatter_features" if own_ffn else "all_reduce",
-                      gather_in, cfg.mlp_bias),
-        down=LinearPlan("mlp.down", "y-in", cfg.ffn, (RowSource("mlp.down", 0, cfg.hidden),), scatter_out,
-                        "features" if own_ffn else "none", cfg.mlp_bias),
+                       "tokens" if seq_parallel else "none", cfg.qkv_bias),
+        out=LinearPlan("attn.o", "y-in", cfg.heads * d, (RowSource("attn.o", 0, cfg.hidden),),
+                       "scatter_tokens" if seq_parallel else "all_reduce", "features" if own_heads else "none",
+                       cfg.out_bias),
+        up=up, down=down, shared_up=shared_up, shared_down=shared_down,
     )

@@ -9,12 +9,18 @@ if TYPE_CHECKING:
     from fourfold.models.config import ModelConfig
 
 
-def layer_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama."""
+def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
+    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama.
+    A mixture's MLP: every expert's 3hF (with `active`, the top_k a token runs through), the
+    router's E h, and a shared expert's 3hF_s with its gate's h."""
     b = cfg.block
     d = b.head_dim
     matrices = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.heads * d * cfg.hidden
-    matrices += (3 if b.gated else 2) * cfg.hidden * cfg.ffn
+    mlp = (3 if b.gated else 2) * cfg.hidden * cfg.ffn
+    if b.moe:
+        mlp = mlp * (b.top_k if active else b.experts) + b.experts * cfg.hidden
+        mlp += (3 * cfg.hidden * b.shared_ffn + cfg.hidden) if b.shared_ffn else 0
+    matrices += mlp
     vectors = (2 if b.norm == "rms" else 4) * cfg.hidden
     vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
     vectors += cfg.hidden if b.out_bias else 0
@@ -22,9 +28,10 @@ def layer_params(cfg: ModelConfig) -> tuple[int, int]:
     return matrices, vectors
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """Every parameter, a tied embedding once (transformers' count)."""
-    matrices, vectors = layer_params(cfg)
+def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
+    """Every parameter, a tied embedding once (transformers' count); with `active`, a mixture's
+    parameters one token runs through (its top_k experts)."""
+    matrices, vectors = layer_params(cfg, active)
     embed = cfg.vocab * cfg.hidden * (1 if cfg.tied else 2)
     positions = cfg.max_positions * cfg.hidden if cfg.family_spec().learned_positions else 0
     final_norm = cfg.hidden * (1 if cfg.block.norm == "rms" else 2)
@@ -32,6 +39,7 @@ def parameter_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq: int) -> float:
-    """6 N (non-embedding parameters) + 6 L h s for causal attention (forward and backward)."""
-    matrices, _ = layer_params(cfg)
+    """6 N (non-embedding parameters a token runs through: a mixture's active ones) + 6 L h s for
+    causal attention (forward and backward)."""
+    matrices, _ = layer_params(cfg, active=True)
     return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 6 * cfg.layers * cfg.hidden * seq

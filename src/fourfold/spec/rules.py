@@ -88,6 +88,11 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
         mlp_chunks(b, g.x, g.y)
     except GridError:
         add(f"y={g.y} must divide ffn={model.ffn}", f"choose y from {_divisors(model.ffn)}")
+    if b.shared_ffn and b.shared_ffn % g.y:
+        add(f"y={g.y} must divide the shared expert's ffn={b.shared_ffn}", f"choose y from {_divisors(b.shared_ffn)}")
+    if b.moe and g.pp > 1:
+        add(f"pipeline parallelism (pp={g.pp}) does not run a mixture of experts yet (the routers' load-balancing "
+            f"loss spans every stage)", "use pp=1 and the other dims (dp, cp, x, y, z)")
     if b.rope and b.head_dim % 2:
         add(f"rotary embeddings need an even head dim (hidden/heads = {b.head_dim})", "use a model with an even head dim")
 

@@ -24,6 +24,7 @@ from fourfold.parallel.context import ring_attention
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import Overlapper, OverlapOptions
 from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
+from fourfold.parallel.tensor.moe import ParallelMoE
 from fourfold.parallel.tensor.norm import ParallelNorm, compiled
 
 
@@ -193,7 +194,8 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """h + attn(norm(h)), then + mlp(norm(h)): a pre-norm Llama/GPT block."""
+    """h + attn(norm(h)), then + mlp(norm(h)): a pre-norm Llama/GPT block (the MLP a mixture of experts
+    when the block config has experts)."""
 
     def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float = 0.02,
                  out_std: float | None = None, prefix: str = "block", recompute_attention: bool = False,
@@ -208,7 +210,11 @@ class ParallelBlock(nn.Module):
         self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
                                       overlap=overlap, recompute_core=recompute_attention)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
-        self.mlp = ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap)
+        def mlp(plan: BlockPlan) -> ParallelMLP:
+            return ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap)
+
+        self.mlp = (ParallelMoE(grid, plan, mlp, seed=seed, std=std, prefix=prefix, dtype=opts.dtype,
+                                seq_parallel=opts.seq_parallel) if cfg.moe else mlp(plan))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), positions)

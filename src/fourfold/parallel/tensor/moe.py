@@ -1,0 +1,185 @@
+"""A mixture of SwiGLU experts in place of the MLP (Mixtral, Qwen2-MoE), dropless, on the 3D grid.
+
+Every expert is the dense MLP of the block plan under its own serial names
+(layers.{i}.mlp.experts.{e}.{gate,up,down}), its weights split over x, y and z exactly as the
+dense MLP's; it runs on the tokens routed to it, in a loop over the experts (every rank calls
+every expert, with no token if none chose it: the z weight gathers are collectives). The routing
+is replicated over x and y: the router's logits are all-reduced over x, and each rank of a
+(x, y) group holds the same tokens. With sequence parallelism the block gathers the stream's
+tokens over y first and keeps its own part of the output.
+
+The router's arithmetic is transformers': softmax, top-k, optional renormalisation, in float32 at
+least (transformers: float32 always, so a float64 model matches a float64 reference to rounding);
+the load-balancing loss (Switch Transformer's, `load_balancing_loss_func`) from each layer's
+per-expert sums, finished over all layers and all ranks holding other tokens by the model
+(`router_loss`). The weights multiply the experts' outputs in the model's dtype (Qwen2-MoE's
+cast; Mixtral multiplies bf16 outputs by float32 weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fourfold.parallel import comm
+from fourfold.parallel.comm import Group
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.tensor import init, regions
+from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
+from fourfold.spec.blockspec import BlockPlan
+from fourfold.spec.layout import GridError
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced over the group (each rank's features give a part of it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _OwnTokens(torch.autograd.Function):
+    """A tensor replicated over y cut to this rank's tokens (dim 1); the gradient parts gathered back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(group.size, dim=1)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad.contiguous(), ctx.group, dim=1), None
+
+
+def sum_gradients(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _SumGradients.apply(x, group)
+
+
+class ReplicatedLinear(ParallelModule):
+    """A small [out, hidden] matrix (the router, the shared expert's gate) on the residual stream:
+    its columns split over x as the stream's features, replicated over y and z (not worth a z
+    gather); the products all-reduced over x, used identically by every x rank."""
+
+    def __init__(self, grid: Grid, hidden: int, out: int, *, name: str, seed: int, std: float, dtype: torch.dtype):
+        super().__init__()
+        self.grid, self.hidden, self.out, self.name, self.seed, self.std = grid, hidden, out, name, seed, std
+        self.local = hidden // grid.size("x")
+        self.weight = nn.Parameter(torch.empty(out * self.local, dtype=dtype))
+        self.initialise()
+
+    @property
+    def col0(self) -> int:
+        return self.grid.coords["x"] * self.local
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        rows, cols = torch.arange(self.out)[:, None], torch.arange(self.local)[None, :] + self.col0
+        self.weight.copy_(init.normal(self.seed, self.name, rows * self.hidden + cols, self.std, self.weight.dtype).reshape(-1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return regions.all_reduce_replicated(h @ self.weight.view(self.out, self.local).t(), self.grid.group("x"))
+
+    def load(self, read, put) -> None:
+        put(self.weight, read(self.name, slice(0, self.out), slice(self.col0, self.col0 + self.local)).reshape(-1))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        # Its tokens are split over z only (replicated over y even with sequence parallelism: gathered first).
+        piece = Piece(self.name, (self.out, self.hidden), (0, self.col0), (self.out, self.local),
+                      (0, self.out * self.local), 0)
+        return {self.weight: ParamLayout(("z",), ("y", "z"), (piece,))}
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        t = pick(self.weight).detach().view(self.out, self.local)
+        return {self.name: comm.all_gather(t, self.grid.group("x"), dim=1)}
+
+
+@dataclasses.dataclass
+class RouterStats:
+    """One layer's routing on this rank's tokens, for the load-balancing loss."""
+
+    counts: torch.Tensor  # [experts] top-k choices per expert (float32 at least, no gradient)
+    probs: torch.Tensor  # [experts] sum of the router's probabilities over the tokens (float32 at least)
+    tokens: int
+
+
+class ParallelMoE(nn.Module):
+    def __init__(self, grid: Grid, plan: BlockPlan, mlp, *, seed: int, std: float, prefix: str, dtype: torch.dtype,
+                 seq_parallel: bool):
+        """`mlp(plan)`: the runtime MLP of a block plan (ParallelMLP), for each expert and the shared one."""
+        super().__init__()
+        cfg = plan.cfg
+        if cfg.hidden % grid.size("x"):
+            raise GridError(f"hidden={cfg.hidden} is not divisible by x={grid.size('x')}; choose x dividing {cfg.hidden}")
+        self.grid, self.cfg, self.seq_parallel = grid, cfg, seq_parallel
+        self.router = ReplicatedLinear(grid, cfg.hidden, cfg.experts, name=f"{prefix}.mlp.router", seed=seed, std=std,
+                                       dtype=dtype)
+        self.experts = nn.ModuleList(
+            mlp(dataclasses.replace(plan, up=up, down=down)) for up, down in map(plan.expert, range(cfg.experts)))
+        self.shared = self.shared_gate = None
+        if plan.shared_up is not None:
+            self.shared = mlp(dataclasses.replace(plan, up=plan.shared_up, down=plan.shared_down))
+            self.shared_gate = ReplicatedLinear(grid, cfg.hidden, 1, name=f"{prefix}.mlp.shared_gate", seed=seed,
+                                                std=std, dtype=dtype)
+        self.stats: RouterStats | None = None  # the last forward's
+        self.routed: list[int] = []  # tokens each expert got in the last forward (for the volume functions)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.grid.group("y")
+        if self.seq_parallel:  # every y rank routes the whole sequence; each keeps its part at the end
+            h = regions.all_gather_replicated(h, y, dim=1)
+        shape = h.shape
+        flat = h.reshape(-1, shape[-1])
+        logits = self.router(flat)
+        probs = F.softmax(logits, dim=-1, dtype=comm.at_least_fp32(logits.dtype))
+        weights, chosen = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # d(weight) is a dot product over the hidden features, which x splits
+        weights = sum_gradients(weights.to(h.dtype), self.grid.group("x"))
+        out = torch.zeros_like(flat)
+        self.routed = []
+        for e, expert in enumerate(self.experts):  # in expert order, as transformers adds them up
+            token, slot = torch.where(chosen == e)
+            self.routed.append(len(token))
+            out = out.index_add(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
+        if self.shared is not None:
+            gate = sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
+            out = out + gate * self.shared(flat[None])[0]
+        self.stats = self._stats(logits)
+        out = out.view(shape)
+        return _OwnTokens.apply(out, y) if self.seq_parallel and y.size > 1 else out
+
+    def _stats(self, logits: torch.Tensor) -> RouterStats:
+        """As `load_balancing_loss_func`: the softmax of the logits in their dtype, its top-k again,
+        counted and summed in float32 at least."""
+        wide = comm.at_least_fp32(logits.dtype)
+        probs = F.softmax(logits, dim=-1)
+        chosen = torch.topk(probs, self.cfg.top_k, dim=-1).indices
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.cfg.experts).to(wide)
+        return RouterStats(counts, probs.to(wide).sum(dim=0), len(logits))
+
+
+def router_loss(layers: list[ParallelMoE], grid: Grid, coef: float) -> torch.Tensor:
+    """coef * the load-balancing loss of the last forward (transformers' `load_balancing_loss_func`
+    over every layer's router and all tokens of the micro-batch): E * sum_e f_e * P_e, f_e the
+    fraction of top-k choices that went to expert e, P_e its mean probability, both over the
+    rows (layers x tokens). This rank's share: f over every rank holding other tokens, P over its
+    own tokens, so that the shares of the (dp, cp, z) ranks add up to the loss and each rank's
+    gradient is its part. Counts are summed in float32 at least (in float32: exact up to 2^24 choices,
+as transformers')."""
+    stats = [layer.stats for layer in layers]
+    tokens = grid.group(("dp", "cp", "z"))
+    counts, probs = torch.zeros_like(stats[0].counts), torch.zeros_like(stats[0].probs)
+    for s in stats:
+        counts, probs = counts + s.counts, probs + s.probs
+    rows = sum(s.tokens for s in stats) * tokens.size  # every rank holds as many tokens
+    counts = comm.all_reduce(counts, tokens)
+    return coef * (torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * len(counts))

@@ -1,0 +1,53 @@
+"""What each rank runs in tests/test_moe.py, in a module without transformers (so that the rank
+workers do not import it): a mixture-of-experts model loaded from its checkpoint on one grid."""
+
+import torch
+
+from fourfold.checkpoint.hf import load_hf
+from fourfold.models.config import load_config
+from fourfold.parallel import comm, context
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
+from fourfold.parallel.tensor.vocab import batch_order
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
+
+
+def run_moe(paths, ids, sizes, seq_parallel):
+    """Each model's loss (its router loss included) on the batch `ids` [batch, seq + 1], this
+    rank's logits (ranks at x = y = 0) and the full gradients (rank 0), in float64."""
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    c, cp = grid.coords, grid.group("cp")
+    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+    inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+    out = {}
+    for name, path in paths.items():
+        model = Transformer(grid, load_config(path), TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel))
+        load_hf(model, path)
+        head = model.logits(inputs)
+        full = comm.all_gather(comm.all_gather(head.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)
+        logits = batch_order(full, len(local), grid, seq_parallel)
+        loss = model(inputs, targets).sum() / ids[:, 1:].numel() + model.router_loss()
+        loss.backward()
+        sum_replicated_grads(model, grid)
+        for p in model.parameters():
+            comm.all_reduce(p.grad, grid.group(("dp", "cp")))
+        grads = full_weights(model, grads=True)
+        loss = comm.all_reduce(loss.detach(), grid.group(("dp", "cp", "z"))).item()
+        out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if grid.rank == 0 else None)
+    return c, out
+
+
+def save_checkpoint(path, root, sizes):
+    """The Hugging Face directory `path` imported on a grid and saved as a training checkpoint."""
+    import dataclasses
+
+    from fourfold import checkpoint
+
+    grid = Grid(Layout(**sizes))
+    cfg = load_config(path)
+    model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64))
+    load_hf(model, path)
+    checkpoint.save(root, 1, model, None, {"model": dataclasses.asdict(cfg)}, keep=1)

@@ -1,0 +1,162 @@
+"""Mixtures of experts (Mixtral; Qwen2-MoE with its shared expert) equal to transformers in
+float64, router and load-balancing loss included, on one rank and on 3D, data-, context- and
+sequence-parallel grids."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file
+from transformers.models.mixtral import modeling_mixtral
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+from fourfold.checkpoint.hf import to_hf_tensors
+from fourfold.models.config import ModelConfig
+from fourfold.spec.counts import parameter_count
+from fourfold.spec.layout import Layout
+from moe_on_grids import run_moe
+from test_models import _rms_norm_in_input_dtype
+
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+              num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+              tie_word_embeddings=False, max_position_embeddings=64)
+MODELS = {
+    "mixtral": dict(COMMON, model_type="mixtral", num_local_experts=4, intermediate_size=16),
+    "qwen2_moe": dict(COMMON, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, intermediate_size=48),
+    "qwen2_moe-normalised": dict(COMMON, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=24, intermediate_size=48, norm_topk_prob=True),
+}
+GRIDS = {  # name: (sizes, sequence parallel)
+    "serial": (dict(), False),
+    "x2y2z2": (dict(x=2, y=2, z=2), False),
+    "dp2x2y2-sp": (dict(dp=2, x=2, y=2), True),
+    "cp2z2x2": (dict(cp=2, z=2, x=2), False),
+    "x4": (dict(x=4), False),  # kv heads 2 < x*y: attention on the published path, experts on their own
+}
+BATCH, SEQ, VOCAB = 8, 16, 128
+IDS = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+
+def _router_in_input_dtype(self, hidden_states):
+    # transformers' routers (MixtralTopKRouter, Qwen2MoeTopKRouter) take the softmax in float32
+    # whatever the input; this is the same arithmetic in the input's dtype (fourfold's: float32 at least).
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    values, indices = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+        values = values / values.sum(dim=-1, keepdim=True)
+    return logits, values, indices
+
+
+def _load_balancing_in_input_dtype(gate_logits, num_experts, top_k, attention_mask=None):
+    # transformers' load_balancing_loss_func (no mask) accumulated in the logits' dtype instead of float32
+    counts = probs = 0
+    for logits in gate_logits:
+        p = F.softmax(logits, dim=-1)
+        counts = counts + torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1), minlength=num_experts)
+        probs = probs + p.sum(dim=0)
+    rows = sum(len(logits) for logits in gate_logits)
+    return torch.sum(counts / rows * (probs / rows)) * num_experts
+
+
+def _reference(name, path):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**MODELS[name])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", experts_implementation="eager").double().eval()
+    with torch.no_grad():  # every parameter non-trivial; routers decisive (no near ties)
+        for n, p in model.named_parameters():
+            p.add_((1.0 if n.endswith("gate.weight") else 0.05) * torch.randn_like(p))
+    model.save_pretrained(path)
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (modeling_mixtral, modeling_qwen2_moe):
+            patch.setattr(module, "load_balancing_loss_func", _load_balancing_in_input_dtype)
+        patch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", _rms_norm_in_input_dtype)
+        patch.setattr(modeling_qwen2_moe.Qwen2MoeRMSNorm, "forward", _rms_norm_in_input_dtype)
+        patch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", _router_in_input_dtype)
+        patch.setattr(modeling_qwen2_moe.Qwen2MoeTopKRouter, "forward", _router_in_input_dtype)
+        out = model(input_ids=IDS[:, :-1])
+    # the float64 copy is transformers' formula: its own (float32) gives the same to float32 rounding
+    module = modeling_mixtral if "mixtral" in name else modeling_qwen2_moe
+    own = module.load_balancing_loss_func(out.router_logits, _experts(config),
+                                          config.num_experts_per_tok)
+    assert abs(own.item() - out.aux_loss.item()) < 1e-6 * out.aux_loss.item()
+    loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1)) + config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    with torch.no_grad():  # the gradients in the checkpoint's layout (experts one by one), as transformers saves it
+        for p in model.parameters():
+            p.copy_(p.grad)
+    model.save_pretrained(path / "grads")
+    return SimpleNamespace(path=str(path), loss=loss.item(), logits=out.logits.detach(),
+                           grads=load_file(path / "grads" / "model.safetensors"))
+
+
+def _experts(config):
+    return getattr(config, "num_local_experts", None) or config.num_experts
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return {name: _reference(name, tmp_path_factory.mktemp(name)) for name in MODELS}
+
+
+def _cp_shard(t, cp, rank):
+    chunks = t.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1) if cp > 1 else t
+
+
+def _relative(got, ref):
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_mixtures_equal_transformers(ranks, references, grid):
+    sizes, seq_parallel = GRIDS[grid]
+    layout = Layout(**sizes)
+    paths = {name: ref.path for name, ref in references.items()}
+    results = ranks.run(run_moe, layout.world_size, paths, IDS, sizes, seq_parallel)
+    errors = {}
+    for name, ref in references.items():
+        grads = {}
+        for c, out in results:
+            loss, logits, rank_grads = out[name]
+            errors.setdefault((name, "loss"), []).append(abs(loss - ref.loss) / ref.loss)
+            grads.update(rank_grads or {})
+            if logits is not None:
+                expected = _cp_shard(ref.logits.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]], layout.cp, c["cp"])
+                errors.setdefault((name, "logits"), []).append(_relative(logits, expected))
+        hf_grads = to_hf_tensors(ModelConfig.from_hf(MODELS[name]), grads)
+        assert hf_grads.keys() == ref.grads.keys()
+        for param, g in ref.grads.items():
+            errors[(name, param)] = [_relative(hf_grads[param], g)]
+    bad = {key: found for key, found in errors.items() if not all(e < 1e-10 for e in found)}  # NaN fails too
+    assert not bad, (grid, bad)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_import_checkpoint_export_gives_transformers_the_same_weights(ranks, references, tmp_path, name):
+    from fourfold.checkpoint.export import export
+    from moe_on_grids import save_checkpoint
+
+    path = references[name].path
+    cfg = ModelConfig.from_hf(json.loads(open(f"{path}/config.json").read()))
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    ranks.run(save_checkpoint, 4, path, tmp_path / "run", dict(x=2, z=2))
+    export(tmp_path / "run", tmp_path / "hf")
+    original, exported = (transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float64).state_dict()
+                          for p in (path, tmp_path / "hf"))
+    assert original.keys() == exported.keys()
+    for key, value in original.items():
+        assert torch.equal(exported[key], value), key
+    assert ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())) == cfg
+
+
+def test_counts_are_transformers(references):
+    for name, fields in MODELS.items():
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**fields))
+        cfg = ModelConfig.from_hf(fields)
+        assert cfg.parameter_count() == sum(p.numel() for p in model.parameters())
+        per_expert = 3 * cfg.hidden * cfg.ffn * cfg.layers
+        assert parameter_count(cfg) - parameter_count(cfg, active=True) == (cfg.experts - cfg.top_k) * per_expert
