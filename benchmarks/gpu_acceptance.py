@@ -58,16 +58,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 # The kernel and ring checks live with the tests that share them (tests/gpu/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gpu.kernel_checks import BLOCKS, SHAPES, Shape, check_block  # noqa: E402
-from gpu.ring_checks import check_ring  # noqa: E402
-
 from fourfold.checkpoint.hf import load_hf  # noqa: E402
 from fourfold.models.config import ModelConfig  # noqa: E402
 from fourfold.parallel.data import GradientSync  # noqa: E402
 from fourfold.parallel.grid import Grid  # noqa: E402
 from fourfold.parallel.optimizer import AdamW  # noqa: E402
-from fourfold.parallel.transformer import Transformer  # noqa: E402
 from fourfold.parallel.tensor.block import TensorOptions  # noqa: E402
+from fourfold.parallel.transformer import Transformer  # noqa: E402
 from fourfold.plan.memory import GIB, estimate_memory  # noqa: E402
 from fourfold.plan.perf import model_flops_per_token  # noqa: E402
 from fourfold.spec.hardware import GPUS  # noqa: E402
@@ -76,6 +73,8 @@ from fourfold.spec.layout import Layout  # noqa: E402
 from fourfold.spec.trainconfig import TrainConfig  # noqa: E402
 from fourfold.tools.measure import GPU_ONLY_TERMS  # noqa: E402
 from fourfold.train.trainer import Model, learning_rate, local_batch  # noqa: E402
+from gpu.kernel_checks import BLOCKS, SHAPES, Shape, check_block  # noqa: E402
+from gpu.ring_checks import check_ring  # noqa: E402
 
 DEFAULTS = TrainConfig()  # the trainer's defaults: optimizer, overlap, initialisation
 LR = learning_rate(DEFAULTS, DEFAULTS.optimizer.warmup)  # the peak rate (a step's cost does not depend on it)
@@ -96,8 +95,9 @@ class Setup:
 GPU = Setup(ModelConfig("llama", hidden=2048, layers=22, heads=16, kv_heads=8, head_dim=128, ffn=5632, vocab=32000,
                         max_positions=2048, tied=False, eps=1e-5), seq=2048, micro_batch=8,
             ring=Shape(1, 8, 2, 4096, 128), steps=10, warmup=3)
-DRY = Setup(ModelConfig("llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=176, vocab=256, max_positions=64,
-                        tied=False, eps=1e-5), seq=64, micro_batch=8, ring=Shape(1, 4, 2, 128, 32), steps=2, warmup=1)
+DRY = Setup(ModelConfig("llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=176, vocab=256,
+                        max_positions=64, tied=False, eps=1e-5), seq=64, micro_batch=8, ring=Shape(1, 4, 2, 128, 32),
+            steps=2, warmup=1)
 DRY_RUN_GPU = "h100-80gb"  # the memory the dry run's estimates take
 MICRO_BATCHES = (1, 8)
 RECOMPUTE = ("none", "selective", "full")

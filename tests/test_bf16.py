@@ -12,16 +12,16 @@ import pytest
 import torch
 import transformers
 
-from fourfold.parallel import comm, pipeline, transformer
+from fourfold.checkpoint.hf import load_hf
+from fourfold.models.config import load_config
+from fourfold.parallel import pipeline, transformer
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.optimizer import AdamW
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.models.config import load_config
-from fourfold.checkpoint.hf import load_hf
-from fourfold.parallel.optimizer import AdamW
-from fourfold.train.trainer import Model, local_batch
 from fourfold.spec.volumes import ledger_bytes, model_collectives
+from fourfold.train.trainer import Model, local_batch
 
 HF = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
           intermediate_size=256, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=128)

@@ -91,7 +91,8 @@ class Grid:
             )
         self.layout = layout
         self.ledger = Ledger()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         ranks = torch.arange(world).reshape([getattr(layout, d) for d in layout.mesh_order])
         self.mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=layout.mesh_order)
         self.rank = dist.get_rank()
