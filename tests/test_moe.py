@@ -3,6 +3,11 @@ float64, router and load-balancing loss included, on one rank and on 3D, data-, 
 sequence-parallel grids."""
 
 import json
+import math
+import os
+import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +19,7 @@ from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 
 from fourfold.checkpoint.hf import to_hf_tensors
+from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
 from fourfold.spec.counts import parameter_count
 from fourfold.spec.layout import Layout
@@ -65,7 +71,8 @@ def _load_balancing_in_input_dtype(gate_logits, num_experts, top_k, attention_ma
 def _reference(name, path):
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(**MODELS[name])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", experts_implementation="eager").double().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                          experts_implementation="eager").double().eval()
     with torch.no_grad():  # every parameter non-trivial; routers decisive (no near ties)
         for n, p in model.named_parameters():
             p.add_((1.0 if n.endswith("gate.weight") else 0.05) * torch.randn_like(p))
@@ -83,7 +90,8 @@ def _reference(name, path):
     own = module.load_balancing_loss_func(out.router_logits, _experts(config),
                                           config.num_experts_per_tok)
     assert abs(own.item() - out.aux_loss.item()) < 1e-6 * out.aux_loss.item()
-    loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1)) + config.router_aux_loss_coef * out.aux_loss
+    loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1))
+    loss = loss + config.router_aux_loss_coef * out.aux_loss
     loss.backward()
     with torch.no_grad():  # the gradients in the checkpoint's layout (experts one by one), as transformers saves it
         for p in model.parameters():
@@ -160,3 +168,26 @@ def test_counts_are_transformers(references):
         assert cfg.parameter_count() == sum(p.numel() for p in model.parameters())
         per_expert = 3 * cfg.hidden * cfg.ffn * cfg.layers
         assert parameter_count(cfg) - parameter_count(cfg, active=True) == (cfg.experts - cfg.top_k) * per_expert
+
+
+def test_fourfold_train_fine_tunes_a_mixtral_directory(tmp_path):
+    """`fourfold train --model.hf` of a small Mixtral saved by transformers, on dp2 x2 with its
+    load-balancing loss: the loss is finite and falls."""
+    text = tmp_path / "genesis.txt"
+    text.write_text(corpus.bundled_text()[:60_000])
+    tokenizer, tokens = corpus.prepare(str(text), 512, str(tmp_path / "cache"))
+    hf = tmp_path / "mixtral"
+    config = transformers.AutoConfig.for_model(**dict(MODELS["mixtral"], vocab_size=512))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
+    shutil.copy(tokenizer, hf / "tokenizer.json")
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "fourfold.cli.main", "train", "--model.hf", str(hf), "--data.tokens", str(tokens),
+         "--data.tokenizer", str(hf / "tokenizer.json"), "--grid.dp", "2", "--grid.x", "2", "--log.run_dir", str(run),
+         "--log.progress", "false", "--train.steps", "8", "--batch.global_batch", "8", "--batch.micro_batch", "2",
+         "--batch.seq", "32", "--optimizer.lr", "0.01", "--optimizer.warmup", "2", "--checkpoint.every", "100"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["loss"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.5, losses

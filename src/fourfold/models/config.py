@@ -102,7 +102,8 @@ def require(d: dict, kind: str, **allowed) -> None:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.name[: -len(".json")] for p in resources.files("fourfold.models.presets").iterdir() if p.name.endswith(".json"))
+    presets = resources.files("fourfold.models.presets").iterdir()
+    return sorted(p.name[: -len(".json")] for p in presets if p.name.endswith(".json"))
 
 
 def load_config(name_or_path: str) -> ModelConfig:
@@ -118,5 +119,6 @@ def load_config(name_or_path: str) -> ModelConfig:
             where = "does not exist" if not path.exists() else "has no config.json"
             raise ValueError(f"{name_or_path} {where}; give a Hugging Face model directory (with config.json), "
                              f"a config.json, or a preset: {', '.join(preset_names())}")
-        raise ValueError(f"{name_or_path!r} is neither a config.json nor a preset; presets: {', '.join(preset_names())}")
+        raise ValueError(f"{name_or_path!r} is neither a config.json nor a preset; "
+                         f"presets: {', '.join(preset_names())}")
     return ModelConfig.from_hf(json.loads(preset.read_text()))

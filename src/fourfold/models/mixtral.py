@@ -15,7 +15,8 @@ FIELDS = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
           "attention_dropout", "sliding_window", "num_local_experts", "num_experts_per_tok", "output_router_logits",
           "router_aux_loss_coef", "router_jitter_noise"}
 MAX_POSITIONS = 131072  # MixtralConfig's max_position_embeddings
-EXPERTS, TOP_K, AUX_LOSS_COEF = 8, 2, 0.001  # MixtralConfig's num_local_experts, num_experts_per_tok, router_aux_loss_coef
+# MixtralConfig's num_local_experts, num_experts_per_tok, router_aux_loss_coef
+EXPERTS, TOP_K, AUX_LOSS_COEF = 8, 2, 0.001
 
 
 def from_hf(d: dict) -> ModelConfig:

@@ -6,16 +6,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fourfold.parallel import comm, context
-from fourfold.spec.job import RECOMPUTE
-from fourfold.parallel.grid import Grid
 from fourfold.models.config import ModelConfig
+from fourfold.parallel import comm, context
+from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import Overlapper
 from fourfold.parallel.tensor import init, moe
 from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions
 from fourfold.parallel.tensor.norm import ParallelNorm
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
 from fourfold.parallel.tensor.vocab import LMHead, ParallelEmbedding, vocab_parallel_cross_entropy
+from fourfold.spec.job import RECOMPUTE
 
 
 class PositionEmbedding(ParallelModule):

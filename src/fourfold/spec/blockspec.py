@@ -84,8 +84,8 @@ class BlockConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
         if self.experts and not (0 < self.top_k <= self.experts and self.gated):
-            raise ValueError(f"a mixture of {self.experts} SwiGLU experts needs 0 < top_k <= experts (top_k={self.top_k}, "
-                             f"activation {self.activation!r})")
+            raise ValueError(f"a mixture of {self.experts} SwiGLU experts needs 0 < top_k <= experts "
+                             f"(top_k={self.top_k}, activation {self.activation!r})")
 
     @property
     def head_dim(self) -> int:

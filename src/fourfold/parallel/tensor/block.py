@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fourfold.spec.blockspec import BlockConfig, BlockPlan, LinearPlan, RopeScaling, block_plan
 from fourfold.parallel.context import ring_attention
 from fourfold.parallel.grid import Grid
-from fourfold.parallel.overlap import Overlapper, OverlapOptions
+from fourfold.parallel.overlap import OverlapOptions, Overlapper
 from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
 from fourfold.parallel.tensor.moe import ParallelMoE
 from fourfold.parallel.tensor.norm import ParallelNorm, compiled
+from fourfold.spec.blockspec import BlockConfig, BlockPlan, LinearPlan, RopeScaling, block_plan
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor import init, regions
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
 from fourfold.spec.blockspec import BlockPlan
-from fourfold.spec.layout import GridError
 
 
 class _SumGradients(torch.autograd.Function):
@@ -82,7 +81,8 @@ class ReplicatedLinear(ParallelModule):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         rows, cols = torch.arange(self.out)[:, None], torch.arange(self.local)[None, :] + self.col0
-        self.weight.copy_(init.normal(self.seed, self.name, rows * self.hidden + cols, self.std, self.weight.dtype).reshape(-1))
+        values = init.normal(self.seed, self.name, rows * self.hidden + cols, self.std, self.weight.dtype)
+        self.weight.copy_(values.reshape(-1))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return regions.all_reduce_replicated(h @ self.weight.view(self.out, self.local).t(), self.grid.group("x"))
@@ -116,8 +116,6 @@ class ParallelMoE(nn.Module):
         """`mlp(plan)`: the runtime MLP of a block plan (ParallelMLP), for each expert and the shared one."""
         super().__init__()
         cfg = plan.cfg
-        if cfg.hidden % grid.size("x"):
-            raise GridError(f"hidden={cfg.hidden} is not divisible by x={grid.size('x')}; choose x dividing {cfg.hidden}")
         self.grid, self.cfg, self.seq_parallel = grid, cfg, seq_parallel
         self.router = ReplicatedLinear(grid, cfg.hidden, cfg.experts, name=f"{prefix}.mlp.router", seed=seed, std=std,
                                        dtype=dtype)
