@@ -1,6 +1,6 @@
 """GPU acceptance of fourfold on ONE GPU: one command, a JSON report rewritten after every section.
 
-Run from the repository root (about 6 minutes on an H100 or H200; stopped at --deadline-s, 480):
+Run from the repository root (not yet run on a GPU; it ends by --deadline-s, 480 s, keeping what finished):
 
     python benchmarks/gpu_acceptance.py --output benchmarks/results/acceptance-H200.json
 
