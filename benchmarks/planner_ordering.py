@@ -21,14 +21,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid, init_process_group
-from fourfold.spec.layout import DIMS, Layout
-from fourfold.models.config import ModelConfig
 from fourfold.parallel.optimizer import AdamW
+from fourfold.plan.perf import UNCALIBRATED, Profile, step_time
 from fourfold.spec.hardware import GPU, Cluster
 from fourfold.spec.job import Job
-from fourfold.plan.perf import UNCALIBRATED, step_time
+from fourfold.spec.layout import DIMS, Layout
 from fourfold.spec.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
 from fourfold.train.trainer import Model, local_batch
 
@@ -94,7 +94,9 @@ def predict(text: str, cluster: Cluster) -> float:
             precision="float32")
     # the GPU-fitted constants (overheads, bus efficiencies) do not describe CPU processes: the
     # guesses with a CPU's GEMM curve
-    return step_time(CFG, s, cluster, dataclasses.replace(UNCALIBRATED, efficiency_max=1.0, efficiency_half=16)).total
+    cpu = Profile(cluster.name, efficiency_max=1.0, efficiency_half=16, intra_node_efficiency=1.0,
+                  inter_node_efficiency=1.0)
+    return step_time(CFG, s, cluster, dataclasses.replace(UNCALIBRATED, profiles=(cpu,))).total
 
 
 def fitted_latency(grid: str, measured: float, cluster: Cluster) -> Cluster:
@@ -127,7 +129,7 @@ def main() -> None:
     init_process_group()
     torch.manual_seed(0)
     flops, bandwidth, latency = machine()
-    cluster = Cluster(GPU("cpu-rank", flops / 1e12, 3, 0.01), 8, bandwidth / 1e9, bandwidth / 1e9, latency * 1e6)
+    cluster = Cluster(GPU("cpu-rank", flops / 1e12, 3, 0.01, 1.0), 8, bandwidth / 1e9, bandwidth / 1e9, latency * 1e6)
     measured = [measure(g) for g in GRIDS]
     if dist.get_rank() == 0:
         fit_on = GRIDS.index("x=2,y=2,z=2")

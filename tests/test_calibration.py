@@ -10,20 +10,33 @@ import numpy as np
 import pytest
 
 from fourfold.cli.main import main
+from fourfold.models.config import load_config
+from fourfold.plan.calibrate import (
+    DATA,
+    calibrate,
+    cluster_runs,
+    fit,
+    leave_one_cluster_out,
+    make_run,
+    model_scores,
+    predicted_seconds,
+    read_csv,
+    read_run_dir,
+    rule_scores,
+    shipped_runs,
+)
+from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile
+from fourfold.plan.search import search
+from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.models.config import load_config
-from fourfold.plan.calibrate import (DATA, calibrate, fit, make_run, model_scores, predicted_seconds, read_csv,
-                                     read_run_dir, rule_scores, shipped_runs)
-from fourfold.spec.hardware import make_cluster
-from fourfold.plan.perf import UNCALIBRATED, Calibration
 from fourfold.spec.trainconfig import TrainConfig
 
 needs_data = pytest.mark.skipif(not (DATA / "megatron_llama31_8b_a100.csv").is_file(),
                                 reason=f"the published calibration runs are not at {DATA}")
 
 # docs/planner.md, "Calibration": the cross-validated figures of `python benchmarks/planner_calibration.py`
-DOCUMENTED = dict(spearman=0.90, top1=1.0, error=0.074, plan_spearman=0.92)
+DOCUMENTED = dict(spearman=0.89, top1=1.0, error=0.067, plan_spearman=0.92)
 
 
 @needs_data
@@ -47,11 +60,49 @@ def test_cross_validated_figures_hold_and_are_the_defaults():
     assert all(predicted_seconds(r, default) == pytest.approx(predicted_seconds(r, cal), rel=0.005) for r in runs)
 
 
+@needs_data
+def test_step_times_hold_on_the_cluster_left_out():
+    """Fitted on the A100 runs, the H100 runs' step times (their hardware profile: the preset's
+    measured defaults), and the reverse: within 15%, and closer than one fitted MFU constant."""
+    scores = leave_one_cluster_out(cluster_runs())
+    assert sorted(c.cluster for c in scores) == ["a100", "h100"]
+    for c in scores:
+        assert c.model.error <= 0.15 and c.model.error < c.baseline, c
+    ranked = [c for c in scores if c.model.groups]  # the A100 Llama groups (the H100 table has one run a group)
+    assert ranked and all(c.model.spearman >= 0.85 for c in ranked)
+
+
+def test_a_fit_changes_only_the_profiles_of_its_clusters():
+    cfg, a100, h100 = load_config("llama-3.1-8b"), make_cluster("dgx-a100"), make_cluster("dgx-h100")
+    job = Job(Layout(dp=4, y=4), global_batch=64, micro_batch=1, seq=4096, seq_parallel=True, precision="bf16")
+    runs = [make_run(cfg, dataclasses.replace(job, micro_batch=mb), a100, "megatron", seconds, "made")
+            for mb, seconds in ((1, 3.0), (2, 2.8), (4, 2.7))]
+    cal = fit(runs)
+    assert [p.cluster for p in cal.profiles] == ["dgx-a100"]
+    assert cal.profile(h100) == UNCALIBRATED.profile(h100)  # the H100's measured defaults
+    assert cal.profile(h100).efficiency_max == h100.gpu.gemm_efficiency
+
+
+@needs_data
+@pytest.mark.xfail(strict=True, reason="open (docs/planner.md, the seed headline): fourfold's first row is predicted "
+                                       "at 45% of peak, and the megatron profile's as fast")
+def test_the_seed_headline_from_the_perlmutter_profile_alone():
+    """GPT 80B on 1,024 Perlmutter A100s: 57% of peak measured for the seed's algorithm, Megatron-LM
+    15-30% below it. Nothing was fitted on Perlmutter: its profile is the preset's defaults."""
+    assert "perlmutter" not in [p.cluster for p in Calibration().profiles]
+    cfg, cluster = load_config("gpt-80b"), make_cluster("perlmutter")
+    base = Job(global_batch=2048, seq=2048, seq_parallel=True, precision="bf16")
+    best = {framework: search(cfg, 1024, cluster, base, framework=framework, top=1)[0]["mfu"]
+            for framework in ("fourfold", "megatron")}
+    assert abs(best["fourfold"] / 0.57 - 1) <= 0.2
+    assert 0.15 <= 1 - best["megatron"] / best["fourfold"] <= 0.30
+
+
 def test_the_fit_recovers_constants_the_runs_were_made_with():
     """Runs whose step times the model itself gives under known constants: fitted on some grids,
     the constants predict the others' times."""
-    truth = dataclasses.replace(UNCALIBRATED, efficiency_max=0.55, efficiency_half=300, inter_node_efficiency=0.5,
-                                dp_overlap=0.2, layer_overhead_us=400)
+    truth = dataclasses.replace(UNCALIBRATED, dp_overlap=0.2, layer_overhead_us=400,
+                                profiles=(Profile("dgx-a100", 0.55, 300, 0.8, 0.5),))
     cfg, cluster = load_config("llama-3.1-8b"), make_cluster("dgx-a100")
     runs = []
     for tp, cp, pp, mb, world in [(2, 1, 1, 1, 16), (4, 1, 1, 2, 16), (8, 1, 1, 1, 16), (2, 2, 2, 1, 32),

@@ -9,16 +9,17 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from fourfold.models.config import ModelConfig, load_config
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.transformer import Transformer
+from fourfold.plan.memory import fourfold_memory
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.tools.measure import GPU_ONLY_TERMS as DEVICE_TERMS, measure_peak
-from fourfold.models.config import ModelConfig, load_config
-from fourfold.parallel.transformer import Transformer
-from fourfold.parallel.optimizer import AdamW
-from fourfold.plan.memory import fourfold_memory
-from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.tools.measure import GPU_ONLY_TERMS as DEVICE_TERMS
+from fourfold.tools.measure import measure_peak
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=1024,
                   tied=False, eps=1e-5)

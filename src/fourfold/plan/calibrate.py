@@ -20,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile, model_flops_per_token, step_time
+from fourfold.plan.search import check, predict, rank
+from fourfold.spec.counts import layer_params
+from fourfold.spec.hardware import Cluster, make_cluster, overridden
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.models.config import ModelConfig, load_config
-from fourfold.spec.hardware import Cluster, make_cluster, overridden
-from fourfold.plan.perf import UNCALIBRATED, Calibration, model_flops_per_token, step_time
-from fourfold.plan.search import check, predict, rank
+from fourfold.spec.rules import problems
 from fourfold.spec.trainconfig import TrainConfig
 
 # The published calibration data (outside the repository: ../shared/calibration from its root).
@@ -37,9 +39,18 @@ DATA = Path(__file__).resolve().parents[3].parent / "shared" / "calibration"
 SHIPPED = {
     "megatron_llama31_8b_a100.csv": dict(model="llama-3.1-8b", global_batch="1024", recompute="none",
                                          flops_convention="megatron", cluster="dgx-a100", inter_node_gbs="12.5"),
-    "megatron_gpt_a100_scaling.csv": dict(family="gpt2", tied="true", seq_parallel="false", cluster="dgx-a100"),
+    "megatron_gpt_a100_scaling.csv": dict(family="gpt2", tied="true", seq_parallel="false", cluster="dgx-a100",
+                                          overlap_dp="false", flash_attention="false"),
+    # Megatron-Core r0.8.0's H100 table: gradient reduce and parameter gather overlapped, selective
+    # recompute, interleaved pipelines whose stages per rank are not published ("?")
+    "megatron_core_gpt_h100.csv": dict(family="gpt2", tied="true", recompute="selective", cluster="dgx-h100",
+                                       overlap_dp="true", virtual="?"),
 }
+# The A100 and the H100 clusters of the shipped files: leave-one-cluster-out validation fits on one, scores the other.
+CLUSTER_FILES = {"a100": ("megatron_llama31_8b_a100.csv", "megatron_gpt_a100_scaling.csv"),
+                 "h100": ("megatron_core_gpt_h100.csv",)}
 MICRO_BATCHES = (1, 2, 4, 8)  # tried when a source does not say which one ran
+VIRTUALS = (2, 3, 4, 6, 8)  # interleaved stages per pipeline rank tried when a source does not say
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
 
 
@@ -48,12 +59,14 @@ class Run:
     """One measured run, as the planner sees it."""
 
     cfg: ModelConfig
-    jobs: tuple[Job, ...]  # the job that ran; when the source leaves the micro-batch out, each that fits
+    jobs: tuple[Job, ...]  # the job that ran; without its micro-batch, each that fits (or the smallest)
     cluster: Cluster
     framework: str
     seconds: float  # measured, per optimizer step
     group: str  # the runs a user chooses among: one model, cluster, GPU count, sequence and batch
     source: str  # the file or run directory it was read from
+    overlap_dp: bool | None = None  # Megatron's overlap_grad_reduce and overlap_param_gather (None: not published)
+    flash_attention: bool = True  # False: a run that predates it
 
     @property
     def model_parallel(self) -> int:
@@ -71,28 +84,39 @@ class Run:
 
 
 def predicted_seconds(run: Run, cal: Calibration) -> float:
-    """The model's step time for `run` (the fastest of its possible micro-batches)."""
-    return min(step_time(run.cfg, job, run.cluster, cal, run.framework).total for job in run.jobs)
+    """The model's step time for `run` (the fastest of its possible micro-batches and stages); a run
+    that says whether it overlapped the data-parallel collectives sets the overlaps."""
+    if run.overlap_dp is not None:
+        overlap = float(run.overlap_dp)
+        cal = replace(cal, dp_overlap=overlap, param_gather_overlap=overlap)
+    return min(step_time(run.cfg, job, run.cluster, cal, run.framework, run.flash_attention).total for job in run.jobs)
 
 
 def make_run(cfg: ModelConfig, job: Job, cluster: Cluster, framework: str, seconds: float, source: str,
-             micro_batch_known: bool = True) -> Run:
+             micro_batch_known: bool = True, virtual_known: bool = True, overlap_dp: bool | None = None,
+             flash_attention: bool = True) -> Run:
     """A `Run`, its job checked by the planner's rules (a `JobError` names each fix). Without the
-    micro-batch, every one of MICRO_BATCHES that divides the batch and fits in memory."""
+    micro-batch, every one of MICRO_BATCHES that the rules accept and that fits in memory; without
+    the interleaved stages per rank (pp > 1), each of VIRTUALS the rules accept."""
     jobs = [job]
+    if not virtual_known and job.layout.pp > 1:
+        jobs = [replace(job, virtual=v, schedule="interleaved-1f1b") for v in VIRTUALS]
     if not micro_batch_known:
-        jobs = [j for j in (replace(job, micro_batch=mb) for mb in MICRO_BATCHES)
-                if j.global_batch % (j.layout.dp * j.micro_batch) == 0
-                and predict(cfg, j, cluster, framework=framework)["fits"]]
+        tried = [replace(j, micro_batch=mb) for j in jobs for mb in MICRO_BATCHES]
+        valid = [j for j in tried if not problems(cfg, j, gpu=True)]
+        # the run ran: when the memory model refuses every micro-batch (its rule is cautious), the smallest
+        jobs = [j for j in valid if predict(cfg, j, cluster, framework=framework)["fits"]] or valid[:1]
         if not jobs:
-            raise ValueError(f"no micro-batch of {MICRO_BATCHES} fits {job.layout} in the planner's memory model; "
-                             f"give the run's micro_batch")
+            raise ValueError(f"no micro-batch of {MICRO_BATCHES} is valid for {job.layout} and global batch "
+                             f"{job.global_batch}; give the run's micro_batch")
+    elif not virtual_known:
+        jobs = [j for j in jobs if not problems(cfg, j, gpu=True)] or [job]
     for j in jobs:
         check(cfg, j, framework)
     n = cfg.parameter_count()
     group = (f"{cfg.family} {n / 1e9:.1f}B, {job.world_size} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
              f"{cluster.inter_node_gbs:g} GB/s), seq {job.seq}, batch {job.global_batch}")
-    return Run(cfg, tuple(jobs), cluster, framework, seconds, group, source)
+    return Run(cfg, tuple(jobs), cluster, framework, seconds, group, source, overlap_dp, flash_attention)
 
 
 # ----- CSV files in the calibration format ---------------------------------------------------------
@@ -107,9 +131,13 @@ def flops_per_sequence(convention: str, cfg: ModelConfig, seq: int) -> float:
         query = cfg.heads * cfg.block.head_dim / h
         return 12 * seq * layers * h * h * ((1 + cfg.kv_heads / cfg.heads + seq / h) * query
                                             + cfg.ffn / h * gated + vocab / (2 * layers * h))
+    if convention == "model":  # Megatron-Core's tables: 6 x dense parameters (the head's included) per token,
+        # and attention's 12 L h s, causal not halved
+        matrices, _ = layer_params(cfg)
+        return 6 * seq * (matrices * layers + h * vocab) + 12 * layers * h * seq * seq
     if convention == "fourfold":  # `fourfold train`'s tflops_per_gpu: 6N + 6 L h s per token
         return model_flops_per_token(cfg, seq) * seq
-    raise ValueError(f"flops_convention {convention!r} is unknown; use megatron96, megatron or fourfold")
+    raise ValueError(f"flops_convention {convention!r} is unknown; use megatron96, megatron, model or fourfold")
 
 
 def _need(values: dict, key: str, kind=int):
@@ -159,7 +187,8 @@ def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
         raise ValueError(f"{world} GPUs, but dp*pp*cp*x*y*z = {layout.world_size}: correct the grid or the GPU count")
     cfg = _model(values, framework, layout.pp)
     micro_batch = values.get("micro_batch") or values.get("mbs")
-    virtual = int(values.get("virtual", 1))
+    virtual_known = values.get("virtual") != "?"
+    virtual = int(values.get("virtual", 1)) if virtual_known else 1
     job = Job(layout, global_batch=_need(values, "global_batch"), micro_batch=int(micro_batch or 1),
               seq=_need(values, "seq"), recompute=values.get("recompute", "none"),
               seq_parallel=_flag(values, "seq_parallel", True), precision=values.get("precision", "bf16"),
@@ -170,7 +199,9 @@ def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
         per_gpu = _need(values, "measured_tflops_per_gpu", float) * 1e12
         flops = flops_per_sequence(_need(values, "flops_convention", str), cfg, job.seq)
         seconds = job.global_batch * flops / (layout.world_size * per_gpu)
-    return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, source, micro_batch is not None)
+    overlap = _flag(values, "overlap_dp", False) if "overlap_dp" in values else None
+    return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, source, micro_batch is not None,
+                    virtual_known, overlap, _flag(values, "flash_attention", True))
 
 
 def read_csv(path: str | Path, cluster: Cluster | None = None) -> list[Run]:
@@ -198,6 +229,11 @@ def shipped_runs(folder: str | Path = DATA) -> list[Run]:
     if missing:
         raise FileNotFoundError(f"{folder} lacks {', '.join(missing)}: give the folder of the shipped calibration data")
     return [run for name in SHIPPED for run in read_csv(folder / name)]
+
+
+def cluster_runs(folder: str | Path = DATA) -> dict[str, list[Run]]:
+    """The shipped runs by cluster (CLUSTER_FILES)."""
+    return {name: [run for f in files for run in read_csv(Path(folder) / f)] for name, files in CLUSTER_FILES.items()}
 
 
 # ----- `fourfold train` run directories ----------------------------------------------------------
@@ -234,8 +270,7 @@ def read_run_dir(path: str | Path, cluster: Cluster | None = None) -> Run:
     job = config.job()
     if job.precision == "auto":  # what the trainer chooses on GPUs
         job = replace(job, precision="bf16")
-    h = config.hardware
-    cluster = cluster or make_cluster(h.cluster or None, h.gpu, h.gpus_per_node)
+    cluster = cluster or config.cluster()
     seconds = statistics.median(r["seconds"] for r in steps[1:])
     try:
         return make_run(ModelConfig.from_dict(meta["model"]), job, cluster, "fourfold", seconds, path.name)
@@ -261,20 +296,38 @@ class Knob:
         return math.exp(coordinate) if self.log else coordinate
 
 
-KNOBS = (
-    Knob("efficiency_max", 0.3, 1.0),
-    Knob("efficiency_half", 1.0, 4096.0, log=True),
-    Knob("attention_half", 1.0, 65536.0, log=True),
-    Knob("intra_node_efficiency", 0.1, 1.0, log=True),  # a collective cannot beat the link
-    Knob("inter_node_efficiency", 0.3, 1.0, log=True),  # NCCL reaches well over 30% of the NICs' rate
+# Software: the same on every cluster, fitted across all the runs.
+SOFTWARE_KNOBS = (
+    # flash attention runs at over half its GEMMs' rate from 8k keys on (FlashAttention-2, Dao 2023:
+    # about 190 of the A100 GEMMs' 270 TFLOP/s, causal, head dimension 128)
+    Knob("attention_half", 1.0, 8192.0, log=True),
     Knob("ring_overlap", 0.0, 1.0),
     Knob("dp_overlap", 0.0, 1.0),
     Knob("layer_overhead_us", 0.0, 5000.0),
-    Knob("micro_batch_overhead_us", 0.0, 500000.0),
+    # a micro-batch's host work (a schedule step: forward and backward calls, the loss, p2p calls) is
+    # milliseconds; kernel launches are the per-layer constant. Unbounded, the Llama runs take 43 ms
+    # and push the H100 profile's GEMM efficiency to 1.0 (its measured best is 0.80): docs/planner.md
+    Knob("micro_batch_overhead_us", 0.0, 10000.0),
+)
+# Hardware: a `perf.Profile` per cluster the runs were measured on.
+HARDWARE_KNOBS = (
+    Knob("efficiency_max", 0.3, 1.0),
+    Knob("efficiency_half", 1.0, 4096.0, log=True),
+    Knob("intra_node_efficiency", 0.1, 1.0, log=True),  # a collective cannot beat the link
+    Knob("inter_node_efficiency", 0.3, 1.0, log=True),  # NCCL reaches well over 30% of the NICs' rate
 )
 # Where every fit starts: mid-range (every fold starts here, never from another fold's answer).
-START = Calibration(efficiency_max=0.6, efficiency_half=128, attention_half=1024, intra_node_efficiency=0.5,
-                    inter_node_efficiency=0.5, ring_overlap=0.5, dp_overlap=0.5, layer_overhead_us=100, micro_batch_overhead_us=1000, cv_error=None)
+# No profiles: a cluster the runs do not cover keeps its preset's defaults, never the shipped fit's.
+START = Calibration(attention_half=1024, ring_overlap=0.5, dp_overlap=0.5, layer_overhead_us=100,
+                    micro_batch_overhead_us=1000, cv_error=None, profiles=())
+START_PROFILE = dict(efficiency_max=0.6, efficiency_half=128, intra_node_efficiency=0.5, inter_node_efficiency=0.5)
+
+
+def knobs(runs: list[Run]) -> list[tuple[str | None, Knob]]:
+    """The constants a fit to `runs` sets: (None, software knob), then (cluster, hardware knob) for
+    each cluster the runs ran on."""
+    clusters = sorted({r.cluster.name for r in runs})
+    return [(None, k) for k in SOFTWARE_KNOBS] + [(c, k) for c in clusters for k in HARDWARE_KNOBS]
 
 
 def log_errors(runs: list[Run], cal: Calibration) -> np.ndarray:
@@ -282,18 +335,30 @@ def log_errors(runs: list[Run], cal: Calibration) -> np.ndarray:
     return np.array([math.log(predicted_seconds(r, cal) / r.seconds) for r in runs])
 
 
-def fit(runs: list[Run], start: Calibration = START, knobs: tuple[Knob, ...] = KNOBS, iterations: int = 30,
-        tolerance: float = 1e-5) -> Calibration:
-    """The constants that minimise the mean squared log error of the runs' step times:
+def _calibration(start: Calibration, fitted: list[tuple[str | None, Knob]], theta) -> Calibration:
+    """`start` with the fitted constants `theta`: the software ones, and a profile per cluster."""
+    software = {k.name: k.value(float(t)) for (c, k), t in zip(fitted, theta) if c is None}
+    profiles = {}
+    for (c, k), t in zip(fitted, theta):
+        if c is not None:
+            profiles.setdefault(c, dict(START_PROFILE))[k.name] = k.value(float(t))
+    kept = tuple(p for p in start.profiles if p.cluster not in profiles)
+    return replace(start, **software, profiles=kept + tuple(Profile(c, **v) for c, v in sorted(profiles.items())))
+
+
+def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, tolerance: float = 1e-5) -> Calibration:
+    """The constants that minimise the mean squared log error of the runs' step times (`knobs`):
     Levenberg-Marquardt from `start`, each step clipped to the knobs' ranges, with finite-difference
-    derivatives (taken inwards at a bound)."""
-    low = np.array([k.coordinate(k.low) for k in knobs])
-    high = np.array([k.coordinate(k.high) for k in knobs])
+    derivatives (taken inwards at a bound). Only the profiles of the runs' clusters change."""
+    fitted = knobs(runs)
+    low = np.array([k.coordinate(k.low) for _, k in fitted])
+    high = np.array([k.coordinate(k.high) for _, k in fitted])
 
     def calibration(theta: np.ndarray) -> Calibration:
-        return replace(start, **{k.name: k.value(float(t)) for k, t in zip(knobs, theta)})
+        return _calibration(start, fitted, theta)
 
-    theta = np.clip([k.coordinate(getattr(start, k.name)) for k in knobs], low, high)
+    theta = np.clip([k.coordinate(getattr(start, k.name) if c is None else START_PROFILE[k.name]) for c, k in fitted],
+                    low, high)
     r = log_errors(runs, calibration(theta))
     cost, damping = r @ r, 1e-2
     steps = 1e-4 * (high - low)
@@ -311,7 +376,7 @@ def fit(runs: list[Run], start: Calibration = START, knobs: tuple[Knob, ...] = K
                 step = np.linalg.solve(a + damping * np.diag(np.diag(a) + 1e-12), g)
             except np.linalg.LinAlgError:  # runs too alike to tell the constants apart
                 raise ValueError(f"the fit on {len(runs)} runs is singular: too few distinct runs or groups for "
-                                 f"{len(knobs)} constants (cross-validation leaves a group, or with one group a run, "
+                                 f"{len(fitted)} constants (cross-validation leaves a group, or with one group a run, "
                                  f"out of each fit); add runs that differ (other grids, micro-batches, GPU counts)"
                                  ) from None
             trial_theta = np.clip(theta - step, low, high)
@@ -454,4 +519,52 @@ def comparison(runs: list[Run], cross: CrossValidation) -> str:
     lines.append(f"Spearman: median over the {cross.model.groups} groups of 2 or more runs; top-1: share of them whose "
                  f"favourite runs within {TOP1_MARGIN:.0%} of the measured best; error: mean over the {len(runs)} "
                  f"runs of |predicted / measured throughput - 1|")
+    return "\n".join(lines)
+
+
+# ----- leave one cluster out -------------------------------------------------------------------------
+
+def mfu_baseline(fitted: list[Run], runs: list[Run]) -> list[float]:
+    """`runs`' step seconds as one MFU constant predicts them: the geometric mean of the MFU of
+    the `fitted` runs (the model's FLOPs over the peak), the same least squares on log times."""
+    def peak_seconds(r: Run) -> float:  # at 100% MFU
+        job = r.jobs[0]
+        flops = model_flops_per_token(r.cfg, job.seq) * job.global_batch * job.seq / job.world_size
+        return flops / (r.cluster.gpu.bf16_tflops * 1e12)
+
+    mfu = math.exp(statistics.mean(math.log(peak_seconds(r) / r.seconds) for r in fitted))
+    return [peak_seconds(r) / mfu for r in runs]
+
+
+@dataclass(frozen=True)
+class ClusterScore:
+    cluster: str
+    runs: int
+    model: Scores  # the runs predicted by constants fitted on the other clusters' runs only
+    baseline: float  # the error of one MFU constant fitted on the same other runs
+
+
+def leave_one_cluster_out(by_cluster: dict[str, list[Run]]) -> list[ClusterScore]:
+    """Each cluster's runs predicted by a fit to the others': its hardware profile takes the preset's
+    measured defaults (the fit sets only the profiles of the clusters it saw), the software constants
+    come from the other clusters."""
+    out = []
+    for name, runs in by_cluster.items():
+        others = [r for other, rs in by_cluster.items() if other != name for r in rs]
+        cal = fit(others)
+        predicted = [predicted_seconds(r, cal) for r in runs]
+        baseline = mfu_baseline(others, runs)
+        out.append(ClusterScore(name, len(runs), model_scores(runs, predicted),
+                                float(np.mean([abs(r.seconds / p - 1) for r, p in zip(runs, baseline)]))))
+    return out
+
+
+def cluster_table(scores: list[ClusterScore]) -> str:
+    lines = [f"{'held out':<10} {'runs':>5} {'error':>7} {'MFU baseline':>13} {'Spearman':>9} {'top-1':>6}"]
+    for c in scores:
+        ranked = f"{c.model.spearman:9.2f} {c.model.top1:6.0%}" if c.model.groups else f"{'-':>9} {'-':>6}"
+        lines.append(f"{c.cluster:<10} {c.runs:>5} {c.model.error:7.1%} {c.baseline:13.1%} {ranked}")
+    lines.append("error: mean |predicted / measured throughput - 1| of the held-out cluster's runs, fitted on the "
+                 "other cluster's; MFU baseline: one MFU constant fitted on the same runs; Spearman, top-1: over "
+                 "the held-out groups of 2 or more runs")
     return "\n".join(lines)

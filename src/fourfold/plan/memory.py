@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fourfold.spec.blockspec import block_plan
-from fourfold.spec.job import Job, most_layers_on_a_rank
 from fourfold.models.config import ModelConfig
+from fourfold.spec.blockspec import block_plan
+from fourfold.spec.counts import layer_params
+from fourfold.spec.job import Job, most_layers_on_a_rank
 from fourfold.spec.rules import padded_vocab
 
 GIB = 2**30
@@ -57,19 +58,6 @@ class Memory:
 
     def breakdown_gib(self) -> dict[str, float]:
         return {k: v / GIB for k, v in self.terms.items()}
-
-
-def layer_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama."""
-    b = cfg.block
-    d = b.head_dim
-    matrices = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.heads * d * cfg.hidden
-    matrices += (3 if b.gated else 2) * cfg.hidden * cfg.ffn
-    vectors = (2 if b.norm == "rms" else 4) * cfg.hidden
-    vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
-    vectors += cfg.hidden if b.out_bias else 0
-    vectors += ((2 if b.gated else 1) * cfg.ffn + cfg.hidden) if b.mlp_bias else 0
-    return matrices, vectors
 
 
 def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True) -> Memory:

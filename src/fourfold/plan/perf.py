@@ -12,42 +12,60 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fourfold.spec.blockspec import attention_chunks, block_plan
 from fourfold.models.config import ModelConfig
+from fourfold.spec.blockspec import attention_chunks, block_plan
+from fourfold.spec.counts import flops_per_token as model_flops_per_token
+from fourfold.spec.counts import layer_params
 from fourfold.spec.hardware import Cluster
 from fourfold.spec.job import Job, rank_layers
 from fourfold.spec.layout import Layout
-from fourfold.plan.memory import layer_params
 from fourfold.spec.rules import padded_vocab
 from fourfold.spec.volumes import (
     Collective,
     block_passes,
-    ring_attention_passes,
     bytes_sent,
     embedding_passes,
     head_passes,
+    ring_attention_passes,
 )
 
 
 @dataclass(frozen=True)
+class Profile:
+    """Hardware constants fitted to runs on one cluster (`Cluster.name`): they apply to that cluster
+    only; any other keeps its preset's measured defaults (`fourfold.spec.hardware`)."""
+
+    cluster: str
+    efficiency_max: float  # best fraction of peak a large bf16 GEMM reaches
+    efficiency_half: float  # smallest GEMM dimension at which a GEMM runs at half of that
+    intra_node_efficiency: float  # collective bus bandwidth / the preset's link peak, inside a node
+    inter_node_efficiency: float  # the same across nodes
+
+
+# The hardware profiles of the shipped runs' clusters, fitted with the defaults below.
+FITTED_A100 = Profile("dgx-a100", efficiency_max=0.8052, efficiency_half=120.8, intra_node_efficiency=1.0,
+                      inter_node_efficiency=0.3)
+FITTED_H100 = Profile("dgx-h100", efficiency_max=0.9287, efficiency_half=506.5, intra_node_efficiency=0.7885,
+                      inter_node_efficiency=1.0)
+
+
+@dataclass(frozen=True)
 class Calibration:
-    """The step-time model's constants: what a fit to measured runs sets (`fourfold calibrate`,
-    `--calibrate FILE.json`). Each means something physical, so that a fit on some machines and
-    models carries over to others."""
+    """The step-time model's fitted constants (`fourfold calibrate`, `--calibrate FILE.json`): those
+    of software (the same on every cluster), and a `Profile` of hardware constants per cluster the
+    runs were measured on. Each means something physical, so that a fit carries over."""
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    efficiency_max: float = 0.875  # best fraction of peak a large bf16 GEMM reaches
-    efficiency_half: float = 62.5  # GEMM dimension at which efficiency is half of the best
-    attention_half: float = 8470  # keys per attention block at which attention runs at half its GEMM rate
-    intra_node_efficiency: float = 0.769  # collective bus bandwidth / the preset's, inside a node
-    inter_node_efficiency: float = 0.3  # the same across nodes
-    ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
-    dp_overlap: float = 0.0  # fraction of the data-parallel reduce-scatter that can hide behind backward
-    layer_overhead_us: float = 0.0  # fixed cost of a layer's forward and backward on a micro-batch (launches)
-    micro_batch_overhead_us: float = 41240  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
+    attention_half: float = 4753  # keys per attention block at which attention runs at half its GEMM rate
+    ring_overlap: float = 0.0  # fraction of ring attention's traffic that can hide behind block attention
+    dp_overlap: float = 1.0  # fraction of the data-parallel reduce-scatter that hides behind the last backward
+    param_gather_overlap: float = 0.0  # fraction of the parameter all-gather that hides behind the first forward
+    layer_overhead_us: float = 145.3  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    micro_batch_overhead_us: float = 10000  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
-    cv_error: float | None = 0.0736  # cross-validated mean error of a step time (fraction), from the fit
+    cv_error: float | None = 0.0667  # cross-validated mean error of a step time (fraction), from the fit
+    profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_H100)  # the clusters the fit was measured on
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
@@ -60,25 +78,65 @@ class Calibration:
         if "bandwidth_factor" in unknown:
             raise ValueError(f"{path}: bandwidth_factor is now two constants: give its value as intra_node_efficiency "
                              f"and inter_node_efficiency, or write the file again with `fourfold calibrate`")
+        hardware = sorted(set(unknown) & {f.name for f in dataclasses.fields(Profile)})
+        if hardware:
+            raise ValueError(f"{path}: {', '.join(hardware)} belong to the cluster they were measured on: give them in "
+                             f"`profiles` with the cluster's name, or write the file again with `fourfold calibrate`")
         if unknown:
             raise ValueError(f"{path}: unknown constants {', '.join(unknown)}; the constants are "
                              f"{', '.join(sorted(known))} (`fourfold calibrate` writes them)")
-        return cls(**data)
+        profiles = tuple(Profile(**p) for p in data.pop("profiles", []))
+        return cls(**data, profiles=profiles)
+
+    def profile(self, cluster: Cluster) -> Profile:
+        """The hardware constants of `cluster`: fitted on it, else its preset's measured defaults."""
+        for p in self.profiles:
+            if p.cluster == cluster.name:
+                return p
+        return Profile(cluster.name, cluster.gpu.gemm_efficiency, cluster.gpu.ridge, cluster.intra_node_efficiency,
+                       cluster.inter_node_efficiency)
 
 
-# The guesses the model had before any fit: docs/planner.md's "uncalibrated" model.
-UNCALIBRATED = Calibration(efficiency_max=0.8, efficiency_half=128, attention_half=0, intra_node_efficiency=1.0,
-                           inter_node_efficiency=1.0, ring_overlap=1.0, dp_overlap=1.0, layer_overhead_us=0.0,
-                           micro_batch_overhead_us=0.0)
+@dataclass(frozen=True)
+class Constants:
+    """Every constant of one step-time evaluation: the calibration's software constants and its
+    hardware constants for the cluster (`constants`)."""
+
+    efficiency_max: float
+    efficiency_half: float
+    attention_half: float
+    intra_node_efficiency: float
+    inter_node_efficiency: float
+    ring_overlap: float
+    dp_overlap: float
+    param_gather_overlap: float
+    layer_overhead_us: float
+    micro_batch_overhead_us: float
+    latency_us: float
 
 
-def gemm_efficiency(m: float, n: float, k: float, cal: Calibration) -> float:
+@functools.lru_cache(maxsize=1024)
+def constants(cal: Calibration, cluster: Cluster) -> Constants:
+    p = cal.profile(cluster)
+    return Constants(p.efficiency_max, p.efficiency_half, cal.attention_half, p.intra_node_efficiency,
+                     p.inter_node_efficiency, cal.ring_overlap, cal.dp_overlap, cal.param_gather_overlap,
+                     cal.layer_overhead_us, cal.micro_batch_overhead_us,
+                     cluster.latency_us if cal.latency_us is None else cal.latency_us)
+
+
+# The guesses the model had before any fit (docs/planner.md's "uncalibrated" model): no overheads,
+# every overlap perfect, the presets' measured hardware defaults.
+UNCALIBRATED = Calibration(attention_half=0, ring_overlap=1.0, dp_overlap=1.0, param_gather_overlap=0.0,
+                           layer_overhead_us=0.0, micro_batch_overhead_us=0.0, cv_error=None, profiles=())
+
+
+def gemm_efficiency(m: float, n: float, k: float, cal: Constants) -> float:
     """Small local GEMMs after heavy sharding run far below peak."""
     smallest = min(m, n, k)
     return cal.efficiency_max * smallest / (smallest + cal.efficiency_half)
 
 
-def attention_efficiency(queries: float, keys: float, head_dim: int, cal: Calibration) -> float:
+def attention_efficiency(queries: float, keys: float, head_dim: int, cal: Constants) -> float:
     """Flash attention: its GEMMs' efficiency, lowered on short key blocks (each block of keys pays
     the softmax rescaling and the causal diagonal; context parallelism cuts the keys into blocks)."""
     return gemm_efficiency(queries, head_dim, keys, cal) * keys / (keys + cal.attention_half)
@@ -90,7 +148,8 @@ def group_bandwidth(layout: Layout, cluster: Cluster, dims: tuple[str, ...], cal
     at the calibrated fraction of the preset's figure (`cal`; None: the preset's own)."""
     if cal is None:
         return _bandwidth(layout, cluster, dims, 1.0, 1.0)
-    return _bandwidth(layout, cluster, dims, cal.intra_node_efficiency, cal.inter_node_efficiency)
+    k = constants(cal, cluster)
+    return _bandwidth(layout, cluster, dims, k.intra_node_efficiency, k.inter_node_efficiency)
 
 
 @functools.lru_cache(maxsize=65536)  # the search asks the same question for many candidates
@@ -108,7 +167,7 @@ def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...], intra_efficiency
     return gbs * 1e9
 
 
-def comm_seconds(collectives: list[Collective], s: Job, cluster: Cluster, element_size: int, cal: Calibration) -> float:
+def comm_seconds(collectives: list[Collective], s: Job, cluster: Cluster, element_size: int, cal: Constants) -> float:
     """Seconds of these collectives run one after another: volume over the group's bandwidth, plus
     a latency per ring step."""
     return _totals_seconds(_totals(collectives), s, cluster, element_size, cal)
@@ -124,9 +183,9 @@ def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, bool, int, i
     return tuple((*kind, numel, count) for kind, (numel, count) in totals.items())
 
 
-def _totals_seconds(totals, s: Job, cluster: Cluster, element_size: int, cal: Calibration) -> float:
+def _totals_seconds(totals, s: Job, cluster: Cluster, element_size: int, cal: Constants) -> float:
     seconds = 0.0
-    latency = (cluster.latency_us if cal.latency_us is None else cal.latency_us) * 1e-6
+    latency = cal.latency_us * 1e-6
     for group, op, wide, numel, count in totals:
         g, bandwidth = _group_figures(s.layout, cluster, group, cal.intra_node_efficiency, cal.inter_node_efficiency)
         steps = 1 if op == "send" else 2 * (g - 1) if op == "all_reduce" else (g - 1)
@@ -185,12 +244,6 @@ class StepTime:
                 "dp_comm": self.dp_comm, "optimizer": self.optimizer}
 
 
-def model_flops_per_token(cfg: ModelConfig, seq: int) -> float:
-    """6 N (non-embedding parameters) + 6 L h s for causal attention (forward and backward)."""
-    matrices, _ = layer_params(cfg)
-    return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 6 * cfg.layers * cfg.hidden * seq
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(block, x: int, y: int):
     """The block plan's shapes (sequence parallelism changes collectives, not GEMMs)."""
@@ -199,7 +252,7 @@ def _plan(block, x: int, y: int):
 
 @functools.lru_cache(maxsize=65536)  # many grids share a replica's shapes (dp and pp do not change them)
 def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float, peak_tflops: float,
-                          cal: Calibration) -> tuple[float, float]:
+                          cal: Constants) -> tuple[float, float]:
     """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
     x = 1 for the megatron profile's 1D tensor parallelism."""
     T = seq / cp * batch
@@ -232,7 +285,7 @@ def _ring_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int
     return _totals(ring.forward), _totals(ring.backward)
 
 
-def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, forward_seconds: float,
+def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, forward_seconds: float,
                  dw_seconds: float, framework: str) -> float:
     """Exposed tensor-parallel communication of one layer for one micro-batch (forward, backward,
     and the forward again under full recompute)."""
@@ -251,7 +304,7 @@ def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, f
     return 1.5 * exposed if s.recompute == "full" else exposed  # the forward's collectives again
 
 
-def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, dw_seconds: float) -> float:
+def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, dw_seconds: float) -> float:
     """Megatron-LM's 1D tensor parallelism. With sequence parallelism each sublayer all-gathers its
     input and reduce-scatters its output in forward, and all-gathers the output gradient in
     backward, all exposed; the column-parallel linear's backward re-gathers its input (for the
@@ -275,7 +328,7 @@ def _megatron_totals(elements: int, seq_parallel: bool):
     return _totals([reduce] * 2), (), _totals([reduce] * 2)
 
 
-def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, framework: str) -> float:
+def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str) -> float:
     """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps can hide its
     K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs); only
     the fraction `cal.ring_overlap` of the traffic hides (the rest waits for its transfer)."""
@@ -319,13 +372,18 @@ class _Compute:
                 + self.micro_batch_overhead)
 
 
-def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, framework: str) -> _Compute:
+def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str,
+             flash_attention: bool = True) -> _Compute:
     forward, dw = _layer_compute_cached(cfg.block, s.x if framework == "fourfold" else 1, s.y, s.seq, s.cp,
                                         s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal)
+    T = s.seq / s.cp * s.micro_batch / s.z
+    traffic = _elementwise_traffic(cfg, s, T, framework)
+    if not flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
+        traffic += _score_traffic(cfg, s, T, framework)
+    forward += traffic / (cluster.gpu.hbm_tbs * 1e12)
     per_layer = 3 * forward  # forward, then dX and dW GEMMs in backward
     if s.recompute == "full":
         per_layer += forward
-    T = s.seq / s.cp * s.micro_batch / s.z
     vocab = padded_vocab(cfg.vocab, s.y) if framework == "fourfold" else cfg.vocab  # the head's GEMM columns
     head = 6 * T * cfg.hidden * vocab / (s.x * s.y if framework == "fourfold" else s.y)
     head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, vocab / s.y, cal)
@@ -333,6 +391,25 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration, frame
     optimizer = 16 * _params_per_rank(cfg, s, ranks, framework) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
     return _Compute(forward, dw, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
+
+
+def _elementwise_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str) -> float:
+    """Bytes of one layer's forward elementwise work, bound by HBM bandwidth (roofline): each op
+    reads its inputs and writes its output once, in the job's precision: two norms (2h a token)
+    and two residual adds (3h) on the residual stream (split over the tensor group under sequence
+    parallelism), the MLP's activation (3F gated, 2F else) on the local F."""
+    tp = s.x * s.y if framework == "fourfold" else s.y
+    stream = 10 * cfg.hidden / (tp if s.seq_parallel else 1)
+    activation = (3 if cfg.block.gated else 2) * cfg.ffn / tp
+    return s.element_bytes * tokens * (stream + activation)
+
+
+def _score_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str) -> float:
+    """Bytes of one layer's forward attention without flash attention: the local heads' scores
+    S = QK^T and probabilities P = softmax(S), each written to HBM and read back once;
+    backward moves twice that (its dP and dS), so it scales with the forward like the GEMMs."""
+    heads = cfg.heads / (s.y if framework == "megatron" else attention_chunks(cfg.block, s.x, s.y))
+    return 4 * s.element_bytes * heads * tokens * s.seq
 
 
 def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...], framework: str) -> float:
@@ -346,7 +423,7 @@ def compute_bound(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration =
     """A lower bound of `step_time(...).total` for every placement order: the slowest pipeline
     rank's compute for every micro-batch and the bubble, and the optimizer (communication only
     adds). The search evaluates candidates in this order and stops where it exceeds what it keeps."""
-    c = _compute(cfg, s, cluster, cal, framework)
+    c = _compute(cfg, s, cluster, constants(cal, cluster), framework)
     slowest = max(c.rank_seconds(r) for r in range(len(c.ranks)))
     return (s.microbatches + (s.pp - 1) / s.virtual) * slowest + c.optimizer
 
@@ -365,11 +442,14 @@ def _one_node(cluster: Cluster, gpus: int) -> Cluster:
 
 
 def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
-              framework: str = "fourfold") -> StepTime:
-    c = _compute(cfg, s, cluster, cal, framework)
-    layer_comm = _tensor_comm(cfg, s, cluster, cal, c.forward, c.dw, framework)
+              framework: str = "fourfold", flash_attention: bool = True) -> StepTime:
+    """`flash_attention=False`: runs that predate it (Megatron-LM 2021), whose attention moves its
+    score matrices through HBM; the planner plans flash attention (both runtimes use it)."""
+    k = constants(cal, cluster)
+    c = _compute(cfg, s, cluster, k, framework, flash_attention)
+    layer_comm = _tensor_comm(cfg, s, cluster, k, c.forward, c.dw, framework)
     if s.cp > 1:
-        layer_comm += _ring_attention_exposed(cfg, s, cluster, cal, framework)
+        layer_comm += _ring_attention_exposed(cfg, s, cluster, k, framework)
     T = s.seq / s.cp * s.micro_batch / s.z
     # The pipeline runs at the pace of its slowest rank: its layers (uneven splits), plus the head on the last.
     pace = max(range(len(c.ranks)), key=lambda r: c.rank_seconds(r, layer_comm))
@@ -377,26 +457,35 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     micro_comm = c.ranks[pace] * layer_comm
     if framework == "fourfold":
         micro_comm += _totals_seconds(_head_totals(_within_replica(s), cfg.vocab, cfg.hidden, int(T)),
-                                      s, cluster, s.element_bytes, cal)
-    # Pipeline: P2P of each micro-batch's activation shard in both directions, then the bubble.
+                                      s, cluster, s.element_bytes, k)
+    # Pipeline: P2P of each micro-batch's activation shard in both directions, at each of the
+    # rank's `virtual` stages (interleaving sends v times as often), over the pp group's link.
     if s.pp > 1:
         shard = T * cfg.hidden / (s.x * s.y if framework == "fourfold" else s.y)
-        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2, s, cluster, s.element_bytes, cal)
+        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2 * s.virtual, s, cluster,
+                                   s.element_bytes, k)
     m = s.microbatches
     compute, exposed = m * micro_compute, m * micro_comm
+    # Interleaved 1F1B (Narayanan et al. 2021): the bubble is (p-1)/v micro-batch times.
     bubble = (s.pp - 1) / s.virtual * (micro_compute + micro_comm)
-    # Data-parallel gradients (fp32) over dp*cp: reduce-scatter + all-gather of the parameters.
-    params_rank = _params_per_rank(cfg, s, c.ranks, framework)
-    g = s.dp * s.cp
-    dp_comm = 0.0
-    if g > 1:
-        dims = ("dp", "cp")
-        bw = group_bandwidth(s.layout, cluster, dims, cal)
-        reduce = float(bytes_sent("reduce_scatter", g, 4 * params_rank)) / bw
-        gather = float(bytes_sent("all_gather", g, s.element_bytes * params_rank)) / bw
-        # Both runtimes launch each gradient bucket as soon as it is final in the last
-        # micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the
-        # reduce-scatter can hide behind that backward; the parameter all-gather follows the update.
-        dp_comm = _exposed(reduce, micro_compute * 2 / 3, cal.dp_overlap) + gather
+    dp_comm = _dp_exposed(cfg, s, cluster, k, c, framework, micro_compute)
     flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.world_size
     return StepTime(compute, exposed, bubble, dp_comm, c.optimizer, flops)
+
+
+def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Compute, framework: str,
+                micro_compute: float) -> float:
+    """Data-parallel gradients (fp32) over dp*cp: the reduce-scatter, then the parameter all-gather
+    after the update. Both runtimes launch each gradient bucket as soon as it is final in the last
+    micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the fraction
+    `dp_overlap` of the reduce-scatter can hide behind that backward (2/3 of its compute); Megatron's
+    overlap_param_gather hides the all-gather behind the next step's first forward (1/3)."""
+    g = s.dp * s.cp
+    if g == 1:
+        return 0.0
+    params_rank = _params_per_rank(cfg, s, c.ranks, framework)
+    bw = _bandwidth(s.layout, cluster, ("dp", "cp"), k.intra_node_efficiency, k.inter_node_efficiency)
+    reduce = float(bytes_sent("reduce_scatter", g, 4 * params_rank)) / bw
+    gather = float(bytes_sent("all_gather", g, s.element_bytes * params_rank)) / bw
+    return (_exposed(reduce, micro_compute * 2 / 3, k.dp_overlap)
+            + _exposed(gather, micro_compute / 3, k.param_gather_overlap))

@@ -13,7 +13,8 @@ def plot_candidates(candidates: list[dict], path: str, title: str, top: int = 5)
     for fits, colour, label in ((True, "tab:blue", "fits"), (False, "tab:gray", "does not fit")):
         pts = [c for c in candidates if c["fits"] == fits]
         if pts:
-            left.scatter([c["memory_gib"] for c in pts], [c["tokens_per_second"] for c in pts], s=8, c=colour, label=label)
+            left.scatter([c["memory_gib"] for c in pts], [c["tokens_per_second"] for c in pts], s=8, c=colour,
+                         label=label)
     # The frontier: the fastest candidate at or below each memory figure, among those that fit.
     frontier, best = [], 0.0
     for c in sorted((c for c in candidates if c["fits"]), key=lambda c: c["memory_gib"]):
@@ -26,7 +27,8 @@ def plot_candidates(candidates: list[dict], path: str, title: str, top: int = 5)
         left.axvline(frontier[0]["memory_limit_gib"], ls="--", c="tab:red", label="memory limit")
     chosen = next((c for c in candidates if c["fits"]), None)  # the table's first row: the same ranking
     if chosen:
-        left.scatter([chosen["memory_gib"]], [chosen["tokens_per_second"]], s=80, marker="*", c="tab:red", label="chosen")
+        left.scatter([chosen["memory_gib"]], [chosen["tokens_per_second"]], s=80, marker="*", c="tab:red",
+                     label="chosen")
     left.set_xlabel("memory per GPU (GiB)")
     left.set_ylabel("predicted tokens/s")
     left.set_title(title)

@@ -9,12 +9,12 @@ import itertools
 import math
 from dataclasses import replace
 
-from fourfold.spec.job import RECOMPUTE, Job
-from fourfold.spec.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.models.config import ModelConfig
-from fourfold.spec.hardware import Cluster
 from fourfold.plan.memory import GIB, Memory, estimate_memory
 from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, placement_bound, step_time
+from fourfold.spec.hardware import Cluster
+from fourfold.spec.job import RECOMPUTE, Job
+from fourfold.spec.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.spec.rules import JobError, Problem, problems
 
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.

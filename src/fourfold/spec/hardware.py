@@ -1,5 +1,7 @@
-"""GPU and cluster presets. Sources: vendor data sheets and the seed papers (see docs/planner.md);
-figures are peaks unless said otherwise, and every one can be overridden on the command line."""
+"""GPU and cluster presets. Sources: vendor data sheets and the seed papers (see docs/planner.md,
+"Presets"); bandwidths are link peaks, each with the fraction of it a collective reaches (a
+published measurement, never a fit: a fit of the step-time model to runs on a cluster is that
+cluster's profile in `fourfold.plan.perf.Calibration`). Every figure can be overridden."""
 
 from __future__ import annotations
 
@@ -12,6 +14,12 @@ class GPU:
     bf16_tflops: float  # dense peak
     memory_gib: float  # nominal capacity, taken as GiB (as the seed paper does)
     hbm_tbs: float
+    gemm_efficiency: float  # best fraction of the peak a large bf16 GEMM reaches (measured, docs/planner.md)
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte of HBM at which a kernel turns from memory- to compute-bound (roofline)."""
+        return self.bf16_tflops / self.hbm_tbs
 
 
 @dataclass(frozen=True)
@@ -21,26 +29,33 @@ class Cluster:
     intra_node_gbs: float  # per GPU, per direction
     inter_node_gbs: float  # per GPU (node NIC bandwidth / GPUs per node)
     latency_us: float = 10.0  # per collective step
+    name: str = ""  # the preset's: the profile a calibration fitted on this cluster applies to
+    # Fractions of the link peak a collective's bus bandwidth reaches (docs/planner.md, "Presets")
+    intra_node_efficiency: float = 0.8
+    inter_node_efficiency: float = 0.8
 
 
+# GEMM efficiency: the maximum achievable matmul FLOP/s measured by Bekman's mamf-finder (A100 SXM
+# 0.87, H100 SXM 0.80 of the dense peak); the other Hopper parts take the H100's, the MI250X the
+# H100's too (no published figure found: an assumption).
 GPUS = {g.name: g for g in [
-    GPU("a100-40gb", 312, 40, 1.56),
-    GPU("a100-80gb", 312, 80, 2.04),
-    GPU("h100-80gb", 989, 80, 3.35),
-    GPU("h100-94gb", 989, 94, 2.4),
-    GPU("h200", 989, 141, 4.8),
-    GPU("gh200", 989, 96, 4.0),
-    GPU("mi250x", 191.5, 64, 1.6),  # one GCD
+    GPU("a100-40gb", 312, 40, 1.56, 0.87),
+    GPU("a100-80gb", 312, 80, 2.04, 0.87),
+    GPU("h100-80gb", 989, 80, 3.35, 0.80),
+    GPU("h100-94gb", 989, 94, 2.4, 0.80),
+    GPU("h200", 989, 141, 4.8, 0.80),
+    GPU("gh200", 989, 96, 4.0, 0.80),
+    GPU("mi250x", 191.5, 64, 1.6, 0.80),  # one GCD
 ]}
 
-# Effective, not link-peak, bandwidths where the seed papers measured them (AxoNN on Perlmutter).
-CLUSTERS = {
-    "perlmutter": Cluster(GPUS["a100-40gb"], 4, 76.0, 20.0),
+# Link peaks per GPU and direction: NVLink inside a node, the node's NICs / its GPUs between nodes.
+CLUSTERS = {name: replace(c, name=name) for name, c in {
+    "perlmutter": Cluster(GPUS["a100-40gb"], 4, 300.0, 25.0),  # 12 NVLink3 links; 4 x 200 Gb/s Slingshot
     "frontier": Cluster(GPUS["mi250x"], 8, 50.0, 12.5),
     "alps": Cluster(GPUS["gh200"], 4, 150.0, 25.0),
-    "dgx-a100": Cluster(GPUS["a100-80gb"], 8, 300.0, 25.0),
-    "dgx-h100": Cluster(GPUS["h100-80gb"], 8, 450.0, 50.0),
-}
+    "dgx-a100": Cluster(GPUS["a100-80gb"], 8, 300.0, 25.0),  # 12 NVLink3 links; 8 x 200 Gb/s InfiniBand
+    "dgx-h100": Cluster(GPUS["h100-80gb"], 8, 450.0, 50.0),  # 18 NVLink4 links; 8 x 400 Gb/s InfiniBand
+}.items()}
 
 
 def make_cluster(cluster: str | None = None, gpu: str | None = None, gpus_per_node: int | None = None,
