@@ -77,7 +77,7 @@ def test_token_range_reads_a_file_chunk_by_chunk(tmp_path):
 
 def test_train_checks_tokenizer_and_token_ids_against_the_model_before_launch(data, tmp_path, no_launch, capsys):
     small = tmp_path / "small-llama.json"  # tiny-llama with a 256-token vocabulary
-    config = json.loads((Path(corpus.__file__).parent / "models/presets/tiny-llama.json").read_text())
+    config = json.loads((Path(corpus.__file__).parents[1] / "models/presets/tiny-llama.json").read_text())
     small.write_text(json.dumps(dict(config, vocab_size=256)))
     user_files = ["--data.tokens", str(data["tokens"]), "--data.tokenizer", str(data["tokenizer"])]
     err = _error(capsys, ["train", "--model.preset", str(small), *user_files])
@@ -104,11 +104,8 @@ def test_train_checks_tokenizer_and_token_ids_against_the_model_before_launch(da
     assert "give a .npy file of token ids" in err
 
 
-def test_eval_on_pipeline_stages_is_refused_naming_the_fix(capsys, tmp_path):
+def test_eval_names_its_own_flag(capsys, tmp_path):
     np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int32))
-    err = _error(capsys, ["eval", "--checkpoint", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8",
-                          "--grid", "pp=2,x=2"])
-    assert "without pipeline stages: leave pp out of --grid pp=2,x=2" in err
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(
         model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -322,8 +319,9 @@ def test_train_help_shows_the_override_syntax_and_every_section(capsys):
     out = capsys.readouterr().out
     assert "--section.key value" in out and "--optimizer.lr 1e-3" in out
     for section in fields(TrainConfig):
-        assert f"[{section.name}] " in out
-    assert "lr=0.003" in out and "stage_layers=''" in out and "resume=true" in out
+        assert f"\n[{section.name}]\n" in out
+    assert "--optimizer.lr 0.003 " in out and "--pipeline.stage_layers '' " in out
+    assert "--checkpoint.resume true " in out
 
 
 def test_export_then_fine_tune_from_the_hugging_face_directory(data, stopped, tmp_path, capsys):
