@@ -12,11 +12,13 @@ from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
+from fourfold.spec.volumes import ledger_bytes, model_collectives
 
 
-def run_moe(paths, ids, sizes, seq_parallel):
+def run_moe(paths, ids, sizes, seq_parallel, recompute):
     """Each model's loss (its router loss included) on the batch `ids` [batch, seq + 1], this
-    rank's logits (ranks at x = y = 0) and the full gradients (rank 0), in float64."""
+    rank's logits (ranks at x = y = 0) and the full gradients (rank 0), in float64; the bytes
+    each collective sent are the volume functions' at the routing the model took."""
     layout = Layout(**sizes)
     grid = Grid(layout)
     c, cp = grid.coords, grid.group("cp")
@@ -24,13 +26,22 @@ def run_moe(paths, ids, sizes, seq_parallel):
     inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
     out = {}
     for name, path in paths.items():
-        model = Transformer(grid, load_config(path), TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel))
+        cfg = load_config(path)
+        model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel),
+                            recompute=recompute)
         load_hf(model, path)
         head = model.logits(inputs)
         full = comm.all_gather(comm.all_gather(head.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)
         logits = batch_order(full, len(local), grid, seq_parallel)
+        grid.ledger.reset()
         loss = model(inputs, targets).sum() / ids[:, 1:].numel() + model.router_loss()
         loss.backward()
+        routing = [tuple(layer.mlp.routed) for layer in model.layers.values()]
+        expected = model_collectives(cfg, layout.sizes, len(local), inputs.shape[1], seq_parallel=seq_parallel,
+                                     recompute=recompute, routing=routing)
+        counts = grid.group(("dp", "cp", "z")).name  # the routing counts' sum, which the volumes leave out
+        measured = {key: sent for key, sent in grid.ledger.bytes().items() if key[0] != counts}
+        assert measured == ledger_bytes(expected, layout.sizes, 8), name
         sum_replicated_grads(model, grid)
         for p in model.parameters():
             comm.all_reduce(p.grad, grid.group(("dp", "cp")))

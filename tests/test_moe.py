@@ -36,12 +36,12 @@ MODELS = {
     "qwen2_moe-normalised": dict(COMMON, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=16,
                                  shared_expert_intermediate_size=24, intermediate_size=48, norm_topk_prob=True),
 }
-GRIDS = {  # name: (sizes, sequence parallel)
-    "serial": (dict(), False),
-    "x2y2z2": (dict(x=2, y=2, z=2), False),
-    "dp2x2y2-sp": (dict(dp=2, x=2, y=2), True),
-    "cp2z2x2": (dict(cp=2, z=2, x=2), False),
-    "x4": (dict(x=4), False),  # kv heads 2 < x*y: attention on the published path, experts on their own
+GRIDS = {  # name: (sizes, sequence parallel, recompute)
+    "serial": (dict(), False, "none"),
+    "x2y2z2": (dict(x=2, y=2, z=2), False, "none"),
+    "dp2x2y2-sp": (dict(dp=2, x=2, y=2), True, "none"),
+    "cp2z2x2-full-recompute": (dict(cp=2, z=2, x=2), False, "full"),
+    "x4": (dict(x=4), False, "selective"),  # kv heads 2 < x*y: attention on the published path
 }
 BATCH, SEQ, VOCAB = 8, 16, 128
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
@@ -121,10 +121,10 @@ def _relative(got, ref):
 
 @pytest.mark.parametrize("grid", GRIDS)
 def test_mixtures_equal_transformers(ranks, references, grid):
-    sizes, seq_parallel = GRIDS[grid]
+    sizes, seq_parallel, recompute = GRIDS[grid]
     layout = Layout(**sizes)
     paths = {name: ref.path for name, ref in references.items()}
-    results = ranks.run(run_moe, layout.world_size, paths, IDS, sizes, seq_parallel)
+    results = ranks.run(run_moe, layout.world_size, paths, IDS, sizes, seq_parallel, recompute)
     errors = {}
     for name, ref in references.items():
         grads = {}

@@ -121,20 +121,38 @@ def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *
 
 
 def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
-                 keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True) -> Passes:
-    """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's): its block plan's layers."""
+                 keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
+                 routed: tuple[int, ...] = ()) -> Passes:
+    """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's): its block plan's
+    layers; a mixture's at a given routing, `routed` tokens to each expert (`ParallelMoE.routed`)."""
     plan = block_plan(cfg, sizes["x"], sizes["y"], seq_parallel=seq_parallel, non_redundant=non_redundant)
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens  # tokens of the residual stream on this rank
 
-    def linear(layer: LinearPlan) -> Passes:
-        return linear_passes(sizes, layer.kind, layer.in_features, layer.out_features, tokens,
+    def linear(layer: LinearPlan, n: int = tokens) -> Passes:
+        return linear_passes(sizes, layer.kind, layer.in_features, layer.out_features, n,
                              reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=keep_weights,
                              keep_input=keep_inputs)
 
+    if not cfg.moe:
+        mlp = linear(plan.up) + linear(plan.down)
+    elif len(routed) != cfg.experts:
+        raise ValueError(f"a mixture's collectives depend on its routing: give the tokens routed to each of its "
+                         f"{cfg.experts} experts (ParallelMoE.routed), not {routed}")
+    else:  # `fourfold.parallel.tensor.moe`
+        features = tokens * (cfg.hidden // sizes["x"])
+        mlp = _passes(sizes, [Collective("y", "all_gather", features)] if seq_parallel else [], [])  # the tokens
+        mlp += _passes(sizes, [Collective("x", "all_reduce", tokens * cfg.experts)],  # router logits
+                       [Collective("x", "all_reduce", tokens * cfg.top_k)])  # the weights' gradient
+        for n in routed:
+            mlp += linear(plan.up, n) + linear(plan.down, n)
+        if plan.shared_up is not None:  # its gate's logit and gradient, as the router's
+            mlp += _passes(sizes, [Collective("x", "all_reduce", tokens)], [Collective("x", "all_reduce", tokens)])
+            mlp += linear(plan.shared_up) + linear(plan.shared_down)
+        mlp += _passes(sizes, [], [Collective("y", "all_gather", features)] if seq_parallel else [])  # own tokens
     return (norm_passes(sizes, cfg.norm, stream) + linear(plan.qkv)
             + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant) + linear(plan.out)
-            + norm_passes(sizes, cfg.norm, stream) + linear(plan.up) + linear(plan.down))
+            + norm_passes(sizes, cfg.norm, stream) + mlp)
 
 
 def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, **options) -> list[Collective]:
@@ -169,20 +187,27 @@ def head_passes(sizes: dict, hidden: int, vocab: int, tokens: int, *, seq_parall
 def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
                       keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
                       recompute: str = "none", layers: int | None = None, first: bool = True,
-                      last: bool = True) -> list[Collective]:
+                      last: bool = True, routing: list[tuple[int, ...]] | None = None) -> list[Collective]:
     """A `Transformer` forward and backward, loss included, on `batch` local sequences of `seq`
     tokens (this cp rank's); for a pipeline stage, its number of `layers` and whether it is the
-    `first` (embedding) or `last` (head and loss). Gradient synchronisation is not included."""
+    `first` (embedding) or `last` (head and loss); a mixture's at the `routing` of each layer (the
+    tokens routed to each expert). Gradient synchronisation is not included, nor a mixture's sum of
+    its routing counts over the ranks holding other tokens (E numbers, as the reported loss's sum)."""
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens
-    block = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
-                         keep_inputs=keep_inputs, non_redundant=non_redundant)
-    if recompute == "full":  # the block's forward runs again during backward, its collectives too
-        block = Passes(block.forward, block.forward + block.backward)
-    elif recompute == "selective":  # the attention core, ring included, runs again in backward
-        ring = ring_attention_passes(cfg.block, sizes, batch, seq, non_redundant=non_redundant)
-        block = Passes(block.forward, ring.forward + block.backward)
-    total = block * (cfg.layers if layers is None else layers)
+
+    def block(routed: tuple[int, ...] = ()) -> Passes:
+        passes = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
+                              keep_inputs=keep_inputs, non_redundant=non_redundant, routed=routed)
+        if recompute == "full":  # the block's forward runs again during backward, its collectives too
+            return Passes(passes.forward, passes.forward + passes.backward)
+        if recompute == "selective":  # the attention core, ring included, runs again in backward
+            ring = ring_attention_passes(cfg.block, sizes, batch, seq, non_redundant=non_redundant)
+            return Passes(passes.forward, ring.forward + passes.backward)
+        return passes
+
+    n = cfg.layers if layers is None else layers
+    total = sum(map(block, routing), Passes([], [])) if routing is not None else block() * n
     if first:
         total = embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel) + total
     if last:
