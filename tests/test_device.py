@@ -84,3 +84,15 @@ def test_make_keeps_the_pythons_own_torch(tmp_path, python, kept):
     assert ("--system-site-packages" in commands) == kept
     assert ('pip install --quiet "torch==' in commands) != kept  # installed only when there is none
     assert f"-c {venv}/torch.txt -e" in commands  # pip held to the torch there is, whichever
+
+
+@pytest.mark.parametrize("argv", [["train", "--grid.dp", "2"], ["train", "--grid.x", "2", "--train.device", "cuda"]])
+def test_the_command_refuses_before_launch(gpus, monkeypatch, capsys, argv):
+    """More ranks than GPUs: `fourfold train` says so, with the fix, and starts no process."""
+    from fourfold.cli.main import main
+
+    gpus(1)
+    monkeypatch.setattr("fourfold.cli.train.relaunch_with_torchrun", lambda *a, **k: pytest.fail("launched"))
+    assert main(argv) == 2
+    assert "2 ranks per node but 1 visible GPU: NCCL needs a GPU per rank; use --train.device cpu" in \
+        capsys.readouterr().err

@@ -48,7 +48,6 @@ def add_parsers(commands) -> None:
 
 
 def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
-
     from fourfold.spec.trainconfig import load_train_config, validate
 
     cfg = load_train_config(args.config, overrides)
@@ -58,9 +57,9 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
             chosen = resolve_auto_grid(cfg, world)
             print(f"grid.auto: the planner's choice on {world} x {cfg.cluster().gpu.name}: {chosen}")
             argv = _resolved(argv, cfg)
-        import torch
+        from fourfold.parallel.grid import choose_device
 
-        validate(cfg, world, gpu=torch.cuda.is_available())
+        validate(cfg, world, gpu=choose_device(cfg.train.device, world) == "cuda")  # too few GPUs: refused here
         argv = argv + _before_launch(cfg)
         return relaunch_with_torchrun(world, launcher_options_removed(argv), max_restarts=args.max_restarts)
     stop = StopRequest()  # before torch is imported: a signal from now on stops the run at a step boundary
@@ -69,7 +68,7 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
     from fourfold.parallel.grid import init_process_group
     from fourfold.train.trainer import train as run_training
 
-    init_process_group()
+    init_process_group(device=cfg.train.device)
     try:
         summary = run_training(cfg, stop)
     finally:
