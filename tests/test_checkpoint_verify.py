@@ -76,8 +76,8 @@ def test_newest_intact_passes_over_damaged_checkpoints_and_says_why(tmp_path):
     broken = step(4, "{")
     (tmp_path / ".step-00000005.partial").mkdir()  # a save in progress is none
     assert checkpoint.newest_intact(tmp_path) == (intact, [
-        (broken, "its meta.json is not JSON (damaged)"),
-        (no_meta, "it has no meta.json (deleted, or not written by `fourfold train`)"),
+        (broken, "meta.json is not JSON"),
+        (no_meta, "meta.json is missing"),
         (short, "a.distcp has 5 bytes, not the 9 written; b.distcp is missing")])
     assert checkpoint.damage(tmp_path / "step-00000009") == "it does not exist"
     assert checkpoint.newest_intact(tmp_path / "none") == (None, [])

@@ -111,11 +111,11 @@ def damage(path: str | Path) -> str:
     if not path.is_dir():
         return "it does not exist"
     if not (path / META).is_file():
-        return f"it has no {META} (deleted, or not written by `fourfold train`)"
+        return f"{META} is missing"
     try:
         files = json.loads((path / META).read_text()).get("files", {".metadata": None})
     except (ValueError, UnicodeDecodeError):
-        return f"its {META} is not JSON (damaged)"
+        return f"{META} is not JSON"
     found = []
     for name, record in sorted(files.items()):
         try:
