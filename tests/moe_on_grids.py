@@ -17,7 +17,7 @@ from fourfold.spec.volumes import ledger_bytes, model_collectives
 
 def run_moe(paths, ids, sizes, seq_parallel, recompute):
     """Each model's loss (its router loss included) on the batch `ids` [batch, seq + 1], this
-    rank's logits (ranks at x = y = 0) and the full gradients (rank 0), in float64; the bytes
+    rank's logits (ranks at x = y = 0), the full gradients (rank 0) and its routing, in float64; the bytes
     each collective sent are the volume functions' at the routing the model took."""
     layout = Layout(**sizes)
     grid = Grid(layout)
@@ -47,7 +47,7 @@ def run_moe(paths, ids, sizes, seq_parallel, recompute):
             comm.all_reduce(p.grad, grid.group(("dp", "cp")))
         grads = full_weights(model, grads=True)
         loss = comm.all_reduce(loss.detach(), grid.group(("dp", "cp", "z"))).item()
-        out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if grid.rank == 0 else None)
+        out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if grid.rank == 0 else None, routing)
     return c, out
 
 

@@ -20,9 +20,12 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe
 
 from fourfold.checkpoint.hf import to_hf_tensors
 from fourfold.data import corpus
-from fourfold.models.config import ModelConfig
+from fourfold.models import mixtral, qwen2_moe
+from fourfold.models.config import METADATA, ModelConfig
 from fourfold.spec.counts import parameter_count
+from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
+from fourfold.spec.rules import problems
 from moe_on_grids import run_moe
 from test_models import _rms_norm_in_input_dtype
 
@@ -33,6 +36,9 @@ MODELS = {
     "mixtral": dict(COMMON, model_type="mixtral", num_local_experts=4, intermediate_size=16),
     "qwen2_moe": dict(COMMON, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=16,
                       shared_expert_intermediate_size=24, intermediate_size=48),
+    # top-1 of 16: some experts get no token on a rank (their collectives still run, on empty tensors)
+    "mixtral-16-top1": dict(COMMON, model_type="mixtral", num_local_experts=16, intermediate_size=16,
+                            num_experts_per_tok=1),
     "qwen2_moe-normalised": dict(COMMON, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=16,
                                  shared_expert_intermediate_size=24, intermediate_size=48, norm_topk_prob=True),
 }
@@ -116,7 +122,9 @@ def _cp_shard(t, cp, rank):
 
 
 def _relative(got, ref):
-    return ((got - ref).abs().max() / ref.abs().max()).item()
+    """The largest error relative to the largest value; an expert no token chose has zero gradients."""
+    scale = ref.abs().max()
+    return ((got - ref).abs().max() / (scale if scale > 0 else 1)).item()
 
 
 @pytest.mark.parametrize("grid", GRIDS)
@@ -129,12 +137,14 @@ def test_mixtures_equal_transformers(ranks, references, grid):
     for name, ref in references.items():
         grads = {}
         for c, out in results:
-            loss, logits, rank_grads = out[name]
+            loss, logits, rank_grads, _ = out[name]
             errors.setdefault((name, "loss"), []).append(abs(loss - ref.loss) / ref.loss)
             grads.update(rank_grads or {})
             if logits is not None:
                 expected = _cp_shard(ref.logits.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]], layout.cp, c["cp"])
                 errors.setdefault((name, "logits"), []).append(_relative(logits, expected))
+        if name == "mixtral-16-top1" and layout.world_size > 1:
+            assert any(0 in routed for _, out in results for routed in out[name][3])
         hf_grads = to_hf_tensors(ModelConfig.from_hf(MODELS[name]), grads)
         assert hf_grads.keys() == ref.grads.keys()
         for param, g in ref.grads.items():
@@ -191,3 +201,31 @@ def test_fourfold_train_fine_tunes_a_mixtral_directory(tmp_path):
     losses = [r["loss"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("config, fields", [(transformers.MixtralConfig, mixtral.FIELDS),
+                                            (transformers.Qwen2MoeConfig, qwen2_moe.FIELDS)])
+def test_every_field_of_the_config_classes_is_read_or_refused(config, fields):
+    defaults = json.loads(config().to_json_string())
+    assert sorted(set(defaults) - fields - METADATA) == []
+    assert ModelConfig.from_hf(defaults).to_hf()["model_type"] == defaults["model_type"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+    (dict(model_type="qwen2_moe", decoder_sparse_step=2), "decoder_sparse_step=2"),
+    (dict(model_type="qwen2_moe", mlp_only_layers=[1]), "mlp_only_layers=\\[1\\]"),
+])
+def test_unimplemented_mixtures_are_refused_by_name(change, message):
+    base = MODELS["qwen2_moe"] if change.get("model_type") == "qwen2_moe" else MODELS["mixtral"]
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf({**base, **change})
+
+
+def test_rules_refuse_pipelines_and_a_shared_expert_y_does_not_divide():
+    cfg = ModelConfig.from_hf(dict(MODELS["qwen2_moe"], shared_expert_intermediate_size=20))
+    assert problems(cfg, Job(Layout(x=2, y=2), seq=16)) == []
+    found = [str(p) for p in problems(cfg, Job(Layout(pp=2, y=8), seq=16))]
+    assert any("y=8 must divide the shared expert's ffn=20; choose y from 1, 2, 4, 5" in p for p in found), found
+    assert any("pipeline parallelism (pp=2) does not run a mixture of experts yet" in p and "use pp=1" in p
+               for p in found), found
