@@ -89,11 +89,15 @@ def _records(folder: Path, names: list[str]) -> dict[str, dict]:
     return {name: {"bytes": (folder / name).stat().st_size, "crc32": _crc32(folder / name)} for name in names}
 
 
-def _written_here(partial: Path, rank: int) -> dict[str, dict]:
+def _written_here(partial: Path, rank: int) -> dict[str, dict] | None:
     """The manifest entries of the files this rank wrote (DCP names a rank's files __RANK_N.distcp;
-    rank 0, the coordinator, also writes .metadata)."""
+    rank 0, the coordinator, also writes .metadata); None if they cannot be read back (rank 0 then
+    publishes nothing: every rank still joins the gather, none waits for another)."""
     names = [p.name for p in partial.glob(f"__{rank}_*.distcp")] + ([".metadata"] if rank == 0 else [])
-    return _records(partial, names)
+    try:
+        return _records(partial, names)
+    except OSError:
+        return None
 
 
 def _gathered(entries: dict | None, group=None) -> list[dict | None] | None:
@@ -198,6 +202,10 @@ def _publish(root: Path, final: Path, partial: Path, meta: dict, keep: int, file
     """Rank 0, once every rank's tensors are written: the extra files and meta.json with the
     manifest (`written`: each rank's entries), the rename to step-N (which makes it a
     checkpoint), and the pruning of older ones."""
+    unread = [rank for rank, entries in enumerate(written) if entries is None]
+    if unread:
+        raise CheckpointError(f"ranks {unread[:8]} could not read back the files they wrote to {partial}; it is not "
+                              f"published, and the previous checkpoint is kept")
     for name, source in files.items():
         shutil.copyfile(source, partial / name)
     manifest = {name: record for entries in written for name, record in entries.items()}
@@ -311,7 +319,7 @@ class AsyncSaver:
             try:  # every rank gathers (a failed write sends None), so that none waits for another forever
                 ok = done.exception() is None
                 written = _gathered(_written_here(partial, dist.get_rank()) if ok else None, self.group)
-                if dist.get_rank() == 0 and all(entries is not None for entries in written):
+                if dist.get_rank() == 0 and ok:  # (a failed write: raised by the next wait())
                     _publish(root, final, partial, meta, keep, files or {}, written)
             except BaseException as e:  # reported by the next wait()
                 self.error = e
