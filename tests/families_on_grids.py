@@ -14,9 +14,10 @@ from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.spec.volumes import ledger_bytes, model_collectives
+from fourfold.train.evaluate import evaluate
 
 
-def run_families(paths, ids, sizes, seq_parallel, microbatches):
+def run_families(paths, ids, sizes, seq_parallel, microbatches, schedule="1f1b", virtual=1):
     """Each family's loss on the batch `ids` [batch, seq + 1], this rank's logits (ranks at
     x = y = 0, without pp) and the full gradients (one rank per pipeline stage), in float64."""
     layout = Layout(**sizes)
@@ -31,8 +32,8 @@ def run_families(paths, ids, sizes, seq_parallel, microbatches):
         cfg = load_config(path)
         logits = None
         if layout.pp > 1:
-            pipe = Pipeline(grid, cfg, opts, microbatches=microbatches, micro_batch=len(local) // microbatches,
-                            seq=seq // layout.cp)
+            pipe = Pipeline(grid, cfg, opts, schedule=schedule, microbatches=microbatches,
+                            micro_batch=len(local) // microbatches, seq=seq // layout.cp, virtual=virtual)
             models = pipe.models
             for model in models:
                 load_hf(model, path)
@@ -59,3 +60,24 @@ def run_families(paths, ids, sizes, seq_parallel, microbatches):
         out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if stage_head else None)
     return c, out
 
+
+
+def evaluate_families(paths, tokens, seq, batch, sizes, virtual=1):
+    """Each family's `evaluate` loss on the 1-D `tokens` (float64), through pipeline stages when pp > 1."""
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    opts = TensorOptions(dtype=torch.float64)
+    out = {}
+    for name, path in paths.items():
+        cfg = load_config(path)
+        if layout.pp > 1:
+            model = Pipeline(grid, cfg, opts, schedule="interleaved-1f1b" if virtual > 1 else "gpipe",
+                             microbatches=layout.pp, micro_batch=batch, seq=seq // layout.cp, virtual=virtual)
+            parts = model.models
+        else:
+            model = Transformer(grid, cfg, opts)
+            parts = [model]
+        for part in parts:
+            load_hf(part, path)
+        out[name] = evaluate(model, grid, tokens, seq, batch)
+    return out

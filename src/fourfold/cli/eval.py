@@ -65,18 +65,27 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from fourfold.train.evaluate import evaluate
     from fourfold.parallel.grid import Grid, init_process_group
     from fourfold.checkpoint.hf import load_hf
+    from fourfold.parallel.pipeline import Pipeline
     from fourfold.parallel.transformer import Transformer
     from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
 
     init_process_group()
     grid = Grid(layout)
-    model = Transformer(grid, model_cfg, TensorOptions(dtype=torch_dtype(args.precision, grid.device))).to(grid.device)
+    opts = TensorOptions(dtype=torch_dtype(args.precision, grid.device))
+    if layout.pp > 1:  # this rank's stages, the layers split evenly; scored forward only
+        model = Pipeline(grid, model_cfg, opts, schedule="gpipe", microbatches=1, micro_batch=args.batch,
+                         seq=args.seq // layout.cp)
+        parts, module = model.models, model.module
+    else:
+        model = module = Transformer(grid, model_cfg, opts).to(grid.device)
+        parts = [model]
     if args.hf:
-        load_hf(model, args.hf)
+        for part in parts:
+            load_hf(part, args.hf)
     else:  # a training checkpoint, written on any grid
         from fourfold import checkpoint
 
-        checkpoint.load_checkpoint(checkpoint.latest(args.checkpoint) or args.checkpoint, model)
+        checkpoint.load_checkpoint(checkpoint.latest(args.checkpoint) or args.checkpoint, module)
     tokens = np.load(args.tokens, mmap_mode="r")
     result = evaluate(model, grid, tokens, args.seq, args.batch, args.max_tokens)
     if grid.rank == 0:
@@ -99,13 +108,11 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
 
     if args.max_tokens < 0:
         raise ConfigError("--max-tokens must be >= 0 (0: the whole file)")
-    if layout.pp > 1:
-        raise ConfigError(f"fourfold eval runs the whole model on each rank, without pipeline stages: leave pp out "
-                          f"of --grid {args.grid} (dp, cp, x, y and z all work)")
     model = _eval_model_config(args)
-    # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training
+    # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training,
+    # one micro-batch through the pipeline stages
     job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
-              seq=args.seq, precision=args.precision)
+              seq=args.seq, precision=args.precision, schedule="gpipe")
     import torch
 
     try:

@@ -1,4 +1,5 @@
-"""Mean next-token loss of a model on a token file, computed on a parallel grid."""
+"""Mean next-token loss of a model on a token file, computed on a parallel grid (through the
+pipeline stages when pp > 1)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.pipeline import Pipeline
 
 
 def window_count(tokens: int, seq: int) -> int:
@@ -28,13 +30,15 @@ def windows(tokens: np.ndarray, seq: int, indices) -> np.ndarray:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1,
+def evaluate(model: torch.nn.Module | Pipeline, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1,
              max_tokens: int = 0) -> dict:
-    """{"loss", "perplexity", "tokens"} of `model` on `tokens` (a 1-D array of ids; `max_tokens`
-    > 0: only the first windows, up to that many scored tokens).
+    """{"loss", "perplexity", "tokens"} of `model` (a whole model, or this rank's pipeline
+    stages) on `tokens` (a 1-D array of ids; `max_tokens` > 0: only the first windows, up to that
+    many scored tokens).
 
     Windows are dealt to the dp*z token shards in turn, each cut into cp chunks as in training;
-    the last batch is padded with windows whose targets are -1 (scored 0, not counted)."""
+    the last batch is padded with windows whose targets are -1 (scored 0, not counted). Through a
+    pipeline, each batch is one micro-batch, forward only; the ranks of its last stage score it."""
     cp = grid.group("cp")
     count = window_count(len(tokens), seq)
     if max_tokens:
@@ -43,6 +47,7 @@ def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, b
     shard = grid.coords["dp"] * grid.size("z") + grid.coords["z"]
     per_step = shards * batch_per_rank
     steps = -(-count // per_step)
+    score = model.losses if isinstance(model, Pipeline) else model
     total = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, scored tokens
     for step in range(steps):
         ids = np.full((batch_per_rank, seq + 1), -1, dtype=np.int64)
@@ -52,8 +57,10 @@ def evaluate(model: torch.nn.Module, grid: Grid, tokens: np.ndarray, seq: int, b
         mine = torch.from_numpy(ids)
         inputs = context.shard_sequence(mine[:, :-1].clamp_min(0), cp).to(grid.device)
         targets = context.shard_sequence(mine[:, 1:], cp).to(grid.device)
-        total[0] += model(inputs, targets).double().sum()
-        total[1] += (targets >= 0).sum()
-    comm.all_reduce(total, grid.group(("dp", "cp", "z")))
+        losses = score(inputs, targets)
+        if losses is not None:  # (None: a pipeline rank without the last stage)
+            total[0] += losses.double().sum()
+            total[1] += (targets >= 0).sum()
+    comm.all_reduce(total, grid.group(("dp", "pp", "cp", "z")))
     mean = (total[0] / total[1]).item()
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": int(total[1].item())}

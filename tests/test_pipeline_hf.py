@@ -1,0 +1,158 @@
+"""Pipelines against transformers, in float64: tied input and output embeddings (Llama 3.2-style
+tie_word_embeddings, GPT-2) split over pipeline stages, and evaluation through the stages.
+
+Tied, one training step (loss and every gradient): pp2 cp2 x2 on 1F1B, pp4 cp2 interleaved, pp2
+dp2 z2 GPipe and pp4 y2 GPipe with sequence parallelism (with the tied cases of
+test_pipeline_context.py, which hold two optimizer steps to the serial model on pp2 GPipe, pp4 1F1B
+and pp2 interleaved, every schedule runs on pp2 and pp4). Evaluation: `evaluate` through the stages
+on pp2 cp2 x2, pp4 cp2 (interleaved layout) and pp2 dp2 z2, `fourfold eval` launched once (pp2 cp2
+x2), and `train.eval_every` on pp2 dp2 against the same checkpoint scored on dp alone."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from families_on_grids import evaluate_families, run_families
+from fourfold import checkpoint
+from fourfold.checkpoint.hf import to_hf_tensors
+from fourfold.data import corpus
+from fourfold.models.config import ModelConfig
+from fourfold.spec.layout import Layout
+from fourfold.spec.trainconfig import load_train_config
+from test_models import _rms_norm_in_input_dtype
+
+BATCH, SEQ, VOCAB, LAYERS = 8, 16, 128, 8  # 8 layers: 8 stages on pp4 interleaved
+FAMILIES = {
+    "llama-tied": dict(model_type="llama", hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                       tie_word_embeddings=True),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=LAYERS, n_head=4, vocab_size=VOCAB, n_positions=32,
+                 tie_word_embeddings=True),
+}
+IDS = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+TOKENS = torch.randint(0, VOCAB, (12 * SEQ + 1,), generator=torch.Generator().manual_seed(2)).numpy()  # 12 windows
+GRIDS = {  # name: (sizes, sequence parallel, micro-batches, schedule, virtual stages)
+    "pp2cp2x2-1f1b": (dict(pp=2, cp=2, x=2), False, 2, "1f1b", 1),
+    "pp4cp2-interleaved": (dict(pp=4, cp=2), False, 4, "interleaved-1f1b", 2),
+    "pp2dp2z2-gpipe": (dict(pp=2, dp=2, z=2), False, 2, "gpipe", 1),
+    "pp4y2-gpipe-sp": (dict(pp=4, y=2), True, 2, "gpipe", 1),
+}
+
+
+def _reference(name, path):
+    """A saved random model, and transformers' loss and gradients on IDS and mean loss on TOKENS' windows."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**FAMILIES[name])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    with torch.no_grad():  # every parameter non-trivial, biases too
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    windows = torch.stack([torch.from_numpy(TOKENS[i * SEQ : (i + 1) * SEQ + 1]) for i in range(12)])
+    with pytest.MonkeyPatch.context() as patch:  # transformers' RMSNorm is float32 whatever the input
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        with torch.no_grad():
+            held_out = model(input_ids=windows[:, :-1]).logits
+        logits = model(input_ids=IDS[:, :-1]).logits
+    eval_loss = torch.nn.functional.cross_entropy(held_out.reshape(-1, VOCAB), windows[:, 1:].reshape(-1)).item()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1))
+    loss.backward()
+    return SimpleNamespace(path=str(path), loss=loss.item(), eval_loss=eval_loss,
+                           grads={k: p.grad for k, p in model.named_parameters()})
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    return {name: _reference(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
+
+
+def _relative(got, ref):
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_tied_embeddings_over_stages_equal_transformers(ranks, families, grid):
+    """Loss and every gradient (the tied table's: the first stage's and the last stage's copy's, summed)."""
+    sizes, seq_parallel, microbatches, schedule, virtual = GRIDS[grid]
+    paths = {name: ref.path for name, ref in families.items()}
+    results = ranks.run(run_families, Layout(**sizes).world_size, paths, IDS, sizes, seq_parallel, microbatches,
+                        schedule, virtual)
+    for name, ref in families.items():
+        grads = {}
+        for _, out in results:
+            loss, _, stage_grads = out[name]
+            assert loss == pytest.approx(ref.loss, rel=1e-10), name
+            grads.update(stage_grads or {})
+        hf_grads = to_hf_tensors(ModelConfig.from_hf(FAMILIES[name]), grads)
+        assert hf_grads.keys() == ref.grads.keys()
+        bad = {k: e for k, g in ref.grads.items() if not (e := _relative(hf_grads[k], g)) < 1e-10}
+        assert not bad, (name, bad)
+
+
+@pytest.mark.parametrize("grid", ["pp2cp2x2-1f1b", "pp4cp2-interleaved", "pp2dp2z2-gpipe"])
+def test_evaluation_through_the_stages_equals_transformers(ranks, families, grid):
+    sizes, _, _, _, virtual = GRIDS[grid]
+    paths = {name: ref.path for name, ref in families.items()}
+    results = ranks.run(evaluate_families, Layout(**sizes).world_size, paths, TOKENS, SEQ, 2, sizes, virtual)
+    for name, ref in families.items():
+        for out in results:  # every rank returns the same mean, over every window
+            assert out[name]["tokens"] == 12 * SEQ
+            assert out[name]["loss"] == pytest.approx(ref.eval_loss, rel=1e-10), name
+
+
+def test_fourfold_eval_on_a_pipeline_grid(families, tmp_path):
+    np.save(tmp_path / "tokens.npy", TOKENS)
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "eval", "--hf", families["llama-tied"].path,
+                           "--tokens", str(tmp_path / "tokens.npy"), "--seq", str(SEQ), "--batch", "2",
+                           "--grid", "pp=2,cp=2,x=2", "--precision", "float64", "--json"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["loss"] == pytest.approx(families["llama-tied"].eval_loss, rel=1e-10)
+
+
+def _train(options):
+    from fourfold.train.trainer import train
+
+    return train(load_train_config(None, options))
+
+
+def _score_on_dp(options, path):
+    """The held-out loss of checkpoint `path` on dp alone, as the trainer scores it."""
+    from fourfold.parallel.grid import Grid
+    from fourfold.parallel.tensor.block import TensorOptions
+    from fourfold.parallel.transformer import Transformer
+    from fourfold.train.evaluate import evaluate
+    from fourfold.train.trainer import packed_windows, tokens_files
+
+    cfg = load_train_config(None, options)
+    grid = Grid(Layout(dp=2))
+    model = Transformer(grid, cfg.model_config(), TensorOptions(dtype=torch.float64))
+    checkpoint.load_checkpoint(path, model)
+    files = tokens_files(cfg)
+    loader = corpus.TokenLoader(files[1], cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
+                                packing=cfg.data.packing, windows=packed_windows(cfg, *files))
+    return evaluate(model, grid, loader.held_out(), cfg.batch.seq, cfg.batch.micro_batch, cfg.train.eval_tokens)
+
+
+def test_eval_every_on_a_pipeline_grid_equals_the_checkpoint_on_dp(ranks, tmp_path):
+    """tiny-gpt (tied) on pp2 dp2: the held-out loss logged after step 2 is the saved step 2's on dp2."""
+    text = tmp_path / "kjv.txt"
+    text.write_text(corpus.bundled_text()[:100_000])
+    options = ["--data.text", str(text), "--data.vocab", "1024", "--data.cache_dir", str(tmp_path / "cache"),
+               "--model.preset", "tiny-gpt", "--log.run_dir", str(tmp_path / "run"), "--log.progress", "false",
+               "--train.steps", "2", "--train.eval_every", "2", "--train.precision", "float64",
+               "--batch.global_batch", "8", "--batch.micro_batch", "2", "--batch.seq", "32", "--checkpoint.every", "2"]
+    ranks.run(_train, 4, [*options, "--grid.pp", "2", "--grid.dp", "2"])
+    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "eval_loss" in r]
+    assert [r["eval_after_step"] for r in logged] == [2]
+    scored = ranks.run(_score_on_dp, 2, options, checkpoint.latest(tmp_path / "run" / "checkpoints"))[0]
+    assert logged[0]["eval_loss"] == pytest.approx(scored["loss"], rel=1e-12)
