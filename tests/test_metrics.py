@@ -1,5 +1,7 @@
-"""The metrics writers' checks before launch and their pins (what they write: tests/test_trainer.py)."""
+"""The metrics writers' checks before launch and their pins, and the reading of a run's log.jsonl
+(what they write: tests/test_trainer.py)."""
 
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -27,3 +29,22 @@ def test_pins_named_in_messages_are_pyproject_extras():
     assert extras["wandb"] == [metrics.WANDB]
     assert extras["parquet"] == [corpus.PYARROW]
     assert {metrics.TENSORBOARD, corpus.PYARROW} <= set(extras["test"])
+
+
+def test_the_trajectory_counts_the_attempt_that_went_on(tmp_path):
+    """A resume at step 2 drops the steps >= 2 logged before it (and the held-out scores after step
+    2); a later start in the same directory (another run) drops everything before it; a line cut
+    short by a killed process is left out."""
+    lines = [{"event": "start", "step": 0}, {"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.9},
+             {"eval_after_step": 2, "eval_loss": 2.8}, {"step": 2, "loss": 9.0},
+             {"eval_after_step": 3, "eval_loss": 9.0},
+             {"event": "resume", "step": 2, "replays": [2, 2]}, {"step": 2, "loss": 2.7}, {"step": 3, "loss": 2.6}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4, "lo')
+    steps, held_out, events = metrics.trajectory(tmp_path)
+    assert {s: r["loss"] for s, r in steps.items()} == {0: 3.0, 1: 2.9, 2: 2.7, 3: 2.6}
+    assert {s: r["eval_loss"] for s, r in held_out.items()} == {2: 2.8}
+    assert [e["event"] for e in events] == ["start", "resume"]
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"event": "start", "step": 0}) + "\n" + json.dumps({"step": 0, "loss": 5.0}) + "\n")
+    steps, held_out, events = metrics.trajectory(tmp_path)
+    assert {s: r["loss"] for s, r in steps.items()} == {0: 5.0} and not held_out and len(events) == 1
