@@ -481,7 +481,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
 
 
 def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
-    validate(cfg, dist.get_world_size(), gpu=torch.cuda.is_available())
+    validate(cfg, dist.get_world_size(), gpu=dist.get_backend() == "nccl")
     grid = Grid(cfg.layout())
     files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize (and pack) once; the others find it cached
     if files:
