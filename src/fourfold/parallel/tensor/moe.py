@@ -171,8 +171,8 @@ def router_loss(layers: list[ParallelMoE], grid: Grid, coef: float) -> torch.Ten
     fraction of top-k choices that went to expert e, P_e its mean probability, both over the
     rows (layers x tokens). This rank's share: f over every rank holding other tokens, P over its
     own tokens, so that the shares of the (dp, cp, z) ranks add up to the loss and each rank's
-    gradient is its part. Counts are summed in float32 at least (in float32: exact up to 2^24 choices,
-as transformers')."""
+    gradient is its part. Counts are summed in float32 at least (in float32: exact up to 2^24
+    choices, as transformers')."""
     stats = [layer.stats for layer in layers]
     tokens = grid.group(("dp", "cp", "z"))
     counts, probs = torch.zeros_like(stats[0].counts), torch.zeros_like(stats[0].probs)
@@ -180,4 +180,4 @@ as transformers')."""
         counts, probs = counts + s.counts, probs + s.probs
     rows = sum(s.tokens for s in stats) * tokens.size  # every rank holds as many tokens
     counts = comm.all_reduce(counts, tokens)
-    return coef * (torch.sum((counts / rows) * (probs / rows).unsqueeze(0)) * len(counts))
+    return coef * (torch.sum((counts / rows) * (probs / rows)) * len(counts))
