@@ -132,7 +132,7 @@ def _damages(skipped: list[tuple[Path, str]]) -> str:
 # others, RoPE's theta and scaling, the positions of a RoPE model, eps, the sliding window, may
 # change between runs: a long-context extension does.)
 SHAPES = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "tied", "head_dim", "qkv_bias",
-          "out_bias", "mlp_bias")
+          "out_bias", "mlp_bias", "experts", "shared_ffn")
 
 
 def check_checkpoint(cfg: TrainConfig) -> list[str]:
