@@ -3,16 +3,16 @@ that the rank workers do not import it): every family loaded from its checkpoint
 
 import torch
 
+from fourfold.checkpoint.hf import load_hf
+from fourfold.models.config import load_config
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import Layout
-from fourfold.models.config import load_config
-from fourfold.checkpoint.hf import load_hf
-from fourfold.parallel.transformer import Transformer
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives
 from fourfold.train.evaluate import evaluate
 

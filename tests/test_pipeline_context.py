@@ -8,17 +8,17 @@ import dataclasses
 import pytest
 import torch
 
+from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm, context
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import Layout
-from fourfold.models.config import ModelConfig
-from fourfold.parallel.transformer import Transformer
 from fourfold.parallel.optimizer import AdamW
-from fourfold.spec.job import split_layers
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.job import split_layers
+from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives, pipeline_sends
 
 LLAMA = ModelConfig("llama", hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
@@ -158,7 +158,8 @@ CASES = [  # (model, grid, schedule, virtual stages, micro-batches, sequence par
 def _case_id(case):
     cfg, sizes, schedule, virtual, micro, sp, shard = case
     grid = "".join(f"{k}{v}" for k, v in sizes.items())
-    return f"{cfg.family}{'-tied' if cfg.tied else ''}-{grid}-{schedule or 'nopp'}-m{micro}" + ("-sp" if sp else "") + ("-zero1" if shard else "")
+    name = f"{cfg.family}{'-tied' if cfg.tied else ''}-{grid}-{schedule or 'nopp'}-m{micro}"
+    return name + ("-sp" if sp else "") + ("-zero1" if shard else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -242,8 +243,8 @@ def test_flash_kernel_contract_is_checked_on_every_device():
 
 
 def test_rules_refuse_ring_attention_in_float32_on_gpus():
-    from fourfold.spec.job import Job
     from fourfold.models.config import load_config
+    from fourfold.spec.job import Job
     from fourfold.spec.rules import problems
 
     job = Job(Layout(cp=2), global_batch=1, seq=64, precision="float32")

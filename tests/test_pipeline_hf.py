@@ -6,7 +6,8 @@ dp2 z2 GPipe and pp4 y2 GPipe with sequence parallelism (with the tied cases of
 test_pipeline_context.py, which hold two optimizer steps to the serial model on pp2 GPipe, pp4 1F1B
 and pp2 interleaved, every schedule runs on pp2 and pp4). Evaluation: `evaluate` through the stages
 on pp2 cp2 x2, pp4 cp2 (interleaved layout) and pp2 dp2 z2, `fourfold eval` launched once (pp2 cp2
-x2), and `train.eval_every` on pp2 dp2 against the same checkpoint scored on dp alone."""
+x2), and `train.eval_every` on pp2 dp2 against the same checkpoint scored on dp alone (with the
+checkpoint holding the tied table once and a resumed run repeating a step bit for bit)."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import transformers
 
 from families_on_grids import evaluate_families, run_families
@@ -142,17 +144,42 @@ def _score_on_dp(options, path):
     return evaluate(model, grid, loader.held_out(), cfg.batch.seq, cfg.batch.micro_batch, cfg.train.eval_tokens)
 
 
-def test_eval_every_on_a_pipeline_grid_equals_the_checkpoint_on_dp(ranks, tmp_path):
-    """tiny-gpt (tied) on pp2 dp2: the held-out loss logged after step 2 is the saved step 2's on dp2."""
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def _read_whole(path):
+    """Every serial tensor of a checkpoint, whole, on one process."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def test_tied_pipeline_trains_evaluates_and_resumes(ranks, tmp_path):
+    """tiny-gpt (tied) on pp2 dp2: the held-out loss logged after step 2 is the saved step 2's
+    scored on dp alone; the checkpoints hold the table once (embed, no lm_head); a run resumed
+    from step 1 repeats step 2 bit for bit."""
     text = tmp_path / "kjv.txt"
     text.write_text(corpus.bundled_text()[:100_000])
     options = ["--data.text", str(text), "--data.vocab", "1024", "--data.cache_dir", str(tmp_path / "cache"),
-               "--model.preset", "tiny-gpt", "--log.run_dir", str(tmp_path / "run"), "--log.progress", "false",
-               "--train.steps", "2", "--train.eval_every", "2", "--train.precision", "float64",
-               "--batch.global_batch", "8", "--batch.micro_batch", "2", "--batch.seq", "32", "--checkpoint.every", "2"]
-    ranks.run(_train, 4, [*options, "--grid.pp", "2", "--grid.dp", "2"])
-    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
-    logged = [r for r in records if "eval_loss" in r]
+               "--model.preset", "tiny-gpt", "--log.progress", "false", "--train.steps", "2",
+               "--train.eval_every", "2", "--train.precision", "float64", "--batch.global_batch", "8",
+               "--batch.micro_batch", "2", "--batch.seq", "32", "--checkpoint.every", "1", "--checkpoint.keep", "2"]
+    grid = ["--grid.pp", "2", "--grid.dp", "2"]
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    ranks.run(_train, 4, [*options, *grid, "--log.run_dir", str(run)])
+    logged = [r for r in _records(run) if "eval_loss" in r]
     assert [r["eval_after_step"] for r in logged] == [2]
-    scored = ranks.run(_score_on_dp, 2, options, checkpoint.latest(tmp_path / "run" / "checkpoints"))[0]
+    step2 = checkpoint.latest(run / "checkpoints")
+    scored = ranks.run(_score_on_dp, 2, [*options, "--log.run_dir", str(run)], step2)[0]
     assert logged[0]["eval_loss"] == pytest.approx(scored["loss"], rel=1e-12)
+    saved = _read_whole(step2)
+    assert "model/embed" in saved and "optim/m/embed" in saved and not any("lm_head" in k for k in saved)
+
+    ranks.run(_train, 4, [*options, *grid, "--log.run_dir", str(resumed), "--checkpoint.load",
+                          str(run / "checkpoints" / "step-00000001")])
+    losses = [{r["step"]: r["loss"] for r in _records(d) if "loss" in r and "step" in r} for d in (run, resumed)]
+    assert losses[1] == {1: losses[0][1]}  # (steps count from 0: step 1 is the second)
+    again = _read_whole(checkpoint.latest(resumed / "checkpoints"))
+    assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fourfold.models.config import ModelConfig, load_config
 from fourfold.spec.job import Job, split_layers
 from fourfold.spec.layout import Layout, factorisations
-from fourfold.models.config import ModelConfig, load_config
 from fourfold.spec.rules import JobError, check, problems
 
 MODELS = {
     "tiny-llama": load_config("tiny-llama"),  # hidden 128, 8 heads, 4 kv heads, ffn 352, 2 layers
-    "tiny-gpt": load_config("tiny-gpt"),  # tied: no pipeline
+    "tiny-gpt": load_config("tiny-gpt"),  # tied: the last pipeline stage holds a copy of the embedding
     # awkward sizes: 6 heads, 2 kv heads, ffn 96, an odd vocabulary, 3 layers
     "odd-llama": ModelConfig("llama", hidden=48, layers=3, heads=6, kv_heads=2, ffn=96, vocab=250, max_positions=64,
                              tied=False, eps=1e-5),
@@ -106,7 +106,8 @@ def test_every_accepted_job_up_to_8_ranks_trains_a_step(ranks):
         # each token's loss is held by its x*y tensor ranks (on the last stage): the mean loss
         # of a fresh model, about ln(vocab)
         assert math.isfinite(loss), (name, str(job))
-        assert loss / job.layout.size(("x", "y")) == pytest.approx(math.log(MODELS[name].vocab), rel=0.05), (name, str(job))
+        expected = pytest.approx(math.log(MODELS[name].vocab), rel=0.05)
+        assert loss / job.layout.size(("x", "y")) == expected, (name, str(job))
 
 
 def test_refusals_of_the_old_validation_gaps():
@@ -146,18 +147,20 @@ def test_config_parsing_and_rules_need_no_torch():
 
 def _cli(*args, **kw):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"))
-    return subprocess.run([sys.executable, "-m", "fourfold.cli.main", *args], capture_output=True, text=True, timeout=120,
-                          env=env, **kw)
+    return subprocess.run([sys.executable, "-m", "fourfold.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env=env, **kw)
 
 
 def test_eval_checks_before_it_starts_processes(tmp_path):
     """Each mistake exits 2 with one message, before torchrun starts anything."""
-    missing = _cli("eval", "--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8", "--grid", "x=2", "--nproc-per-node", "2")
+    missing = _cli("eval", "--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8", "--grid", "x=2",
+                   "--nproc-per-node", "2")
     assert missing.returncode == 2 and "has no config.json" in missing.stderr and "Traceback" not in missing.stderr
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     unsupported = _cli("eval", "--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8")
     assert unsupported.returncode == 2 and "model_type 'bert'" in unsupported.stderr
-    (tmp_path / "config.json").write_text((Path(__file__).parents[1] / "src/fourfold/models/presets/tiny-llama.json").read_text())
+    preset = Path(__file__).parents[1] / "src/fourfold/models/presets/tiny-llama.json"
+    (tmp_path / "config.json").write_text(preset.read_text())
     no_tokens = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--json")
     assert no_tokens.returncode == 2 and "give a .npy file of token ids" in no_tokens.stderr
     np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int64) * 100)
@@ -176,8 +179,8 @@ def test_launcher_options_stay_with_the_launcher():
 
 @pytest.mark.parametrize("field", ["job_name", "time", "partition", "account", "run_dir", "workdir"])
 def test_sbatch_values_with_control_characters_are_refused(field):
-    from fourfold.train.slurm import sbatch_script
     from fourfold.spec.trainconfig import ConfigError
+    from fourfold.train.slurm import sbatch_script
 
     where = dict(nodes=1, gpus_per_node=8, cpus_per_task=8, run_dir="/runs/a", workdir="/home/me")
     with pytest.raises(ConfigError, match="control character '\\\\n'"):
@@ -200,10 +203,10 @@ def test_a_model_config_that_cannot_split_its_heads_is_a_problem_not_a_traceback
 
 
 def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_largest_stage():
-    from fourfold.spec.job import default_stage_layers, most_layers_on_a_rank
-    from fourfold.spec.hardware import make_cluster
     from fourfold.plan.memory import estimate_memory
     from fourfold.plan.search import predict
+    from fourfold.spec.hardware import make_cluster
+    from fourfold.spec.job import default_stage_layers, most_layers_on_a_rank
 
     assert default_stage_layers(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B's own split
     assert default_stage_layers(32, 3) == [11, 11, 10]

@@ -24,16 +24,16 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm
 from fourfold.parallel.comm import P2P, Group, at_least_fp32
 from fourfold.parallel.grid import Grid
-from fourfold.spec.job import split_layers
-from fourfold.models.config import ModelConfig
-from fourfold.parallel.transformer import Transformer
-from fourfold.spec.rules import padded_vocab
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import parallel_layers
 from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.job import split_layers
+from fourfold.spec.rules import padded_vocab
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 

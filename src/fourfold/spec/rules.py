@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fourfold.models.config import ModelConfig
 from fourfold.spec.blockspec import attention_chunks, mlp_chunks
 from fourfold.spec.job import PRECISIONS, RECOMPUTE, SCHEDULES, Job, split_layers
 from fourfold.spec.layout import GridError
-from fourfold.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
         add(f"pipeline parallelism (pp={g.pp}) does not run a mixture of experts yet (the routers' load-balancing "
             f"loss spans every stage)", "use pp=1 and the other dims (dp, cp, x, y, z)")
     if b.rope and b.head_dim % 2:
-        add(f"rotary embeddings need an even head dim (hidden/heads = {b.head_dim})", "use a model with an even head dim")
+        add(f"rotary embeddings need an even head dim (hidden/heads = {b.head_dim})",
+            "use a model with an even head dim")
 
     # ----- batch and sequence ----------------------------------------------------------------
     for name, value in (("batch.global_batch", job.global_batch), ("batch.micro_batch", job.micro_batch),
@@ -150,8 +151,8 @@ def _pipeline_problems(model: ModelConfig, job: Job) -> list[Problem]:
                            "use virtual >= 2 with interleaved-1f1b and virtual = 1 otherwise"))
     elif job.schedule != "gpipe" and micro < pp:
         out.append(Problem(f"{job.schedule} needs at least pp={pp} micro-batches per step, and a replica gets {micro}",
-                           f"raise batch.global_batch to {pp * job.layout.dp * job.micro_batch} or more, lower the micro-batch, "
-                           "or use the gpipe schedule"))
+                           f"raise batch.global_batch to {pp * job.layout.dp * job.micro_batch} or more, lower the "
+                           "micro-batch, or use the gpipe schedule"))
     elif job.schedule == "interleaved-1f1b" and micro % pp:
         out.append(Problem(f"interleaved-1f1b needs the micro-batches per step ({micro}) to be a multiple of pp={pp}",
                            f"use a global batch that gives a multiple of {pp} micro-batches per replica"))

@@ -234,7 +234,8 @@ def tied_copy_sends(cfg: ModelConfig, sizes: dict, stages: list[int], n_stages: 
     first and last stages sends as many elements from each; the copy holds no optimizer state."""
     if not cfg.tied or n_stages == 1:
         return []
-    table = padded_block(sizes, padded_vocab(cfg.vocab, sizes["y"]) // sizes["y"], cfg.hidden // sizes["x"]) // sizes["z"]
+    rows = padded_vocab(cfg.vocab, sizes["y"]) // sizes["y"]
+    table = padded_block(sizes, rows, cfg.hidden // sizes["x"]) // sizes["z"]  # this rank's z shard
     return ([Collective("pp", "send", table)] if 0 in stages else []) + (
         [Collective("pp", "send", table, wide=True)] if n_stages - 1 in stages else [])
 

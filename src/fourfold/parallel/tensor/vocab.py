@@ -30,10 +30,15 @@ from fourfold.parallel import comm
 from fourfold.parallel.comm import Group
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import Overlapper
-from fourfold.spec.rules import padded_vocab
 from fourfold.parallel.tensor.linear import SEQ_DIM, ParallelLinear, RowSource, ShardedMatrix
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece, Read
-from fourfold.parallel.tensor.regions import all_gather_replicated, all_gather_weight, all_reduce_replicated, reduce_scatter
+from fourfold.parallel.tensor.regions import (
+    all_gather_replicated,
+    all_gather_weight,
+    all_reduce_replicated,
+    reduce_scatter,
+)
+from fourfold.spec.rules import padded_vocab
 
 PADDING = "(vocabulary padding)"  # not a serial parameter's name
 
