@@ -196,6 +196,15 @@ def test_resume_is_bitwise_equal(ranks, data, reference, tmp_path):
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_a_resume_with_another_global_batch_goes_on_where_the_data_stood(ranks, data, reference, tmp_path):
+    """The step-3 checkpoint of a global batch of 8 has read 24 sequences: resumed with 16 per step,
+    steps 3..5 read sequences 24..71 (not from 3 x 16 = 48 on, skipping 24 of them)."""
+    shutil.copytree(reference / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
+    ranks.run(_train, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2", "--batch.global_batch", "16"))
+    meta = checkpoint.read_meta(tmp_path / "checkpoints" / "step-00000006")
+    assert meta["data_position"] == 24 + 3 * 16
+
+
 def _read_whole(path):
     """Every serial tensor of a checkpoint, whole, on one process."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

@@ -735,8 +735,13 @@ class TokenLoader:
 
     def batch(self, step: int, replica: int, replicas: int) -> np.ndarray:
         """Replica `replica`'s part [global_batch/replicas, seq+1] of step `step`'s global batch."""
+        return self.batch_at(step * self.global_batch, replica, replicas)
+
+    def batch_at(self, first: int, replica: int, replicas: int) -> np.ndarray:
+        """Replica `replica`'s part of the global batch that starts at sequence `first` of the data
+        order (a run resumed with another global batch goes on from where the order stood)."""
         if self.global_batch % replicas:
             raise ValueError(f"global batch {self.global_batch} does not split over {replicas} data-parallel replicas")
         per = self.global_batch // replicas
-        start = step * self.global_batch + replica * per
+        start = first + replica * per
         return np.stack([self._sequence(w) for w in self._windows(np.arange(start, start + per))])

@@ -481,131 +481,168 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
 
 
 def _train(cfg: TrainConfig, stop: StopRequest) -> dict:
-    validate(cfg, dist.get_world_size(), gpu=dist.get_backend() == "nccl")
-    grid = Grid(cfg.layout())
-    files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize (and pack) once; the others find it cached
-    if files:
-        packed_windows(cfg, *files)
-    dist.barrier()
-    tokenizer_path, tokens_path = files or tokens_files(cfg)
-    loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
-                                packing=cfg.data.packing, windows=packed_windows(cfg, tokenizer_path, tokens_path))
-    model_cfg = cfg.model_config()  # (the tokenizer and token ids were checked against it before launch)
-    job = cfg.job()
-    model = Model(grid, job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
-                  overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std, compile=cfg.train.compile)
-    sync = GradientSync(model.module, grid, shard=cfg.optimizer.zero1)
-    o = cfg.optimizer
-    opt = AdamW(sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
-    start, saved_config = 0, {}
-    replicas = grid.group(("dp", "cp"))  # ranks holding the same parameters: they share loads and saves
-    source, skipped = _agreed_source(cfg, comm.host_group())
-    if source is None and cfg.model.hf:
-        from fourfold.checkpoint.hf import load_hf
+    return Trainer(cfg).run(stop)
 
-        for part in getattr(model.pipeline, "models", [model.module]):
-            load_hf(part, cfg.model.hf, replicas=replicas)
-    if source is not None:
-        meta = checkpoint.load_checkpoint(source, model.module, opt, replicas=replicas)
-        start, saved_config = meta["step"], meta.get("config", {})
-    reporter = Reporter(cfg, start, flops_per_token(model_cfg, cfg.batch.seq), grid.layout.world_size,
-                        grid.device)
-    if reporter.rank0:  # (reads log.jsonl: one rank does)
-        event = _start_event(cfg, source, skipped, start, saved_config)
-        reporter.start(event, _header(cfg, model_cfg, loader, tokens_path, event, grid.device))
-    changed = schedule_changes(saved_config, cfg)
-    if changed:
-        reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): from "
-                         f"step {start} on the rate follows the new one")
-    if start >= cfg.train.steps:
-        reporter.message(f"the checkpoint is at step {start} of train.steps={cfg.train.steps}: nothing to train; "
-                         f"raise --train.steps, or start over with another --log.run_dir")
 
-    saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
-    generation, pad_token_id = generation_settings(cfg)
-    copied = tokenizer_files(tokenizer_path) | generation
+class Trainer:
+    """One rank's run in parts: `__init__` sets it up (data, model, optimizer, the checkpoint or
+    Hugging Face weights it starts from, records), `step` trains one step, `evaluate` scores the
+    held-out tail, `save` writes a checkpoint, and `run` is the loop that calls them."""
 
-    def save(done: int) -> str:
-        meta = dict(data_position=done * cfg.batch.global_batch, config=cfg.to_dict(),
-                    model=dataclasses.asdict(model_cfg), pad_token_id=pad_token_id)
-        path = (saver.save if saver else checkpoint.save)(cfg.checkpoint_dir, done, model.module, opt, meta,
-                                                          cfg.checkpoint.keep, files=copied,
-                                                          replicas=replicas)
-        return f"{path} (being written in the background)" if saver else str(path)
+    def __init__(self, cfg: TrainConfig):
+        validate(cfg, dist.get_world_size(), gpu=dist.get_backend() == "nccl")
+        self.cfg = cfg
+        self.grid = grid = Grid(cfg.layout())
+        files = tokens_files(cfg) if grid.rank == 0 else None  # tokenize (and pack) once; the others find it cached
+        if files:
+            packed_windows(cfg, *files)
+        dist.barrier()
+        tokenizer_path, tokens_path = files or tokens_files(cfg)
+        self.loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
+                                         packing=cfg.data.packing,
+                                         windows=packed_windows(cfg, tokenizer_path, tokens_path))
+        self.model_cfg = model_cfg = cfg.model_config()  # (tokenizer and token ids were checked before launch)
+        self.job = cfg.job()
+        self.model = Model(grid, self.job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
+                           overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std,
+                           compile=cfg.train.compile)
+        self.sync = GradientSync(self.model.module, grid, shard=cfg.optimizer.zero1)
+        o = cfg.optimizer
+        self.opt = AdamW(self.sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
+                         clip_norm=o.clip or None)
+        self.replicas = grid.group(("dp", "cp"))  # ranks holding the same parameters: they share loads and saves
+        self.start, self.position, saved_config = self._load()
+        self.reporter = Reporter(cfg, self.start, flops_per_token(model_cfg, cfg.batch.seq),
+                                 grid.layout.world_size, grid.device)
+        if self.reporter.rank0:  # (reads log.jsonl: one rank does)
+            event = _start_event(cfg, self.source, self.skipped, self.start, saved_config)
+            self.reporter.start(event, _header(cfg, model_cfg, self.loader, tokens_path, event, grid.device))
+        changed = schedule_changes(saved_config, cfg)
+        if changed:
+            self.reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): "
+                                  f"from step {self.start} on the rate follows the new one")
+        if self.start >= cfg.train.steps:
+            self.reporter.message(f"the checkpoint is at step {self.start} of train.steps={cfg.train.steps}: nothing "
+                                  f"to train; raise --train.steps, or start over with another --log.run_dir")
+        self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
+        generation, self.pad_token_id = generation_settings(cfg)
+        self.copied = tokenizer_files(tokenizer_path) | generation
+        self.everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
+        self.scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
+        self.bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
+        self.window: list[dict] = []  # the steps not read yet, their numbers on the device
 
-    everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
-    scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
-    bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
-    window: list[dict] = []  # the steps not read yet, their numbers on the device
+    def _load(self) -> tuple[int, int, dict]:
+        """(the first step, the first sequence of its batch in the data order, the saved config):
+        the agreed checkpoint's, or Hugging Face weights, or none."""
+        cfg = self.cfg
+        self.source, self.skipped = _agreed_source(cfg, comm.host_group())
+        if self.source is None:
+            if cfg.model.hf:
+                from fourfold.checkpoint.hf import load_hf
 
-    def read_window() -> None:
+                for part in getattr(self.model.pipeline, "models", [self.model.module]):
+                    load_hf(part, cfg.model.hf, replicas=self.replicas)
+            return 0, 0, {}
+        meta = checkpoint.load_checkpoint(self.source, self.model.module, self.opt, replicas=self.replicas)
+        # where the data order stood: a resume with another global batch goes on from there
+        position = meta.get("data_position", meta["step"] * cfg.batch.global_batch)
+        return meta["step"], position, meta.get("config", {})
+
+    def step(self, step: int) -> None:
+        """Forward and backward of this rank's micro-batches, the optimizer's update (skipped on a
+        non-finite loss or norm), and the step's record, kept on the device until `read_window`."""
+        cfg, grid = self.cfg, self.grid
+        began = time.perf_counter()
+        self.opt.lr = learning_rate(cfg, step)
+        ids = self.loader.batch_at(self.position, grid.coords["dp"], grid.size("dp"))
+        self.position += cfg.batch.global_batch
+        inputs, targets = local_batch(self.job, grid, ids)
+        loss = self.model.step(inputs, targets, self.sync, math.nan if step in cfg.fault.nan_steps else self.scale)
+        loss = comm.all_reduce(loss.double().reshape(1), self.everything)[0]
+        # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
+        updated = self.opt.step(loss_finite=torch.isfinite(loss))
+        self.bad = torch.where(updated, 0, self.bad + 1)
+        self.window.append(dict(step=step, began=began, lr=self.opt.lr, loss=loss, norm=self.opt.norm,
+                                updated=updated, bad=self.bad, peak_memory_gib=peak_memory_gib(grid)))
+
+    def read_window(self) -> None:
         """Records of the window's steps, read in one host sync. Each step's seconds are the
         window's mean: without a sync per step the host cannot time one step of the GPU's. The
         non-finite count is checked here too, before any checkpoint could save after it."""
-        if not window:
+        if not self.window:
             return
         numbers = torch.stack([torch.stack([w["loss"], w["norm"], w["updated"].double(), w["bad"].double()])
-                               for w in window]).tolist()
-        seconds = (time.perf_counter() - window[0]["began"]) / len(window)
-        for w, (loss, norm, updated, in_a_row) in zip(window, numbers):
+                               for w in self.window]).tolist()
+        seconds = (time.perf_counter() - self.window[0]["began"]) / len(self.window)
+        for w, (loss, norm, updated, in_a_row) in zip(self.window, numbers):
             step = w["step"]
             if not updated:
                 why = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
-                reporter.message(f"step {step}: {why}; update skipped ({int(in_a_row)} in a row)")
-                if in_a_row >= cfg.train.max_bad_steps:
+                self.reporter.message(f"step {step}: {why}; update skipped ({int(in_a_row)} in a row)")
+                if in_a_row >= self.cfg.train.max_bad_steps:
                     raise TrainingError(f"{int(in_a_row)} non-finite steps in a row (last at step {step}: {why}); "
                                         f"lower optimizer.lr, check the data, or resume from an earlier checkpoint")
-            reporter.step(dict(step=step, loss=loss, lr=w["lr"], grad_norm=norm if math.isfinite(loss) else None,
-                               seconds=seconds, skipped=not updated, peak_memory_gib=w["peak_memory_gib"]))
-        window.clear()
+            self.reporter.step(dict(step=step, loss=loss, lr=w["lr"], grad_norm=norm if math.isfinite(loss) else None,
+                                    seconds=seconds, skipped=not updated, peak_memory_gib=w["peak_memory_gib"]))
+        self.window.clear()
 
-    stopped, done, saved_at = None, start, start
-    agreement = StopAgreement(stop)
-    try:
-        for step in range(start, cfg.train.steps):
-            _maybe_kill(cfg, step)
-            _maybe_signal(cfg, step)
-            stopped = agreement.poll()
-            if stopped:
-                break
-            began = time.perf_counter()
-            opt.lr = learning_rate(cfg, step)
-            inputs, targets = local_batch(job, grid, loader.batch(step, grid.coords["dp"], grid.size("dp")))
-            loss = model.step(inputs, targets, sync, math.nan if step in cfg.fault.nan_steps else scale)
-            loss = comm.all_reduce(loss.double().reshape(1), everything)[0]
-            # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
-            updated = opt.step(loss_finite=torch.isfinite(loss))
-            bad = torch.where(updated, 0, bad + 1)
-            window.append(dict(step=step, began=began, lr=opt.lr, loss=loss, norm=opt.norm, updated=updated, bad=bad,
-                               peak_memory_gib=peak_memory_gib(grid)))
-            done = step + 1
-            evaluating = cfg.train.eval_every and done % cfg.train.eval_every == 0
-            saving = done % cfg.checkpoint.every == 0 or done == cfg.train.steps
-            if evaluating or saving or done % cfg.log.every == 0:
-                read_window()
-            if evaluating:
-                held_out = evaluate(model.pipeline or model.module, grid, loader.held_out(), cfg.batch.seq,
-                                    max(1, cfg.batch.micro_batch // grid.size("z")), cfg.train.eval_tokens)
-                reporter.evaluation(done, held_out)
-            if saving:
-                reporter.message(f"checkpoint {save(done)}")
-                saved_at = done
-        read_window()  # the steps before a stop
-        agreement.finish()
-        if stopped == signal.SIGTERM and saved_at != done:
-            save(done)
-    finally:
-        if saver:  # a save in flight ends (or fails) before the process group goes away
-            saver.wait()
-        checkpoint.wait_for_pruning()  # no old checkpoint left half deleted at exit
-    if stopped:
-        reporter.message(_stop_message(cfg, stopped, done))
-    reporter.close()
-    summary = dict(step=done, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
-                   stopped=stopped.name if stopped else None)
-    if grid.rank == 0:
-        summary.update(run_summary(Path(cfg.log.run_dir), cfg.batch.global_batch * cfg.batch.seq))
-        summary["loss_curve"] = str(loss_curve(Path(cfg.log.run_dir)))
-        (Path(cfg.log.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
-    dist.barrier()
-    return summary
+    def evaluate(self, done: int) -> None:
+        """The held-out loss after `done` steps, through the pipeline stages when there are."""
+        held_out = evaluate(self.model.pipeline or self.model.module, self.grid, self.loader.held_out(),
+                            self.cfg.batch.seq, max(1, self.cfg.batch.micro_batch // self.grid.size("z")),
+                            self.cfg.train.eval_tokens)
+        self.reporter.evaluation(done, held_out)
+
+    def save(self, done: int) -> str:
+        cfg = self.cfg
+        meta = dict(data_position=self.position, config=cfg.to_dict(), model=dataclasses.asdict(self.model_cfg),
+                    pad_token_id=self.pad_token_id)
+        path = (self.saver.save if self.saver else checkpoint.save)(cfg.checkpoint_dir, done, self.model.module,
+                                                                    self.opt, meta, cfg.checkpoint.keep,
+                                                                    files=self.copied, replicas=self.replicas)
+        return f"{path} (being written in the background)" if self.saver else str(path)
+
+    def run(self, stop: StopRequest) -> dict:
+        """Steps until train.steps or an agreed stop signal, evaluating, recording and saving on
+        their schedules; returns the run's summary."""
+        cfg = self.cfg
+        stopped, done, saved_at = None, self.start, self.start
+        agreement = StopAgreement(stop)
+        try:
+            for step in range(self.start, cfg.train.steps):
+                _maybe_kill(cfg, step)
+                _maybe_signal(cfg, step)
+                stopped = agreement.poll()
+                if stopped:
+                    break
+                self.step(step)
+                done = step + 1
+                evaluating = cfg.train.eval_every and done % cfg.train.eval_every == 0
+                saving = done % cfg.checkpoint.every == 0 or done == cfg.train.steps
+                if evaluating or saving or done % cfg.log.every == 0:
+                    self.read_window()
+                if evaluating:
+                    self.evaluate(done)
+                if saving:
+                    self.reporter.message(f"checkpoint {self.save(done)}")
+                    saved_at = done
+            self.read_window()  # the steps before a stop
+            agreement.finish()
+            if stopped == signal.SIGTERM and saved_at != done:
+                self.save(done)
+        finally:
+            if self.saver:  # a save in flight ends (or fails) before the process group goes away
+                self.saver.wait()
+            checkpoint.wait_for_pruning()  # no old checkpoint left half deleted at exit
+        if stopped:
+            self.reporter.message(_stop_message(cfg, stopped, done))
+        self.reporter.close()
+        summary = dict(step=done, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
+                       stopped=stopped.name if stopped else None)
+        if self.grid.rank == 0:
+            summary.update(run_summary(Path(cfg.log.run_dir), cfg.batch.global_batch * cfg.batch.seq))
+            summary["loss_curve"] = str(loss_curve(Path(cfg.log.run_dir)))
+            (Path(cfg.log.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+        dist.barrier()
+        return summary
