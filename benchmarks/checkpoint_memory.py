@@ -28,11 +28,11 @@ SAVE_GRID, LOAD_GRID = "x=2,y=2,z=2", "dp=2,y=2,z=2"
 
 def _rank(sizes: dict, grid_text: str, phase: str, root: str) -> None:
     from fourfold import checkpoint
+    from fourfold.models.config import ModelConfig
     from fourfold.parallel.data import GradientSync
     from fourfold.parallel.grid import Grid, init_process_group
-    from fourfold.models.config import ModelConfig
-    from fourfold.parallel.transformer import Transformer
     from fourfold.parallel.optimizer import AdamW
+    from fourfold.parallel.transformer import Transformer
 
     init_process_group()
     grid = Grid.parse(grid_text)
@@ -66,7 +66,8 @@ def main() -> None:
 
     state = ModelConfig("llama", max_positions=256, tied=False, eps=1e-5, **BIG).parameter_count() * 16 / 2**20
     print(f"model: {ModelConfig('llama', max_positions=256, tied=False, eps=1e-5, **BIG).parameter_count() / 1e6:.0f}M "
-          f"parameters; fp32 training state (weights, gradients, Adam m, v) {state:.0f} MiB, {state / 8:.0f} MiB a rank")
+          f"parameters; fp32 training state (weights, gradients, Adam m, v) {state:.0f} MiB, "
+          f"{state / 8:.0f} MiB a rank")
     # the same step on the load grid without loading: what the load itself adds
     with tempfile.TemporaryDirectory() as root:
         fresh = _run(BIG, LOAD_GRID, "step", root)
@@ -78,9 +79,9 @@ def main() -> None:
                 if phase == "load":
                     _run(sizes, SAVE_GRID, "save", root)
                 peaks[name] = _run(sizes, grid_text, phase, root)
+        added = peaks["63M"] - peaks["tiny"]
         print(f"{phase} on {grid_text}: largest rank's peak RSS {peaks['63M']:.0f} MiB, tiny model {peaks['tiny']:.0f} "
-              f"MiB: the model adds {peaks['63M'] - peaks['tiny']:.0f} MiB ({(peaks['63M'] - peaks['tiny']) / state:.2f} "
-              f"of the whole state)")
+              f"MiB: the model adds {added:.0f} MiB ({added / state:.2f} of the whole state)")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from fourfold.spec.blockspec import BlockConfig
 from fourfold.parallel.grid import Grid, init_process_group
-from fourfold.spec.layout import Layout
 from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions
+from fourfold.spec.blockspec import BlockConfig
+from fourfold.spec.layout import Layout
 from timing import best_time, block_arguments  # benchmarks/timing.py, beside this file
 
 

@@ -10,13 +10,12 @@ import warnings
 
 sys.path.insert(0, "tests")
 
-from test_planner_measured import CASES, CFG, DEVICE_TERMS, MICRO, SEQ, _measured_peak  # noqa: E402
-
-from fourfold.tools.measure import measure_peak  # noqa: E402
+from fourfold.plan.memory import fourfold_memory  # noqa: E402
 from fourfold.spec.job import Job  # noqa: E402
 from fourfold.spec.layout import Layout  # noqa: E402
-from fourfold.plan.memory import fourfold_memory  # noqa: E402
 from fourfold.testing import RankPool  # noqa: E402
+from fourfold.tools.measure import measure_peak  # noqa: E402
+from test_planner_measured import CASES, CFG, DEVICE_TERMS, MICRO, SEQ, _measured_peak  # noqa: E402
 
 
 def job_of(sizes: dict, seq_parallel: bool, recompute: str) -> Job:

@@ -16,14 +16,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fourfold.spec.blockspec import BlockConfig
 from fourfold.parallel.grid import Grid, init_process_group
-from fourfold.spec.layout import Layout
 from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions, rope_tables, rotate
+from fourfold.spec.blockspec import BlockConfig
+from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import bytes_sent
 from timing import best_time, block_arguments, print_table  # benchmarks/timing.py, beside this file
 

@@ -14,14 +14,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid, init_process_group
-from fourfold.spec.layout import Layout
-from fourfold.models.config import ModelConfig
-from fourfold.parallel.transformer import Transformer
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.overlap import OverlapOptions
 from fourfold.parallel.tensor.block import TensorOptions
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
 from timing import best_time, print_table  # benchmarks/timing.py, beside this file
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, vocab=4096, max_positions=512,
@@ -89,8 +89,9 @@ def main() -> None:
     for wrap in ("ddp", "fsdp2"):
         rows.append((f"torch {wrap.upper()} dp={world}", best_time(torch_step(wrap, ids), args.repeat), float("nan")))
     if dist.get_rank() == 0:
-        print(f"Llama hidden={CFG.hidden} layers={CFG.layers} vocab={CFG.vocab}, {CFG.parameter_count() / 1e6:.1f}M params, "
-              f"global batch {args.batch}x{args.seq}, float32, {world} ranks, best of {args.repeat}")
+        print(f"Llama hidden={CFG.hidden} layers={CFG.layers} vocab={CFG.vocab}, "
+              f"{CFG.parameter_count() / 1e6:.1f}M params, global batch {args.batch}x{args.seq}, float32, "
+              f"{world} ranks, best of {args.repeat}")
         print_table(rows, baseline=-2, against="DDP")
     dist.destroy_process_group()
 

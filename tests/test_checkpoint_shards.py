@@ -7,17 +7,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fourfold import checkpoint
-
+from fourfold.checkpoint.sharded_io import Rectangle, rectangles
+from fourfold.models.config import ModelConfig
 from fourfold.parallel import context
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import Layout
-from fourfold.models.config import ModelConfig
-from fourfold.parallel.transformer import Transformer
 from fourfold.parallel.optimizer import AdamW
-from fourfold.checkpoint.sharded_io import Rectangle, rectangles
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import ParamLayout, Piece
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
 
 # awkward sizes: 6 heads over x*y = 4 (the published path), z shards with padding
 CFG = ModelConfig("llama", hidden=48, layers=2, heads=6, kv_heads=2, ffn=96, vocab=250, max_positions=64,

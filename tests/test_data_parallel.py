@@ -3,15 +3,15 @@
 import pytest
 import torch
 
+from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import Layout
-from fourfold.models.config import ModelConfig
-from fourfold.parallel.transformer import Transformer
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.overlap import OverlapOptions
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
 
 CFG = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
                   tied=False, eps=1e-5)

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout, factorisations
 
-
 ALL_8 = [dict(zip(DIMS, f)) for f in factorisations(8)]
 ORDERS = [DEFAULT_ORDER, ("pp", "dp", "cp", "z", "y", "x"), ("z", "x", "cp", "y", "pp", "dp")]
 

@@ -13,13 +13,13 @@ import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from families_on_grids import run_families
-from fourfold.spec.job import Job
-from fourfold.spec.layout import Layout
+from fourfold.checkpoint.hf import to_hf_tensors
 from fourfold.models import gpt2, llama
 from fourfold.models.config import METADATA, ModelConfig
-from fourfold.checkpoint.hf import to_hf_tensors
-from fourfold.spec.rules import problems
 from fourfold.parallel.tensor.block import rope_frequencies, rope_tables
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
+from fourfold.spec.rules import problems
 from test_models import _rms_norm_in_input_dtype
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,

@@ -7,18 +7,18 @@ import pytest
 import torch
 
 from fourfold import checkpoint as fourfold_checkpoint
-from fourfold.parallel import comm
-from fourfold.checkpoint.export import export
-from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import GridError, Layout
-from fourfold.models.config import ModelConfig, load_config, preset_names
 from fourfold.checkpoint import CheckpointError
+from fourfold.checkpoint.export import export
 from fourfold.checkpoint.hf import load_hf, to_hf_tensors
-from fourfold.parallel.transformer import Transformer
-from fourfold.spec.rules import padded_vocab
+from fourfold.models.config import ModelConfig, load_config, preset_names
+from fourfold.parallel import comm
+from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import GridError, Layout
+from fourfold.spec.rules import padded_vocab
 from fourfold.spec.volumes import ledger_bytes, model_collectives
 
 transformers = pytest.importorskip("transformers")
@@ -39,7 +39,8 @@ def _hf_model(name, dtype):
     cfg = transformers.AutoConfig.for_model(**HF_CONFIGS[name])
     torch.manual_seed(0)
     # sdpa: the eager path takes the softmax in float32, which would cap a float64 reference
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype).eval()  # no dropout
+    # eval(): no dropout
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype).eval()
     with torch.no_grad():  # make every parameter (norms and biases too) non-trivial
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -97,8 +98,8 @@ def _compare(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, tol, reco
     assert full_logits.shape[-1] == padded_vocab(cfg.vocab, layout.y)
     assert (full_logits[..., cfg.vocab:] == float("-inf")).all()
     ref_local = logits_ref.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
-    errors = {"loss": abs(total.item() - loss_ref) / loss_ref,
-              "logits": ((full_logits[..., :cfg.vocab] - ref_local.to(dtype)).abs().max() / ref_local.abs().max()).item()}
+    logits_error = (full_logits[..., :cfg.vocab] - ref_local.to(dtype)).abs().max() / ref_local.abs().max()
+    errors = {"loss": abs(total.item() - loss_ref) / loss_ref, "logits": logits_error.item()}
     grads = to_hf_tensors(cfg, full_weights(model, grads=True))
     for name, ref in grads_ref.items():
         ref = ref.to(dtype)
@@ -286,7 +287,8 @@ def test_eval_command_gives_transformers_loss(checkpoint, tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64,
+                                                              attn_implementation="sdpa")
     ids = torch.from_numpy(tokens.astype(np.int64))[torch.arange(10)[:, None] * 16 + torch.arange(17)]
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)

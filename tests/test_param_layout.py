@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import Layout
 from fourfold.models.config import load_config
-from fourfold.parallel.transformer import Transformer
+from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights, layouts, load_full
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
 
 CASES = [
     ("tiny-llama", dict(x=2, y=2, z=2)),

@@ -1,7 +1,6 @@
 """One rank of a large job on this machine: the grid's groups on a fake world of thousands of
 ranks, and `fourfold simulate` against the other measurement of the same runtime (measure_peak)."""
 
-import dataclasses
 import json
 
 import pytest
@@ -9,12 +8,12 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fourfold.cli.main import main
+from fourfold.models.config import load_config
 from fourfold.parallel.grid import Grid
+from fourfold.plan.memory import estimate_memory
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.tools.measure import measure_peak
-from fourfold.models.config import load_config
-from fourfold.plan.memory import estimate_memory
 from fourfold.tools.simulate import TRAINER_GROUPS, simulate
 
 
@@ -46,7 +45,8 @@ def test_groups_over_dims_of_size_one_share_the_other_dims_communicator():
         # every dim: the default group itself, not a copy of it
         assert grid.group(("dp", "pp", "cp", "x", "y", "z")).process_group is dist.group.WORLD
         # one communicator per distinct set of ranks (of more than one rank: DeviceMesh makes its
-        # size-1 dims' own): dp, x, y, (dp, x), (dp, y) and (dp, x, y); 6 communicators for 9 groups of more than one rank
+        # size-1 dims' own): dp, x, y, (dp, x), (dp, y) and (dp, x, y); 6 communicators for 9 groups of more
+        # than one rank
         shared = [g for g in groups.values() if g.size > 1]
         assert len(shared) == 9 and len({id(g.process_group) for g in shared}) == len({g.ranks for g in shared}) == 6
     finally:

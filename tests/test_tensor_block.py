@@ -5,21 +5,21 @@ import itertools
 import pytest
 import torch
 
+import serial_reference as ref
 from fourfold.parallel import comm
-from fourfold.spec.blockspec import BlockConfig
 from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import GridError, Layout
 from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions
 from fourfold.parallel.tensor.params import full_weights, load_full, sum_replicated_grads
+from fourfold.spec.blockspec import BlockConfig
+from fourfold.spec.layout import GridError, Layout
 from fourfold.spec.volumes import block_collectives, ledger_bytes
-import serial_reference as ref
 
 TOL = 1e-10
 SEQ = 24  # divisible by every y up to 8 that the configs allow
 LLAMA_MHA = BlockConfig(hidden=48, heads=12, kv_heads=12, ffn=96)
 LLAMA_GQA = BlockConfig(hidden=48, heads=12, kv_heads=4, ffn=96)
-GPT_MHA = BlockConfig(hidden=48, heads=12, kv_heads=12, ffn=192, norm="layer", activation="gelu_tanh", qkv_bias=True, out_bias=True,
-                     mlp_bias=True, rope=False)
+GPT_MHA = BlockConfig(hidden=48, heads=12, kv_heads=12, ffn=192, norm="layer", activation="gelu_tanh", qkv_bias=True,
+                      out_bias=True, mlp_bias=True, rope=False)
 GPT_GQA = BlockConfig(hidden=48, heads=12, kv_heads=4, ffn=192, norm="layer", activation="gelu", qkv_bias=True,
                      out_bias=True, mlp_bias=True)
 CONFIGS = [LLAMA_MHA, LLAMA_GQA, GPT_MHA, GPT_GQA]

@@ -12,13 +12,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fourfold import checkpoint
-from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import Layout
-from fourfold.models.config import load_config
 from fourfold.checkpoint.hf import load_hf, to_hf_tensors
-from fourfold.parallel.transformer import Transformer
+from fourfold.models.config import load_config
+from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
 from test_models import _compare, _rms_norm_in_input_dtype
 
 transformers = pytest.importorskip("transformers")
@@ -58,7 +58,8 @@ def model(request, tmp_path_factory):
                          ids=["x2y2z2", "x2y2z2-sp-selective", "dp2x2y2"])
 def test_odd_vocabulary_equals_transformers_on_y2(ranks, model, sizes, seq_parallel, recompute):
     path, ids, loss, logits, grads = model
-    errors = ranks.run(_compare, 8, path, sizes, ids, loss, logits, grads, torch.float64, 1e-10, recompute, seq_parallel)
+    errors = ranks.run(_compare, 8, path, sizes, ids, loss, logits, grads, torch.float64, 1e-10, recompute,
+                       seq_parallel)
     assert max(errors) < 1e-10
 
 
@@ -113,10 +114,10 @@ def test_eval_command_on_y2_gives_transformers_loss(model, tmp_path):
 
 def _two_steps(sizes, schedule):
     """The second step's loss of training the odd-vocabulary Llama (the first step's update in it)."""
-    from fourfold.parallel.data import GradientSync
-    from fourfold.spec.job import Job
     from fourfold.models.config import ModelConfig
+    from fourfold.parallel.data import GradientSync
     from fourfold.parallel.optimizer import AdamW
+    from fourfold.spec.job import Job
     from fourfold.train.trainer import Model, local_batch
 
     cfg = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=VOCAB, max_positions=32,

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from fourfold.parallel import comm
 from fourfold.checkpoint import META, CheckpointError, latest
-from fourfold.parallel.comm import Group
 from fourfold.models.config import ModelConfig
+from fourfold.parallel import comm
+from fourfold.parallel.comm import Group
 from fourfold.parallel.tensor.params import Read, assigned, copy_into, load, parallel_layers
 
 

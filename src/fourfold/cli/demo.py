@@ -50,10 +50,10 @@ def show_samples(checkpoints: str) -> None:
 def print_plan(model: str = "llama-3.1-70b", gpus: int = 512, cluster: str = "dgx-h100") -> None:
     """What the planner recommends for a large model on a large cluster (same as `fourfold plan`)."""
     from fourfold.cli.plan import HEADER, error_note, row
-    from fourfold.spec.hardware import make_cluster
-    from fourfold.spec.job import Job
     from fourfold.plan.perf import Calibration
     from fourfold.plan.search import search
+    from fourfold.spec.hardware import make_cluster
+    from fourfold.spec.job import Job
 
     base = Job(seq=4096, global_batch=1024, seq_parallel=True, precision="bf16")
     found = search(load_config(model), gpus, make_cluster(cluster), base, top=3)

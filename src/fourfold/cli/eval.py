@@ -10,7 +10,7 @@ from fourfold.cli.options import add_grid_options, launcher_options_removed
 from fourfold.spec.job import PRECISIONS
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import JobError, with_flags
-from fourfold.spec.trainconfig import ConfigError
+from fourfold.spec.trainconfig import DEVICES, ConfigError
 from fourfold.train.launch import inside_torchrun, relaunch_with_torchrun
 
 
@@ -36,6 +36,8 @@ def add_parser(commands) -> None:
     ev.add_argument("--precision", choices=PRECISIONS, default="float32",
                     help="parameters and activations (default float32; auto: bf16 on GPUs, float32 on CPU)")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
+    ev.add_argument("--device", choices=DEVICES, default="auto",
+                    help="auto (default): CUDA when every rank has a GPU, CPU when there is none; or cpu, cuda")
     add_grid_options(ev, "dp=1")
 
 
@@ -62,14 +64,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     import numpy as np
     import torch.distributed as dist
 
-    from fourfold.train.evaluate import evaluate
-    from fourfold.parallel.grid import Grid, init_process_group
     from fourfold.checkpoint.hf import load_hf
+    from fourfold.parallel.grid import Grid, init_process_group
     from fourfold.parallel.pipeline import Pipeline
-    from fourfold.parallel.transformer import Transformer
     from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+    from fourfold.parallel.transformer import Transformer
+    from fourfold.train.evaluate import evaluate
 
-    init_process_group()
+    init_process_group(device=args.device)
     grid = Grid(layout)
     opts = TensorOptions(dtype=torch_dtype(args.precision, grid.device))
     if layout.pp > 1:  # this rank's stages, the layers split evenly; scored forward only
@@ -101,10 +103,10 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     """Every problem of `fourfold eval`, found before any process starts."""
     import numpy as np
 
-    from fourfold.train.evaluate import window_count
     from fourfold.spec.job import Job
     from fourfold.spec.rules import check
     from fourfold.spec.trainconfig import check_token_ids
+    from fourfold.train.evaluate import window_count
 
     if args.max_tokens < 0:
         raise ConfigError("--max-tokens must be >= 0 (0: the whole file)")
@@ -113,10 +115,11 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     # one micro-batch through the pipeline stages
     job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
               seq=args.seq, precision=args.precision, schedule="gpipe")
-    import torch
+    from fourfold.parallel.grid import choose_device
 
+    world = args.nproc_per_node or layout.world_size
     try:
-        check(model, job, world=args.nproc_per_node, gpu=torch.cuda.is_available())
+        check(model, job, world=world, gpu=choose_device(args.device, world) == "cuda")
     except JobError as e:  # the rules name the training config's key: eval's flag is --seq
         raise ConfigError(with_flags(str(e), {"batch.seq": "--seq"})) from None
     check_token_ids(args.tokens, model.vocab, "--tokens")
@@ -139,7 +142,8 @@ def _eval_model_config(args: argparse.Namespace):
     from fourfold import checkpoint
 
     try:
-        return ModelConfig.from_dict(checkpoint.read_meta(checkpoint.latest(args.checkpoint) or args.checkpoint)["model"])
+        step = checkpoint.latest(args.checkpoint) or args.checkpoint
+        return ModelConfig.from_dict(checkpoint.read_meta(step)["model"])
     except ValueError as e:  # CheckpointError
         raise ConfigError(str(e)) from None
 

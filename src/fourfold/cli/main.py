@@ -5,7 +5,8 @@ from __future__ import annotations
 import signal
 import sys
 
-from fourfold.cli import demo, eval as evaluation, export, generate, plan, simulate, train
+from fourfold.cli import demo, export, generate, plan, simulate, train
+from fourfold.cli import eval as evaluation
 from fourfold.cli.options import Parser, split_overrides
 from fourfold.spec.layout import GridError
 from fourfold.spec.rules import JobError

@@ -10,13 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from fourfold.spec.job import PRECISIONS, RECOMPUTE, Job
-from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
 from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
 from fourfold.plan.search import HEADROOM, as_json, predict, search
+from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
+from fourfold.spec.job import PRECISIONS, RECOMPUTE, Job
+from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout
 from fourfold.spec.rules import problems, with_flags
 from fourfold.spec.trainconfig import as_overrides, job_settings
 

@@ -38,8 +38,8 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from fourfold.spec.job import Job
     from fourfold.models.config import load_config
+    from fourfold.spec.job import Job
     from fourfold.tools.simulate import report, simulate
 
     cfg = load_config(args.model)

@@ -147,8 +147,8 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
-    from fourfold.train.slurm import sbatch_script
     from fourfold.spec.trainconfig import load_train_config, validate
+    from fourfold.train.slurm import sbatch_script
 
     cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
     world = args.nodes * args.gpus_per_node

@@ -134,7 +134,8 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: b
     g = group.size
     dim %= tensor.dim()
     if tensor.shape[dim] % g:
-        raise ValueError(f"reduce_scatter over {group.name}: dim {dim} of size {tensor.shape[dim]} is not divisible by {g}")
+        raise ValueError(f"reduce_scatter over {group.name}: dim {dim} of size {tensor.shape[dim]} is not divisible "
+                         f"by {g}")
     chunks = tensor.unflatten(dim, (g, -1)).movedim(dim, 0).contiguous()  # chunks[j] goes to rank j
     group._record("reduce_scatter", chunks)
     if group.is_gloo:
@@ -160,7 +161,8 @@ def all_to_all(tensor: torch.Tensor, group: Group, async_op: bool = False):
     if group.size == 1:
         return Pending.done(tensor) if async_op else tensor
     if tensor.shape[0] % group.size:
-        raise ValueError(f"all_to_all over {group.name}: dim 0 of size {tensor.shape[0]} is not divisible by {group.size}")
+        raise ValueError(f"all_to_all over {group.name}: dim 0 of size {tensor.shape[0]} is not divisible "
+                         f"by {group.size}")
     tensor = tensor.contiguous()
     out = torch.empty_like(tensor)
     group._record("all_to_all", tensor)

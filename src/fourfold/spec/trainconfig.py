@@ -13,10 +13,10 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from fourfold.models.config import ModelConfig, load_config
 from fourfold.spec.hardware import Cluster, make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS, GridError, Layout
-from fourfold.models.config import ModelConfig, load_config
 from fourfold.spec.rules import describe, problems
 
 

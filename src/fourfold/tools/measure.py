@@ -26,15 +26,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fourfold import checkpoint
+from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
-from fourfold.models.config import ModelConfig
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
-from fourfold.tools.fake import fake_world
-from fourfold.parallel.optimizer import AdamW
 from fourfold.spec.rules import JobError, Problem, problems
-from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+from fourfold.tools.fake import fake_world
 
 GPU_ONLY_TERMS = ("nccl", "cuda_context", "fragmentation")
 

@@ -26,17 +26,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fourfold import checkpoint
+from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
-from fourfold.spec.job import Job
-from fourfold.tools.fake import fake_world
-from fourfold.tools.measure import LiveBytes
-from fourfold.models.config import ModelConfig
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.pipeline import Pipeline
-from fourfold.spec.rules import check
 from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
+from fourfold.spec.job import Job
+from fourfold.spec.rules import check
+from fourfold.tools.fake import fake_world
+from fourfold.tools.measure import LiveBytes
 from fourfold.train.trainer import Model
 
 # Every group the trainer, its optimizer and its evaluation ask for (the combined ones are the
@@ -163,8 +163,8 @@ def report(sim: Simulation) -> str:
     mib, gib = 2**20, 2**30
     coords = " ".join(f"{d}{c}" for d, c in sim.coords.items())
     lines = [f"rank {sim.rank} of {sim.world} (at {coords}), {sim.layers} layers",
-             f"start-up: {sim.startup_total:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in sim.startup_seconds.items())
-             + ")"]
+             f"start-up: {sim.startup_total:.2f} s ("
+             + ", ".join(f"{k} {v:.2f}" for k, v in sim.startup_seconds.items()) + ")"]
     if sim.step_seconds:
         lines.append(f"Python seconds per step (FakeTensorMode, an upper bound): "
                      f"{sum(sim.step_seconds) / len(sim.step_seconds):.3f}")

@@ -18,9 +18,8 @@ from torch import nn
 from fourfold.parallel import comm
 from fourfold.parallel.comm import Group
 from fourfold.parallel.grid import Grid
-from fourfold.spec.layout import GridError
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, vector_piece
-
+from fourfold.spec.layout import GridError
 
 # The elementwise work between the collectives, as functions that torch.compile can fuse.
 
@@ -110,7 +109,8 @@ class ParallelNorm(ParallelModule):
         super().__init__()
         self.compile = compile
         if hidden % grid.size("x"):
-            raise GridError(f"{name}: hidden={hidden} is not divisible by x={grid.size('x')}; choose x dividing {hidden}")
+            raise GridError(f"{name}: hidden={hidden} is not divisible by x={grid.size('x')}; "
+                            f"choose x dividing {hidden}")
         self.grid, self.hidden, self.kind, self.eps, self.name = grid, hidden, kind, eps, name
         self.seq_parallel = seq_parallel
         local = hidden // grid.size("x")
