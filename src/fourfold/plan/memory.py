@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fourfold.models.config import ModelConfig
-from fourfold.spec.blockspec import block_plan
+from fourfold.plan.routing import replicated_params, routed_tokens
+from fourfold.spec.blockspec import block_plan, mlp_chunks
 from fourfold.spec.counts import layer_params
 from fourfold.spec.job import Job, most_layers_on_a_rank
 from fourfold.spec.rules import padded_vocab
@@ -65,12 +66,17 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     h, F, a, k, v, L = cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.layers
     t, c, p, d, b, seq = s.y, s.cp, s.pp, s.dp, s.micro_batch, s.seq
     matrices, vectors = layer_params(cfg)
+    replicated = replicated_params(cfg.block)  # a mixture's router (and shared gate), not split
     stage = most_layers_on_a_rank(L, s)  # L / p when the layers divide evenly
-    params = stage * (matrices / t + vectors) + h * v / t  # embedding on the first stage
+    params = stage * ((matrices - replicated) / t + replicated + vectors) + h * v / t  # embedding on the first stage
     if p == 1:
         params += (0 if cfg.tied else h * v / t) + h  # LM head and final norm on the same stage
     if s.recompute == "full":  # our extension: each layer keeps its bf16 input, sequence-parallel
         per_layer = 2 * (seq / c) * b * h / t
+    elif cfg.block.moe:  # ours: the MLP's terms for the top_k experts a token runs (and a shared one),
+        # the router's logits (bf16) and probabilities (fp32), replicated over t
+        F = routed_tokens(cfg.block, F) + cfg.block.shared_ffn
+        per_layer = (seq / c) * b * (h * (12 + 4 * k / a + 8 * F / h) / t + 6 * cfg.block.experts)
     else:  # flash attention: selective recompute keeps the same tensors
         per_layer = (seq / c) * b * h * (12 + 4 * k / a + 8 * F / h) / t
     terms = {
@@ -94,9 +100,13 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     blk = cfg.block
     d = blk.head_dim
     matrices, vectors = layer_params(cfg)
+    replicated = replicated_params(blk)  # a mixture's router and shared gate: split over x only
     layers_here = most_layers_on_a_rank(L, s)
-    params = layers_here * (matrices / (x * y * z) + vectors / x)
+    params = layers_here * ((matrices - replicated) / (x * y * z) + (vectors + replicated) / x)
     embed = h * v / (x * y * z)
+    # Tied with pp > 1, the last stage holds a copy of the table that is no parameter: its weights and
+    # an fp32 gradient, (e + 4) bytes an element, less than the first stage's table with its optimizer
+    # state (e + 4 + 12 / (dp*cp)): max(first, last) is the first's, counted here as the embedding.
     head = 0 if cfg.tied else embed
     params += max(embed, head) if p > 1 else embed + head + h / x  # first or last stage; both when p = 1
     # Activations saved for backward by one layer on this rank, as measured by autograd's saved
@@ -130,6 +140,24 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "activation output": T * ffn_local,
         "down input": saved_input(plan.down),
     }
+    if blk.moe:  # the experts on top_k * T tokens in all (whatever the routing, without expert parallelism)
+        routed = routed_tokens(blk, T) / T
+        saved.update({
+            "mlp input": T * h / x,  # the stream (gathered over y first with sequence parallelism), the router's input
+            "gate/up output": routed * T * up_rows,
+            "activation output": routed * T * ffn_local,
+            "down input": routed * saved_input(plan.down),
+            "expert outputs": routed * T * h / x,  # kept by their product with the routing weights
+            "router logits and probabilities": T * blk.experts * (e + max(e, 4)) / e,  # softmax in fp32 at least
+        })
+        if plan.shared_up is not None:  # a dense MLP of shared_ffn on every token, and its gate's output
+            chunks = mlp_chunks(blk, x, y, ffn=blk.shared_ffn)
+            saved.update({
+                "shared gate/up output": T * plan.shared_up.out_features / chunks,
+                "shared activation output": T * blk.shared_ffn / chunks,
+                "shared down input": saved_input(plan.shared_down),
+                "shared output": T * h / x + T,
+            })
     per_layer = e * sum(saved.values())
     core = e * (saved["q, k, v"] + sum(attention.values()))  # what selective recompute redoes
     if s.recompute == "full":

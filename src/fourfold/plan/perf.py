@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fourfold.models.config import ModelConfig
+from fourfold.plan.routing import balanced_routing, expert_tokens, replicated_params, routed_tokens
 from fourfold.spec.blockspec import attention_chunks, block_plan
 from fourfold.spec.counts import flops_per_token as model_flops_per_token
 from fourfold.spec.counts import layer_params
@@ -27,6 +28,7 @@ from fourfold.spec.volumes import (
     embedding_passes,
     head_passes,
     ring_attention_passes,
+    tied_copy_sends,
 )
 
 
@@ -213,7 +215,9 @@ def _layer_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: in
                   keep_inputs: bool):
     """One layer's collectives, summed: (activations outside cp and z, the input-gradient
     all-reduces, the z weight traffic)."""
-    passes = block_passes(block, dict(sizes), batch, seq, seq_parallel=seq_parallel, keep_inputs=keep_inputs)
+    routed = balanced_routing(block, batch * seq) if block.moe else ()  # a mixture: routing.py's assumption
+    passes = block_passes(block, dict(sizes), batch, seq, seq_parallel=seq_parallel, keep_inputs=keep_inputs,
+                          routed=routed)
     every = passes.all()
     return (_totals([c for c in every if c.group not in ("cp", "z")]),  # ring attention: separately
             _totals([c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]),
@@ -234,14 +238,15 @@ class StepTime:
     dp_comm: float
     optimizer: float
     flops_per_gpu: float  # model FLOPs (6N + attention) per GPU per step
+    tied_embedding: float = 0.0  # a tied table over pipeline stages: its sends (fourfold), its all-reduce (megatron)
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.bubble + self.dp_comm + self.optimizer
+        return self.compute + self.exposed_comm + self.bubble + self.dp_comm + self.optimizer + self.tied_embedding
 
     def breakdown(self) -> dict[str, float]:
         return {"compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
-                "dp_comm": self.dp_comm, "optimizer": self.optimizer}
+                "dp_comm": self.dp_comm, "optimizer": self.optimizer, "tied_embedding": self.tied_embedding}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -263,7 +268,13 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
     for layer in plan.linears:  # each rank's block of each GEMM (z only splits the stored weights)
         k_local = layer.in_features / (x if layer.in_dim == "x" else y)
         n_local = layer.out_features / (x if layer.out_dim == "x" else y)
-        forward += 2 * T * k_local * n_local / (peak * gemm_efficiency(T, k_local, n_local, cal))
+        # a mixture's experts: each on its share of the routed tokens, one after another (routing.py)
+        tokens, times = ((expert_tokens(block, T), block.experts) if block.moe and layer in (plan.up, plan.down)
+                         else (T, 1))
+        forward += times * 2 * tokens * k_local * n_local / (peak * gemm_efficiency(tokens, k_local, n_local, cal))
+    if block.moe:  # the router's GEMM on the stream's features of this x rank (the shared gate's is a GEMV)
+        forward += 2 * T * block.hidden / x * block.experts / (
+            peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
     heads = plan.local_heads
     # QK^T and PV of the local queries against the whole sequence (ring attention brings the
     # other chunks' keys), causal: half of it
@@ -400,7 +411,13 @@ def _elementwise_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str
     parallelism), the MLP's activation (3F gated, 2F else) on the local F."""
     tp = s.x * s.y if framework == "fourfold" else s.y
     stream = 10 * cfg.hidden / (tp if s.seq_parallel else 1)
-    activation = (3 if cfg.block.gated else 2) * cfg.ffn / tp
+    b = cfg.block
+    if b.moe:  # the activation on the top_k experts' features (and the shared expert's); each expert's
+        # weighted output added into the sum (read, read, write) on the features of this x rank
+        activation = 3 * (routed_tokens(b, cfg.ffn) + b.shared_ffn) / tp
+        activation += 3 * routed_tokens(b, cfg.hidden) / (s.x if framework == "fourfold" else 1)
+    else:
+        activation = (3 if b.gated else 2) * cfg.ffn / tp
     return s.element_bytes * tokens * (stream + activation)
 
 
@@ -415,7 +432,9 @@ def _score_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str) -> f
 def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...], framework: str) -> float:
     matrices, vectors = layer_params(cfg)
     tp = s.x * s.y * s.z if framework == "fourfold" else s.y
-    return max(ranks) * (matrices + vectors) / tp + cfg.hidden * cfg.vocab / tp
+    replicated = replicated_params(cfg.block)  # a mixture's router and shared gate: over x only (fourfold)
+    held = replicated / (s.x if framework == "fourfold" else 1) - replicated / tp
+    return max(ranks) * ((matrices + vectors) / tp + held) + cfg.hidden * cfg.vocab / tp
 
 
 def compute_bound(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
@@ -470,7 +489,25 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     bubble = (s.pp - 1) / s.virtual * (micro_compute + micro_comm)
     dp_comm = _dp_exposed(cfg, s, cluster, k, c, framework, micro_compute)
     flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.world_size
-    return StepTime(compute, exposed, bubble, dp_comm, c.optimizer, flops)
+    tied = _tied_seconds(cfg, s, cluster, k, framework, bubble) if cfg.tied and s.pp > 1 else 0.0
+    return StepTime(compute, exposed, bubble, dp_comm, c.optimizer, flops, tied)
+
+
+def _tied_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, framework: str, bubble: float) -> float:
+    """A tied embedding over pipeline stages, once per step. fourfold (`spec.volumes.tied_copy_sends`):
+    the first stage sends its table shard to the last stage's copy before the step, exposed; the last
+    stage sends the copy's gradient (fp32) back after its last backward, while the first stage still
+    drains its own (about half the bubble: the drain of 1F1B), so only what exceeds bubble/2 shows.
+    Megatron: the two stages' embedding gradients all-reduced over a group of 2 (fp32 main grads),
+    after the backward, exposed."""
+    sizes = dict(s.layout.sizes)
+    if framework == "fourfold":
+        n = s.pp * s.virtual
+        table = comm_seconds(tied_copy_sends(cfg, sizes, [0], n), s, cluster, s.element_bytes, k)
+        gradient = comm_seconds(tied_copy_sends(cfg, sizes, [n - 1], n), s, cluster, s.element_bytes, k)
+        return table + max(0.0, gradient - bubble / 2)
+    bw = _bandwidth(s.layout, cluster, ("pp",), k.intra_node_efficiency, k.inter_node_efficiency)
+    return float(bytes_sent("all_reduce", 2, 4 * cfg.hidden * cfg.vocab // s.y)) / bw + 2 * k.latency_us * 1e-6
 
 
 def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Compute, framework: str,
