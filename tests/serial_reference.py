@@ -86,3 +86,32 @@ def random_block_weights(cfg: BlockConfig, seed: int, dtype=torch.float64, p="bl
         if cfg.norm == "layer":
             w[f"{p}.{n}.bias"] = r(cfg.hidden, scale=0.1)
     return w
+
+
+def saved_random_model(config: dict, path, scale=lambda name: 0.05, **options):
+    """A transformers model of `config` (a config.json's fields) in float64, every parameter moved
+    off its initial value (`scale(name)` times a normal: biases non-trivial too), saved to `path`."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", **options)
+    model = model.double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(scale(name) * torch.randn_like(p))
+    model.save_pretrained(path)
+    return hf_config, model
+
+
+def cp_shard(t, cp, rank):
+    """Chunks rank and 2cp-1-rank of the sequence (dim 1): what context parallelism gives a rank."""
+    chunks = t.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1) if cp > 1 else t
+
+
+def relative_error(got, ref):
+    """The largest error relative to the largest reference value (an all-zero reference, such as an
+    expert no token chose, counts absolutely)."""
+    scale = ref.abs().max()
+    return ((got - ref).abs().max() / (scale if scale > 0 else 1)).item()

@@ -20,6 +20,7 @@ from fourfold.parallel.tensor.block import rope_frequencies, rope_tables
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
+from serial_reference import cp_shard, relative_error, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
@@ -56,13 +57,7 @@ IDS = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manu
 
 def _reference(name, path):
     """A saved random model and transformers' loss, logits and gradients on IDS (float64)."""
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**FAMILIES[name])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
-    with torch.no_grad():  # every parameter non-trivial, biases too
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
+    _, model = saved_random_model(FAMILIES[name], path)
     with pytest.MonkeyPatch.context() as patch:  # transformers' RMSNorm is float32 whatever the input
         for norm in (transformers.models.llama.modeling_llama.LlamaRMSNorm,
                      transformers.models.mistral.modeling_mistral.MistralRMSNorm,
@@ -78,16 +73,6 @@ def _reference(name, path):
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     return {name: _reference(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
-
-
-def _cp_shard(t, cp, rank):
-    """Chunks rank and 2cp-1-rank of the sequence (dim 1): what context parallelism gives a rank."""
-    chunks = t.chunk(2 * cp, dim=1)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1) if cp > 1 else t
-
-
-def _relative(got, ref):
-    return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
 @pytest.mark.parametrize("grid", GRIDS)
@@ -109,14 +94,14 @@ def test_every_family_equals_transformers(ranks, families, grid):
             note((name, "loss"), abs(loss - ref.loss) / ref.loss)
             grads.update(stage_grads or {})
             if logits is not None:
-                expected = _cp_shard(ref.logits.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]], layout.cp, c["cp"])
-                note((name, "logits"), _relative(logits, expected))
+                expected = cp_shard(ref.logits.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]], layout.cp, c["cp"])
+                note((name, "logits"), relative_error(logits, expected))
                 logits_checked += 1
         assert logits_checked == (0 if layout.pp > 1 else layout.world_size // (layout.x * layout.y))
         hf_grads = to_hf_tensors(ModelConfig.from_hf(FAMILIES[name]), grads)
         assert hf_grads.keys() == ref.grads.keys()
         for param, g in ref.grads.items():
-            note((name, param), _relative(hf_grads[param], g))
+            note((name, param), relative_error(hf_grads[param], g))
     bad = {key: found for key, found in errors.items() if not all(e < 1e-10 for e in found)}  # NaN fails too
     assert not bad, (grid, bad)
 

@@ -27,6 +27,7 @@ from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
 from moe_on_grids import run_moe
+from serial_reference import cp_shard, relative_error, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -75,14 +76,9 @@ def _load_balancing_in_input_dtype(gate_logits, num_experts, top_k, attention_ma
 
 
 def _reference(name, path):
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**MODELS[name])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                          experts_implementation="eager").double().eval()
-    with torch.no_grad():  # every parameter non-trivial; routers decisive (no near ties)
-        for n, p in model.named_parameters():
-            p.add_((1.0 if n.endswith("gate.weight") else 0.05) * torch.randn_like(p))
-    model.save_pretrained(path)
+    # every parameter non-trivial; routers decisive (no near ties)
+    config, model = saved_random_model(MODELS[name], path, lambda n: 1.0 if n.endswith("gate.weight") else 0.05,
+                                       experts_implementation="eager")
     with pytest.MonkeyPatch.context() as patch:
         for module in (modeling_mixtral, modeling_qwen2_moe):
             patch.setattr(module, "load_balancing_loss_func", _load_balancing_in_input_dtype)
@@ -116,17 +112,6 @@ def references(tmp_path_factory):
     return {name: _reference(name, tmp_path_factory.mktemp(name)) for name in MODELS}
 
 
-def _cp_shard(t, cp, rank):
-    chunks = t.chunk(2 * cp, dim=1)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1) if cp > 1 else t
-
-
-def _relative(got, ref):
-    """The largest error relative to the largest value; an expert no token chose has zero gradients."""
-    scale = ref.abs().max()
-    return ((got - ref).abs().max() / (scale if scale > 0 else 1)).item()
-
-
 @pytest.mark.parametrize("grid", GRIDS)
 def test_mixtures_equal_transformers(ranks, references, grid):
     sizes, seq_parallel, recompute = GRIDS[grid]
@@ -141,14 +126,14 @@ def test_mixtures_equal_transformers(ranks, references, grid):
             errors.setdefault((name, "loss"), []).append(abs(loss - ref.loss) / ref.loss)
             grads.update(rank_grads or {})
             if logits is not None:
-                expected = _cp_shard(ref.logits.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]], layout.cp, c["cp"])
-                errors.setdefault((name, "logits"), []).append(_relative(logits, expected))
+                expected = cp_shard(ref.logits.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]], layout.cp, c["cp"])
+                errors.setdefault((name, "logits"), []).append(relative_error(logits, expected))
         if name == "mixtral-16-top1" and layout.world_size > 1:
             assert any(0 in routed for _, out in results for routed in out[name][3])
         hf_grads = to_hf_tensors(ModelConfig.from_hf(MODELS[name]), grads)
         assert hf_grads.keys() == ref.grads.keys()
         for param, g in ref.grads.items():
-            errors[(name, param)] = [_relative(hf_grads[param], g)]
+            errors[(name, param)] = [relative_error(hf_grads[param], g)]
     bad = {key: found for key, found in errors.items() if not all(e < 1e-10 for e in found)}  # NaN fails too
     assert not bad, (grid, bad)
 

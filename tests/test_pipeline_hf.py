@@ -28,6 +28,7 @@ from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
 from fourfold.spec.layout import Layout
 from fourfold.spec.trainconfig import load_train_config
+from serial_reference import relative_error, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 
 BATCH, SEQ, VOCAB, LAYERS = 8, 16, 128, 8  # 8 layers: 8 stages on pp4 interleaved
@@ -50,13 +51,7 @@ GRIDS = {  # name: (sizes, sequence parallel, micro-batches, schedule, virtual s
 
 def _reference(name, path):
     """A saved random model, and transformers' loss and gradients on IDS and mean loss on TOKENS' windows."""
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**FAMILIES[name])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
-    with torch.no_grad():  # every parameter non-trivial, biases too
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
+    _, model = saved_random_model(FAMILIES[name], path)
     windows = torch.stack([torch.from_numpy(TOKENS[i * SEQ : (i + 1) * SEQ + 1]) for i in range(12)])
     with pytest.MonkeyPatch.context() as patch:  # transformers' RMSNorm is float32 whatever the input
         patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
@@ -75,10 +70,6 @@ def families(tmp_path_factory):
     return {name: _reference(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
 
 
-def _relative(got, ref):
-    return ((got - ref).abs().max() / ref.abs().max()).item()
-
-
 @pytest.mark.parametrize("grid", GRIDS)
 def test_tied_embeddings_over_stages_equal_transformers(ranks, families, grid):
     """Loss and every gradient (the tied table's: the first stage's and the last stage's copy's, summed)."""
@@ -94,7 +85,7 @@ def test_tied_embeddings_over_stages_equal_transformers(ranks, families, grid):
             grads.update(stage_grads or {})
         hf_grads = to_hf_tensors(ModelConfig.from_hf(FAMILIES[name]), grads)
         assert hf_grads.keys() == ref.grads.keys()
-        bad = {k: e for k, g in ref.grads.items() if not (e := _relative(hf_grads[k], g)) < 1e-10}
+        bad = {k: e for k, g in ref.grads.items() if not (e := relative_error(hf_grads[k], g)) < 1e-10}
         assert not bad, (name, bad)
 
 
