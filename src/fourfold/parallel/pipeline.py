@@ -134,11 +134,13 @@ class Pipeline:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
 
-    def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
         if targets.shape != self.batch_shape:
             raise ValueError(f"this pipeline was built for local batches of shape {tuple(self.batch_shape)} "
                              f"({self.microbatches} micro-batches); got {tuple(targets.shape)}")
         self._scale = scale
+        self._queue_documents(documents, self.microbatches)
         self._set_copy()
         self._forwards = 0
         for model in self.models:  # one step of the schedule is the unit whose weight gathers repeat
@@ -155,13 +157,21 @@ class Pipeline:
         self.schedule.step(*args)
         return torch.zeros((), dtype=torch.float64, device=self.grid.device)
 
+    def _queue_documents(self, documents: torch.Tensor | None, microbatches: int) -> None:
+        """Every stage's forwards take their micro-batch's document ids from its queue: a stage runs
+        its forwards in micro-batch order on every schedule."""
+        for model in self.models:
+            model.document_queue = [] if documents is None else list(documents.chunk(microbatches))
+
     @torch.no_grad()
-    def losses(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def losses(self, ids: torch.Tensor, targets: torch.Tensor,
+               documents: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward only, through the stages of whatever schedule this pipeline was built for: the
         per-token losses [batch, seq] of a local batch of any size on the ranks holding the last
         stage, None on the others. The batch is one micro-batch; each stage waits (a blocking
         receive) only for the one before it, and sends asynchronously."""
         self._set_copy()
+        self._queue_documents(documents, 1)
         pp, n_stages = self.pp.size, self.pp.size * len(self.models)
         y = self.grid.size("y") if self.seq_parallel else 1
         stream = (ids.shape[0], ids.shape[1] // y, self.stream_shape[-1])

@@ -97,6 +97,7 @@ class Transformer(nn.Module):
         self.lm_head = LMHead(grid, cfg.hidden, cfg.vocab, seed=seed, std=std,
                               input_gather="tokens" if opts.seq_parallel else "none", keep_weight=opts.keep_weights,
                               keep_gathered_input=opts.keep_gathered_inputs, dtype=opts.dtype, overlap=self.overlap)
+        self.document_queue: list[torch.Tensor] = []  # a pipeline's micro-batches' document ids, in forward order
         if cfg.tied:
             self.lm_head.weight = self.embed.weight
             self.lm_head.matrix = self.embed.matrix
@@ -113,15 +114,22 @@ class Transformer(nn.Module):
         tokens in the head's order (`vocab.batch_order` restores [batch, seq]); padded columns are -inf."""
         return self(ids)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's output for ids (first stage) or the residual stream shard (later stages):
         the residual stream, or on the last stage the logits, or with `targets` (global token ids,
-        negative ones ignored) the per-token cross-entropy."""
+        negative ones ignored) the per-token cross-entropy. `documents` ([batch/z, seq/cp] document
+        ids, `block.document_ids`): attention causal within each document only (data.attention =
+        document); without it, the next of `document_queue` if a pipeline set one. `positions`: the
+        tokens' positions (default: the global sequence's, which document masking keeps)."""
+        if documents is None and self.document_queue:
+            documents = self.document_queue.pop(0)
         first, last = self.embed is not None, self.lm_head is not None  # a stage may lack either
         if first and last:  # a pipeline starts the pass at each schedule step
             self.overlap.new_pass()
         seq = x.shape[1] * (self.grid.size("y") if self.opts.seq_parallel and not first else 1)
-        positions = context.positions(seq, self.grid.group("cp"), device=x.device)
+        if positions is None:
+            positions = context.positions(seq, self.grid.group("cp"), device=x.device)
         h = x
         if first:
             h = self.embed(x)
@@ -129,9 +137,9 @@ class Transformer(nn.Module):
                 h = h + self.positions(positions)
         for layer in self.layers.values():
             if self.recompute == "full":
-                h = checkpoint(layer, h, positions, use_reentrant=False)
+                h = checkpoint(layer, h, positions, documents, use_reentrant=False)
             else:
-                h = layer(h, positions)
+                h = layer(h, positions, documents)
         if not last:
             return h.contiguous()  # sent to the next stage, whose receive buffer is contiguous
         logits = self.lm_head(self.norm(h))

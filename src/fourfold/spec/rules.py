@@ -58,12 +58,17 @@ def padded_vocab(vocab: int, y: int) -> int:
     return -(-vocab // y) * y
 
 
-def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False) -> list[Problem]:
+def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False,
+             attention: str = "causal") -> list[Problem]:
     """Everything that stops `model` from training as `job` (on `world` started processes; on
-    GPUs with `gpu`, whose kernels have preconditions of their own)."""
+    GPUs with `gpu`, whose kernels have preconditions of their own) with `attention` (data.attention)."""
     out: list[Problem] = []
     add = lambda what, fix: out.append(Problem(what, fix))  # noqa: E731
     g = job.layout
+    if attention == "document" and g.cp > 1:
+        add(f"data.attention = document is not implemented with context parallelism (cp={g.cp}) yet: ring "
+            f"attention does not take document boundaries", "use cp=1 (more x, y, z, dp or pp instead), or "
+            "data.attention = causal")
     try:
         b = model.block
     except ValueError as e:  # heads that do not divide the hidden size, or kv heads the heads
@@ -165,8 +170,9 @@ def _pipeline_problems(model: ModelConfig, job: Job) -> list[Problem]:
     return out
 
 
-def check(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False) -> None:
+def check(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False,
+          attention: str = "causal") -> None:
     """Raise JobError listing every problem of `problems`."""
-    found = problems(model, job, world=world, gpu=gpu)
+    found = problems(model, job, world=world, gpu=gpu, attention=attention)
     if found:
         raise JobError(found)

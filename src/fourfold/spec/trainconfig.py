@@ -102,6 +102,13 @@ class DataSection:
     # document longer than a window is cut into consecutive windows, each starting where the last
     # ended. The held-out tail is then whole documents. Needs end-of-document ids in data.tokens.
     packing: str = "stream"
+    # "causal": each token attends to every token before it in its window. "document": only to those of
+    # its own document (a block-diagonal causal mask from the end-of-document ids in the window: the
+    # end-of-document token closes its document); positions are kept. Not with cp > 1 yet.
+    attention: str = "causal"
+
+
+ATTENTIONS = ("causal", "document")  # data.attention
 
 
 @dataclass
@@ -360,7 +367,7 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"model: {e}") from None
     try:
-        found = problems(model, cfg.job(), world=world, gpu=gpu)
+        found = problems(model, cfg.job(), world=world, gpu=gpu, attention=cfg.data.attention)
     except GridError as e:  # the placement order or a dim size
         raise ConfigError(f"grid: {e}") from None
     if cfg.train.device not in DEVICES:
@@ -449,6 +456,8 @@ def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str
             found.append(f"data.files: {e}")
     if d.workers < 0:
         found.append("data.workers must be >= 0 (0: one per CPU core)")
+    if d.attention not in ATTENTIONS:
+        found.append(f"data.attention {d.attention!r} is none of {', '.join(ATTENTIONS)}; use one of them")
     if d.packing not in PACKINGS:
         found.append(f"data.packing {d.packing!r} is none of {', '.join(PACKINGS)}; use one of them")
     if d.tokens and not tokenizer:

@@ -38,7 +38,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.overlap import OverlapOptions
 from fourfold.parallel.pipeline import Pipeline
-from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+from fourfold.parallel.tensor.block import TensorOptions, document_ids, torch_dtype
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.counts import flops_per_token
 from fourfold.spec.job import Job
@@ -210,15 +210,18 @@ class Model:
             with torch.device(grid.device):  # initialised where it lives (a pipeline stage is too)
                 self.module = Transformer(grid, model_cfg, opts, **common)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float) -> torch.Tensor:
-        """Forward and backward of this rank's micro-batches; returns its share of the mean loss."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches; returns its share of the mean loss.
+        `documents` (`local_documents`): attention within each document only."""
         if self.pipeline is not None:
-            return self.pipeline.step(inputs, targets, scale)
+            return self.pipeline.step(inputs, targets, scale, documents)
         total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
-        for m, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches))):
+        docs = [None] * self.microbatches if documents is None else documents.chunk(self.microbatches)
+        for m, (x, y, d) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches), docs)):
             sync.sync = m == self.microbatches - 1  # reduce gradients in the last backward only
             # a mixture's load-balancing loss: each micro-batch's, averaged as the token losses are
-            loss = self.module(x, y).sum() * scale + self.module.router_loss() / self.microbatches
+            loss = self.module(x, y, d).sum() * scale + self.module.router_loss() / self.microbatches
             loss.backward()
             total += loss.detach()
         return total
@@ -233,6 +236,15 @@ def local_batch(job: Job, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, to
         ids = ids.pin_memory().to(grid.device, non_blocking=True)
     cp = grid.group("cp")
     return context.shard_sequence(ids[:, :-1], cp), context.shard_sequence(ids[:, 1:], cp)
+
+
+def local_documents(job: Job, grid: Grid, ids: np.ndarray, end_of_document: int) -> torch.Tensor:
+    """This rank's document ids of its inputs, cut as `local_batch` cuts them: computed over each
+    whole sequence (`block.document_ids`), then its z part and cp chunks."""
+    c, z = grid.coords, grid.size("z")
+    parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // job.micro_batch)]
+    documents = document_ids(torch.cat(parts)[:, :-1], end_of_document).to(grid.device)
+    return context.shard_sequence(documents, grid.group("cp"))
 
 
 def peak_memory_gib(grid: Grid) -> float:
@@ -501,6 +513,8 @@ class Trainer:
         self.loader = corpus.TokenLoader(tokens_path, cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
                                          packing=cfg.data.packing,
                                          windows=packed_windows(cfg, tokenizer_path, tokens_path))
+        # data.attention = document: the boundaries are the tokenizer's end-of-document ids
+        self.end_of_document = corpus.end_of_document(tokenizer_path) if cfg.data.attention == "document" else None
         self.model_cfg = model_cfg = cfg.model_config()  # (tokenizer and token ids were checked before launch)
         self.job = cfg.job()
         self.model = Model(grid, self.job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
@@ -558,7 +572,10 @@ class Trainer:
         ids = self.loader.batch_at(self.position, grid.coords["dp"], grid.size("dp"))
         self.position += cfg.batch.global_batch
         inputs, targets = local_batch(self.job, grid, ids)
-        loss = self.model.step(inputs, targets, self.sync, math.nan if step in cfg.fault.nan_steps else self.scale)
+        documents = None if self.end_of_document is None else local_documents(self.job, grid, ids,
+                                                                                self.end_of_document)
+        loss = self.model.step(inputs, targets, self.sync, math.nan if step in cfg.fault.nan_steps else self.scale,
+                               documents)
         loss = comm.all_reduce(loss.double().reshape(1), self.everything)[0]
         # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
         updated = self.opt.step(loss_finite=torch.isfinite(loss))

@@ -116,6 +116,25 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
 
 
+def document_ids(ids: torch.Tensor, end_of_document: int) -> torch.Tensor:
+    """[b, s] token ids -> [b, s] document ids (0, 1, ... along each sequence): an end-of-document
+    token belongs to the document it ends, the token after it starts the next. Computed on whole
+    sequences (before the cp split), so the ids are the global sequence's."""
+    ends = (ids == end_of_document).long()
+    return ends.cumsum(-1) - ends
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, *,
+                       enable_gqa: bool) -> torch.Tensor:
+    """Causal attention within each document: SDPA with a block-diagonal causal mask [b, 1, s, s]
+    built from the document ids [b, s]. A correct path on any device (the mask is materialised;
+    on CUDA a varlen flash kernel over the documents' lengths would avoid it, not done yet)."""
+    s = q.shape[-2]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    mask = (documents[:, :, None] == documents[:, None, :]) & causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=enable_gqa)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -146,8 +165,10 @@ class ParallelAttention(nn.Module):
         self.qkv = _linear(grid, plan.qkv, prefix, opts, seed=seed, std=std, overlap=overlap)
         self.out = _linear(grid, plan.out, prefix, opts, seed=seed, std=out_std, overlap=overlap)
 
-    def core(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]."""
+    def core(self, qkv: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]. With
+        `documents` ([b, s] document ids, `document_ids`) each token attends causally within its
+        own document only."""
         b, s, _ = qkv.shape
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
@@ -161,17 +182,21 @@ class ParallelAttention(nn.Module):
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
-        if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
+        if documents is not None:
+            if self.cp.size > 1:  # (spec.rules refuses it)
+                raise NotImplementedError("document-masked attention with context parallelism (cp > 1)")
+            o = document_attention(q, k, v, documents, enable_gqa=self.heads != self.kv_heads)
+        elif self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
             o = ring_attention(q, k, v, self.cp)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return o.transpose(1, 2).reshape(b, s, self.heads * d)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(h)
         if self.recompute_core:  # selective recompute: keep only qkv, redo attention in backward
-            return self.out(checkpoint(self.core, qkv, positions, use_reentrant=False))
-        return self.out(self.core(qkv, positions))
+            return self.out(checkpoint(self.core, qkv, positions, documents, use_reentrant=False))
+        return self.out(self.core(qkv, positions, documents))
 
 
 class ParallelMLP(nn.Module):
@@ -216,6 +241,6 @@ class ParallelBlock(nn.Module):
         self.mlp = (ParallelMoE(grid, plan, mlp, seed=seed, std=std, prefix=prefix, dtype=opts.dtype,
                                 seq_parallel=opts.seq_parallel) if cfg.moe else mlp(plan))
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), positions)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), positions, documents)
         return h + self.mlp(self.mlp_norm(h))

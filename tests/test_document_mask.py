@@ -1,0 +1,150 @@
+"""data.attention = document: attention causal within each document only. Loss and every gradient
+(float64) equal a reference that runs each document separately through the serial model (at the
+document's global positions, which the mask keeps), on 1 rank, on x2 y2 z2 and on pp2, with windows
+holding 1 to 8 documents, the last one cut at the window's edge."""
+
+import pytest
+import torch
+
+from fourfold.models.config import ModelConfig
+from fourfold.parallel import comm
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.pipeline import Pipeline
+from fourfold.parallel.tensor.block import TensorOptions, document_ids
+from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
+from fourfold.spec.rules import problems
+from fourfold.train.trainer import local_batch, local_documents
+
+LLAMA = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
+                    tied=False, eps=1e-5)
+GPT = ModelConfig("gpt2", hidden=32, layers=2, heads=4, kv_heads=4, ffn=64, vocab=64, max_positions=32,
+                  tied=True, eps=1e-5)
+BATCH, SEQ, EOS = 8, 16, 0
+
+
+def _batch() -> torch.Tensor:
+    """[8, SEQ + 1] ids: row r holds r + 1 documents (end-of-document ids at random places, the last
+    document cut at the window's edge), no end-of-document id elsewhere."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, LLAMA.vocab, (BATCH, SEQ + 1), generator=g)
+    for r in range(BATCH):
+        ends = torch.randperm(SEQ - 1, generator=g)[:r]  # r ends within the inputs, none at the last input
+        ids[r, ends] = EOS
+    return ids
+
+
+def _documents(ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each document of the inputs ids[:, :-1]."""
+    docs = document_ids(ids[:, :-1], EOS)
+    out = []
+    for r in range(len(ids)):
+        for d in docs[r].unique().tolist():
+            where = (docs[r] == d).nonzero().flatten()
+            out.append((r, where[0].item(), where[-1].item() + 1))
+    return out
+
+
+def _reference(cfg, ids):
+    """The loss and gradients of each document run alone through the serial model, at its positions."""
+    model = Transformer(Grid(Layout()), cfg, TensorOptions(dtype=torch.float64), seed=5, std=0.3)
+    scale = 1.0 / ids[:, 1:].numel()
+    total = 0.0
+    for r, a, b in _documents(ids):
+        loss = model(ids[r : r + 1, a:b], ids[r : r + 1, a + 1 : b + 1], positions=torch.arange(a, b)).sum() * scale
+        loss.backward()
+        total += loss.item()
+    return total, full_weights(model, grads=True)
+
+
+def _parallel(cfg, ids, sizes, microbatches=1, recompute="none"):
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    opts = TensorOptions(dtype=torch.float64)
+    rows = BATCH // layout.dp
+    job = Job(layout, global_batch=BATCH, micro_batch=rows // microbatches, seq=SEQ)
+    local = ids.chunk(layout.dp)[grid.coords["dp"]].numpy()
+    inputs, targets = local_batch(job, grid, local)
+    documents = local_documents(job, grid, local, EOS)
+    scale = 1.0 / ids[:, 1:].numel()
+    if layout.pp > 1:
+        pipe = Pipeline(grid, cfg, opts, microbatches=microbatches, micro_batch=rows // (layout.z * microbatches),
+                        seq=SEQ, seed=5, std=0.3, recompute=recompute)
+        models = pipe.models
+        loss = pipe.step(inputs, targets, scale, documents)
+    else:
+        models = [Transformer(grid, cfg, opts, seed=5, std=0.3, recompute=recompute)]
+        loss = models[0](inputs, targets, documents).sum() * scale
+        loss.backward()
+    grads = {}
+    for model in models:
+        sum_replicated_grads(model, grid)
+        for p in model.parameters():
+            comm.all_reduce(p.grad, grid.group(("dp", "cp")))
+        grads.update(full_weights(model, grads=True))
+    loss = comm.all_reduce(loss.detach(), grid.group(("dp", "pp", "cp", "z"))).item()
+    return loss, grads
+
+
+def _check(results, reference):
+    ref_loss, ref_grads = reference
+    grads = {}
+    for loss, g in results:
+        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-10, (loss, ref_loss)
+        grads.update(g)
+    assert set(grads) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        if name.endswith("attn.k.bias"):  # GPT-2's: an exactly-zero gradient (softmax ignores a shift), rounding noise
+            assert grads[name].abs().max() < 1e-12, name
+            continue
+        err = ((grads[name] - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-10, (name, err)
+
+
+def test_document_ids_and_batch():
+    ids = _batch()
+    assert [sum(r2 == r for r2, _, _ in _documents(ids)) for r in range(BATCH)] == list(range(1, 9))
+    docs = document_ids(torch.tensor([[5, 0, 3, 0, 0, 7]]), 0)
+    assert docs.tolist() == [[0, 0, 1, 1, 2, 3]]  # an end-of-document id closes its document
+
+
+def _references(ids):
+    """Each family's reference, and the llama's loss with plain causal attention."""
+    model = Transformer(Grid(Layout()), LLAMA, TensorOptions(dtype=torch.float64), seed=5, std=0.3)
+    causal = (model(ids[:, :-1], ids[:, 1:]).sum() / ids[:, 1:].numel()).item()
+    return {cfg.family: _reference(cfg, ids) for cfg in (LLAMA, GPT)}, causal
+
+
+@pytest.fixture(scope="module")
+def references(ranks):
+    ids = _batch()
+    ref, causal = ranks.run(_references, 1, ids)[0]
+    assert abs(causal - ref["llama"][0]) > 1e-6  # the mask changes something
+    return ids, ref
+
+
+def test_masks_documents_serial(ranks, references):
+    ids, ref = references
+    for cfg in (LLAMA, GPT):
+        _check(ranks.run(_parallel, 1, cfg, ids, {}), ref[cfg.family])
+
+
+def test_masks_documents_3d(ranks, references):
+    ids, ref = references
+    for cfg in (LLAMA, GPT):
+        _check(ranks.run(_parallel, 8, cfg, ids, dict(x=2, y=2, z=2)), ref[cfg.family])
+
+
+def test_masks_documents_pipeline(ranks, references):
+    ids, ref = references
+    _check(ranks.run(_parallel, 4, LLAMA, ids, dict(pp=2, dp=2), 2, "selective"), ref["llama"])
+    _check(ranks.run(_parallel, 4, LLAMA, ids, dict(pp=2, x=2), 2, "full"), ref["llama"])
+
+
+def test_rules_refuse_context_parallelism():
+    job = Job(Layout(cp=2), global_batch=8, micro_batch=8, seq=16)
+    found = problems(LLAMA, job, world=2, attention="document")
+    assert any("data.attention = document" in p.what and "cp=1" in p.fix for p in found)
+    assert not any("data.attention" in p.what for p in problems(LLAMA, job, world=2))
