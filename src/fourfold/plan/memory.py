@@ -148,6 +148,11 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
             "activation output": routed * T * ffn_local,
             "down input": routed * saved_input(plan.down),
             "expert outputs": routed * T * h / x,  # kept by their product with the routing weights
+            # Measured under fake tensors (tests/test_planner_measured.py), missing before: each expert's
+            # copy of its tokens (flat[token], its gate/up GEMM's input) and the weighted outputs
+            # (index_add keeps its source for backward).
+            "expert inputs": routed * T * h / x,
+            "weighted expert outputs": routed * T * h / x,
             "router logits and probabilities": T * blk.experts * (e + max(e, 4)) / e,  # softmax in fp32 at least
         })
         if plan.shared_up is not None:  # a dense MLP of shared_ffn on every token, and its gate's output

@@ -23,6 +23,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from fourfold.parallel import comm
 from fourfold.parallel.comm import Group
@@ -110,6 +111,17 @@ class RouterStats:
     tokens: int
 
 
+def balanced_choice(e: int, tokens: int, cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, slot) of the choices routed to expert `e` under a fixed balanced routing, for fake
+    tensors only (`fourfold.tools.measure` under FakeTensorMode): `torch.where` on the router's
+    choices has a data-dependent shape, which FakeTensorMode refuses. Choice i = token * top_k +
+    slot goes to expert i % experts, so each expert gets top_k * T / experts of them (give or take
+    one: `plan.routing.balanced_routing`, what the planner prices) and no token picks an expert
+    twice (top_k <= experts). Real tensors never take this path."""
+    choice = torch.arange(e, tokens * cfg.top_k, cfg.experts, device=device)
+    return choice // cfg.top_k, choice % cfg.top_k
+
+
 class ParallelMoE(nn.Module):
     def __init__(self, grid: Grid, plan: BlockPlan, mlp, *, seed: int, std: float, prefix: str, dtype: torch.dtype,
                  seq_parallel: bool):
@@ -144,8 +156,9 @@ class ParallelMoE(nn.Module):
         weights = sum_gradients(weights.to(h.dtype), self.grid.group("x"))
         out = torch.zeros_like(flat)
         self.routed = []
+        fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
         for e, expert in enumerate(self.experts):  # in expert order, as transformers adds them up
-            token, slot = torch.where(chosen == e)
+            token, slot = balanced_choice(e, len(flat), self.cfg, flat.device) if fake else torch.where(chosen == e)
             self.routed.append(len(token))
             out = out.index_add(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
         if self.shared is not None:
@@ -161,7 +174,10 @@ class ParallelMoE(nn.Module):
         wide = comm.at_least_fp32(logits.dtype)
         probs = F.softmax(logits, dim=-1)
         chosen = torch.topk(probs, self.cfg.top_k, dim=-1).indices
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.cfg.experts).to(wide)
+        if is_fake(logits):  # bincount's length depends on the data (see balanced_choice); no values to count
+            counts = torch.zeros(self.cfg.experts, dtype=wide, device=logits.device)
+        else:
+            counts = torch.bincount(chosen.reshape(-1), minlength=self.cfg.experts).to(wide)
         return RouterStats(counts, probs.to(wide).sum(dim=0), len(logits))
 
 
