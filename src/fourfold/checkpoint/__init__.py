@@ -132,14 +132,18 @@ def damage(path: str | Path) -> str:
     return "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
 
 
+def step_dirs(root: str | Path) -> list[Path]:
+    """Every step-N directory under `root`, oldest first, complete or not."""
+    root = Path(root)
+    return sorted(p for p in root.glob("step-*") if STEP.fullmatch(p.name)) if root.is_dir() else []
+
+
 def newest_intact(root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the newest checkpoint under `root` that `damage` finds nothing in, or None; the newer ones it
     passed over, with their damage). A step-N directory without meta.json counts: a save in
     progress is a hidden .step-N.partial, so one is missing its meta.json only by damage."""
-    root = Path(root)
-    found = sorted(p for p in root.glob("step-*") if STEP.fullmatch(p.name)) if root.is_dir() else []
     skipped = []
-    for path in reversed(found):
+    for path in reversed(step_dirs(root)):
         what = damage(path)
         if not what:
             return path, skipped

@@ -51,6 +51,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         except CheckpointError as err:
             raise ConfigError(str(err)) from None
         args.hf, args.checkpoint = (str(path), None) if hf else (None, str(path))
+    elif args.checkpoint:  # a run's checkpoint directory: its latest step
+        from fourfold import checkpoint
+
+        args.checkpoint = str(checkpoint.latest(args.checkpoint) or args.checkpoint)
     layout = Layout.parse(args.grid, args.order)
     if not inside_torchrun():
         if args.text:  # tokenized here, once, with the model's own tokenizer: the ranks get the token file
@@ -87,7 +91,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     else:  # a training checkpoint, written on any grid
         from fourfold import checkpoint
 
-        checkpoint.load_checkpoint(checkpoint.latest(args.checkpoint) or args.checkpoint, module)
+        checkpoint.load_checkpoint(args.checkpoint, module)
     tokens = np.load(args.tokens, mmap_mode="r")
     result = evaluate(model, grid, tokens, args.seq, args.batch, args.max_tokens)
     if grid.rank == 0:
@@ -142,8 +146,7 @@ def _eval_model_config(args: argparse.Namespace):
     from fourfold import checkpoint
 
     try:
-        step = checkpoint.latest(args.checkpoint) or args.checkpoint
-        return ModelConfig.from_dict(checkpoint.read_meta(step)["model"])
+        return ModelConfig.from_dict(checkpoint.read_meta(args.checkpoint)["model"])
     except ValueError as e:  # CheckpointError
         raise ConfigError(str(e)) from None
 
@@ -152,10 +155,9 @@ def _eval_tokens(args: argparse.Namespace) -> str:
     """The token file of `--text` (text, JSONL, Parquet files or globs, as data.files takes them),
     tokenized with the model's tokenizer.json as training tokenizes (an end-of-document id after
     each document), and cached."""
-    from fourfold import checkpoint
     from fourfold.data import corpus
 
-    folder = Path(args.hf) if args.hf else checkpoint.latest(args.checkpoint) or Path(args.checkpoint)
+    folder = Path(args.hf or args.checkpoint)
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.is_file():
         raise ConfigError(f"--text needs the model's tokenizer.json, and {folder} has none: tokenize the text with it "

@@ -110,7 +110,7 @@ def checkpoint_source(cfg: TrainConfig) -> tuple[Path | None, list[tuple[Path, s
                           f"directory written by `fourfold train`")
     step = load
     if not (load / checkpoint.META).is_file() and not checkpoint.STEP.fullmatch(load.name):  # a run's directory
-        steps = sorted(p for p in load.glob("step-*") if checkpoint.STEP.fullmatch(p.name))
+        steps = checkpoint.step_dirs(load)
         if not steps:
             raise ConfigError(f"checkpoint.load {load} is not a fourfold checkpoint (no {checkpoint.META}, no step-N "
                               f"directories); give a step-N directory or a run's checkpoint directory written by "

@@ -26,41 +26,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from fourfold.parallel import comm
-from fourfold.parallel.comm import Group
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor import init, regions
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
 from fourfold.spec.blockspec import BlockPlan
-
-
-class _SumGradients(torch.autograd.Function):
-    """Identity forward; the gradient all-reduced over the group (each rank's features give a part of it)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous(), ctx.group), None
-
-
-class _OwnTokens(torch.autograd.Function):
-    """A tensor replicated over y cut to this rank's tokens (dim 1); the gradient parts gathered back."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(group.size, dim=1)[group.rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad.contiguous(), ctx.group, dim=1), None
-
-
-def sum_gradients(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _SumGradients.apply(x, group)
 
 
 class ReplicatedLinear(ParallelModule):
@@ -153,7 +122,7 @@ class ParallelMoE(nn.Module):
         if self.cfg.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         # d(weight) is a dot product over the hidden features, which x splits
-        weights = sum_gradients(weights.to(h.dtype), self.grid.group("x"))
+        weights = regions.sum_gradients(weights.to(h.dtype), self.grid.group("x"))
         out = torch.zeros_like(flat)
         self.routed = []
         fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
@@ -162,11 +131,11 @@ class ParallelMoE(nn.Module):
             self.routed.append(len(token))
             out = out.index_add(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
         if self.shared is not None:
-            gate = sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
+            gate = regions.sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
             out = out + gate * self.shared(flat[None])[0]
         self.stats = self._stats(logits)
         out = out.view(shape)
-        return _OwnTokens.apply(out, y) if self.seq_parallel and y.size > 1 else out
+        return regions.own_part(out, y, dim=1) if self.seq_parallel else out
 
     def _stats(self, logits: torch.Tensor) -> RouterStats:
         """As `load_balancing_loss_func`: the softmax of the logits in their dtype, its top-k again,

@@ -76,6 +76,42 @@ class _AllGatherReplicated(torch.autograd.Function):
         return grad.chunk(ctx.group.size, ctx.dim)[ctx.group.rank].contiguous(), None, None
 
 
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced over the group (each rank's features give a part
+    of it): the mirror of `_AllReduceReplicated`."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _OwnPart(torch.autograd.Function):
+    """A tensor replicated over the group cut to this rank's part of `dim`; the gradient parts
+    gathered back: the mirror of `_AllGatherReplicated`."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
+def sum_gradients(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _SumGradients.apply(x, group)
+
+
+def own_part(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _OwnPart.apply(x, group, dim % x.dim())
+
+
 def all_reduce_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _AllReduceReplicated.apply(x, group)
 
