@@ -49,12 +49,7 @@ def run_families(paths, ids, sizes, seq_parallel, microbatches, schedule="1f1b",
             loss.backward()
             expected = model_collectives(cfg, layout.sizes, len(local), seq // layout.cp, seq_parallel=seq_parallel)
             assert grid.ledger.bytes() == ledger_bytes(expected, layout.sizes, 8), name
-        grads = {}
-        for model in models:
-            sum_replicated_grads(model, grid)
-            for p in model.parameters():
-                comm.all_reduce(p.grad, grid.group(("dp", "cp")))
-            grads.update(full_weights(model, grads=True))
+        grads = serial_grads(models, grid)
         loss = comm.all_reduce(loss.detach(), grid.group(("dp", "pp", "cp", "z"))).item()
         stage_head = all(c[d] == 0 for d in c if d != "pp")
         out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if stage_head else None)
@@ -81,3 +76,15 @@ def evaluate_families(paths, tokens, seq, batch, sizes, virtual=1):
             load_hf(part, path)
         out[name] = evaluate(model, grid, tokens, seq, batch)
     return out
+
+
+def serial_grads(models, grid):
+    """The serial model's gradients from this rank's stages' (`models`): each summed over the dims
+    that hold it replicated and over dp*cp, then gathered whole in serial names (collective)."""
+    grads = {}
+    for model in models:
+        sum_replicated_grads(model, grid)
+        for p in model.parameters():
+            comm.all_reduce(p.grad, grid.group(("dp", "cp")))
+        grads.update(full_weights(model, grads=True))
+    return grads

@@ -3,12 +3,12 @@ workers do not import it): a mixture-of-experts model loaded from its checkpoint
 
 import torch
 
+from families_on_grids import serial_grads
 from fourfold.checkpoint.hf import load_hf
 from fourfold.models.config import load_config
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
-from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
@@ -42,10 +42,7 @@ def run_moe(paths, ids, sizes, seq_parallel, recompute):
         counts = grid.group(("dp", "cp", "z")).name  # the routing counts' sum, which the volumes leave out
         measured = {key: sent for key, sent in grid.ledger.bytes().items() if key[0] != counts}
         assert measured == ledger_bytes(expected, layout.sizes, 8), name
-        sum_replicated_grads(model, grid)
-        for p in model.parameters():
-            comm.all_reduce(p.grad, grid.group(("dp", "cp")))
-        grads = full_weights(model, grads=True)
+        grads = serial_grads([model], grid)
         loss = comm.all_reduce(loss.detach(), grid.group(("dp", "cp", "z"))).item()
         out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if grid.rank == 0 else None, routing)
     return c, out

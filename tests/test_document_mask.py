@@ -6,12 +6,13 @@ holding 1 to 8 documents, the last one cut at the window's edge."""
 import pytest
 import torch
 
+from families_on_grids import serial_grads
 from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions, document_ids
-from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
+from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
@@ -78,12 +79,7 @@ def _parallel(cfg, ids, sizes, microbatches=1, recompute="none"):
         models = [Transformer(grid, cfg, opts, seed=5, std=0.3, recompute=recompute)]
         loss = models[0](inputs, targets, documents).sum() * scale
         loss.backward()
-    grads = {}
-    for model in models:
-        sum_replicated_grads(model, grid)
-        for p in model.parameters():
-            comm.all_reduce(p.grad, grid.group(("dp", "cp")))
-        grads.update(full_weights(model, grads=True))
+    grads = serial_grads(models, grid)
     loss = comm.all_reduce(loss.detach(), grid.group(("dp", "pp", "cp", "z"))).item()
     return loss, grads
 

@@ -61,16 +61,22 @@ def test_estimate_within_5_percent_of_measured_peak(ranks, case):
 LLAMA_70B_2_LAYERS = dataclasses.replace(load_config("llama-3.1-70b"), layers=2)
 LARGE = [dict(x=2, y=2, z=2, micro_batch=2), dict(dp=2, y=2, z=2, micro_batch=2, recompute="selective"),
          dict(cp=2, y=4, seq=8192), dict(y=8, seq_parallel=False), dict(x=2, y=2, z=2, micro_batch=2, recompute="full")]
+LARGE_IDS = ["x2y2z2", "dp2y2z2-selective", "cp2y4-ring", "y8-no-sp", "x2y2z2-full"]
 
 
-@pytest.mark.parametrize("sizes", LARGE, ids=["x2y2z2", "dp2y2z2-selective", "cp2y4-ring", "y8-no-sp", "x2y2z2-full"])
-def test_estimate_within_5_percent_of_fake_tensor_peak_of_a_large_layer(sizes):
+def _fake_tensor_peak_and_estimate(cfg, sizes):
+    """(the estimate without the GPU-only terms, rank 0's measured peak under FakeTensorMode) of
+    `cfg` on a bf16 job of `sizes` (grid dims and job fields)."""
     options = {"seq": 4096, "micro_batch": 1, "recompute": "none", "seq_parallel": True, **sizes}
     grid = Layout(**{d: options.pop(d) for d in ("dp", "cp", "x", "y", "z") if d in options})
     job = Job(grid, global_batch=options["micro_batch"] * grid.dp, precision="bf16", **options)
-    measured = measure_peak(LLAMA_70B_2_LAYERS, job).peak_bytes
-    terms = fourfold_memory(LLAMA_70B_2_LAYERS, job, 80).terms
-    estimate = sum(v for k, v in terms.items() if k not in DEVICE_TERMS)
+    terms = fourfold_memory(cfg, job, 80).terms
+    return sum(v for k, v in terms.items() if k not in DEVICE_TERMS), measure_peak(cfg, job).peak_bytes
+
+
+@pytest.mark.parametrize("sizes", LARGE, ids=LARGE_IDS)
+def test_estimate_within_5_percent_of_fake_tensor_peak_of_a_large_layer(sizes):
+    estimate, measured = _fake_tensor_peak_and_estimate(LLAMA_70B_2_LAYERS, sizes)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)
 
 
@@ -78,16 +84,9 @@ def test_estimate_within_5_percent_of_fake_tensor_peak_of_a_large_layer(sizes):
 # Fake tensors route at the planner's balanced assignment (moe.balanced_choice: torch.where on the
 # router's choices has a data-dependent shape); without expert parallelism the sums are the same.
 MIXTRAL_2_LAYERS = dataclasses.replace(load_config("mixtral-8x7b"), layers=2)
-MOE = [dict(x=2, y=2, z=2, micro_batch=2), dict(dp=2, y=2, z=2, micro_batch=2, recompute="selective"),
-       dict(cp=2, y=4, seq=8192), dict(y=8, seq_parallel=False), dict(x=2, y=2, z=2, micro_batch=2, recompute="full")]
 
 
-@pytest.mark.parametrize("sizes", MOE, ids=["x2y2z2", "dp2y2z2-selective", "cp2y4-ring", "y8-no-sp", "x2y2z2-full"])
+@pytest.mark.parametrize("sizes", LARGE, ids=LARGE_IDS)  # the dense layer's grids
 def test_estimate_within_5_percent_of_fake_tensor_peak_of_mixtral(sizes):
-    options = {"seq": 4096, "micro_batch": 1, "recompute": "none", "seq_parallel": True, **sizes}
-    grid = Layout(**{d: options.pop(d) for d in ("dp", "cp", "x", "y", "z") if d in options})
-    job = Job(grid, global_batch=options["micro_batch"] * grid.dp, precision="bf16", **options)
-    measured = measure_peak(MIXTRAL_2_LAYERS, job).peak_bytes
-    terms = fourfold_memory(MIXTRAL_2_LAYERS, job, 80).terms
-    estimate = sum(v for k, v in terms.items() if k not in DEVICE_TERMS)
+    estimate, measured = _fake_tensor_peak_and_estimate(MIXTRAL_2_LAYERS, sizes)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)
