@@ -2,8 +2,9 @@
 kind of 8-rank grid (3D, 1D tensor, context and pipeline parallel), against the float64 serial
 model (transformers). The yardstick is transformers' own bf16 error on the same model and tokens:
 autocast bf16 with fp32 weights and AdamW, what its Trainer does with bf16=True. fourfold keeps
-bf16 weights with fp32 master weights, Adam moments and gradient accumulators, and sums
-tensor-parallel partial outputs and ring-attention merges in fp32. The measure is the RMS over
+bf16 weights with fp32 master weights, Adam moments and gradient accumulators, and merges ring
+attention's blocks in fp32; tensor-parallel partial outputs are summed in bf16 (in fp32 they gave
+the same losses on gloo: docs/benchmarks.md). The measure is the RMS over
 every token of every step of the per-token loss's distance from float64's; fourfold's may be at
 most twice transformers'."""
 
@@ -129,4 +130,5 @@ def test_bf16_training_is_as_close_to_float64_as_transformers(ranks, reference, 
             losses[:, where] = scored
     assert not losses.isnan().any(), "some tokens were scored by no rank"
     error, hf_error = _rms(losses, exact), _rms(hf_bf16, exact)
+    print(f"per-token loss error RMS {error:.3e}, transformers' bf16 {hf_error:.3e}: {error / hf_error:.2f}x")
     assert error <= 2 * hf_error, f"per-token loss error RMS {error:.2e}: {error / hf_error:.1f}x transformers' bf16"
