@@ -6,6 +6,13 @@ its keys and values around the cp ring; every arriving block is attended to whil
 is in flight, and the partial results are merged with the log-sum-exp (online softmax) rule.
 Backward runs the ring again, with each block's dK and dV accumulators travelling alongside it
 and returning to their owner at the end.
+
+With document ids (data.attention = document) every query sees only the keys of its own document
+at or before it. The ids of the whole sequence are all-gathered over cp once per call (b*s
+integers), so each rank knows every arriving block's ids without sending them round the ring, and
+which blocks share no document with the rows that would see them: those steps are skipped (the
+blocks still travel). A block that is attended gets the mask as an additive bias on the CPU's
+flash kernel, or explicit masked scores elsewhere (`attend_block_masked`).
 """
 
 from __future__ import annotations
@@ -78,6 +85,71 @@ def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, e
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
+def attend_block_masked(q, k, v, mask, scale: float):
+    """One block under a boolean mask [b, rows, keys] (True: seen): (output in q's dtype, log-sum-
+    exp per row in at least fp32). A row that sees no key gets a log-sum-exp that merges as nothing
+    (-inf, or about the dtype's lowest number on CPU). GQA as `attend_block`."""
+    check_flash_inputs(q, k, v)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_bias(mask, q.dtype), scale=scale)
+        return out, lse
+    return _masked_math(q, k, v, mask, scale)
+
+
+def attend_block_masked_backward(dout, q, k, v, out, lse, mask, scale: float):
+    """(dq, dk, dv) of one masked block, given the rows' final output and (finite) log-sum-exp."""
+    check_flash_inputs(q, k, v, lse)
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=_bias(mask, q.dtype), scale=scale)
+    return _masked_math_backward(dout, q, k, v, out, lse, mask, scale)
+
+
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive [b, 1, rows, keys] form of a mask for the CPU kernel: the dtype's lowest finite
+    number, not -inf, where masked: the kernel gives a row masked whole NaN gradients with -inf,
+    and with the finite bias an output weighted exp(lowest - lse) = 0 when merged."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, torch.finfo(dtype).min)[:, None]
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, heads, s, d] -> [b, kv_heads, heads/kv_heads, s, d]: query head h reads kv head h // group."""
+    b, h, s, d = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads, s, d)
+
+
+def _masked_scores(q, k, mask, scale):
+    acc = comm.at_least_fp32(q.dtype)
+    s = torch.einsum("bgrsd,bgtd->bgrst", _grouped(q, k.shape[1]).to(acc), k.to(acc)) * scale
+    return s.masked_fill_(~mask[:, None, None], float("-inf"))
+
+
+def _masked_math(q, k, v, mask, scale):
+    """`attend_block_masked` with explicit scores [b, kv_heads, group, rows, keys] in at least fp32
+    (any device; a row seeing no key: log-sum-exp -inf, output 0)."""
+    s = _masked_scores(q, k, mask, scale)
+    lse = s.logsumexp(-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0, lse)[..., None])
+    out = torch.einsum("bgrst,bgtd->bgrsd", p, v.to(p.dtype))
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+def _masked_math_backward(dout, q, k, v, out, lse, mask, scale):
+    acc = comm.at_least_fp32(q.dtype)
+    g = k.shape[1]
+    p = torch.exp(_masked_scores(q, k, mask, scale) - _grouped(lse[..., None], g))
+    dout_g = _grouped(dout, g).to(acc)
+    dv = torch.einsum("bgrst,bgrsd->bgtd", p, dout_g)
+    dp = torch.einsum("bgrsd,bgtd->bgrst", dout_g, v.to(acc))
+    rowsum = (dout_g * _grouped(out, g).to(acc)).sum(-1, keepdim=True)
+    ds = p * (dp - rowsum) * scale
+    dq = torch.einsum("bgrst,bgtd->bgrsd", ds, k.to(acc)).flatten(1, 2)
+    dk = torch.einsum("bgrst,bgrsd->bgtd", ds, _grouped(q, g).to(acc))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def _visible(step: int, cp: Group, seq: int) -> tuple[slice, slice, bool]:
     """(query rows, block keys, causal) of the block arriving at `step`, for cp rank i holding
     chunks i and 2cp-1-i and the block of rank j holding chunks j and 2cp-1-j. j == i: causal
@@ -91,6 +163,39 @@ def _visible(step: int, cp: Group, seq: int) -> tuple[slice, slice, bool]:
     if owner < cp.rank:
         return everything, slice(0, half), False
     return slice(half, None), everything, False
+
+
+def _chunks(documents: torch.Tensor, cp: Group) -> torch.Tensor:
+    """This rank's document ids [b, s] -> the whole sequence's, chunk by chunk: [b, 2cp, s/2]."""
+    b, s = documents.shape
+    every = comm.all_gather(documents, cp, dim=0).view(cp.size, b, 2, s // 2)  # rank r: chunks r, 2cp-1-r
+    return torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).transpose(0, 1)
+
+
+def _document_plan(chunks: torch.Tensor, cp: Group) -> tuple[list[torch.Tensor], list[bool]]:
+    """For each ring step: the block owner's document ids [b, s], and whether any of this rank's
+    rows that see the block (`_visible`) shares a document with it in any sequence. Ids never
+    decrease along the sequence and step by at most one, so a chunk's ids are every integer from
+    its first to its last, and two chunks share one exactly when those ranges overlap; apart from
+    the own block, causality leaves every (row, key) pair of a step's rows and keys visible."""
+    n, i = cp.size, cp.rank
+    first, last = chunks[:, :, 0], chunks[:, :, -1]
+    owners, shared = [], [torch.ones((), dtype=torch.bool, device=chunks.device)]
+    for step in range(n):
+        j = (i - step) % n
+        owners.append(torch.cat([chunks[:, j], chunks[:, 2 * n - 1 - j]], dim=1))
+        if step:
+            rows = [i, 2 * n - 1 - i] if j < i else [2 * n - 1 - i]
+            keys = [j] if j < i else [j, 2 * n - 1 - j]
+            r, k = torch.tensor(rows), torch.tensor(keys)
+            overlap = (first[:, r, None] <= last[:, None, k]) & (first[:, None, k] <= last[:, r, None])
+            shared.append(overlap.any())
+    return owners, torch.stack(shared).tolist()  # (one host read per call)
+
+
+def _block_mask(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: slice, causal: bool):
+    mask = documents[:, rows, None] == owner[:, None, keys]
+    return mask.tril_() if causal else mask
 
 
 def _merge(out, lse, o_b, lse_b):
@@ -111,15 +216,26 @@ def _exchange(tensors: list[torch.Tensor], cp: Group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group):
+    def forward(ctx, q, k, v, cp: Group, documents: torch.Tensor | None):
         scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         out = lse = extra = None
+        plan = None if documents is None else _document_plan(_chunks(documents, cp), cp)
         block_k, block_v = k, v
         for step in range(cp.size):
             pending = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            o_b, lse_b, extra = attend_block(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal, scale)
+            if plan is not None and not plan[1][step]:  # no row that would see this block shares a document
+                if pending is not None:
+                    block_k, block_v = pending.wait()
+                continue
+            if plan is None:
+                o_b, lse_b, extra = attend_block(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal,
+                                                 scale)
+            else:
+                mask = _block_mask(documents, plan[0][step], rows, keys, causal)
+                o_b, lse_b = attend_block_masked(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], mask,
+                                                 scale)
             if out is None:  # step 0, the own block: its diagonal makes every row's lse finite
                 out, lse = o_b.to(acc), lse_b.to(acc)
             else:
@@ -127,14 +243,14 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block_k, block_v = pending.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.extra = cp, extra
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.cp, ctx.extra, ctx.plan = cp, extra, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp = ctx.cp
+        q, k, v, out, lse, documents = ctx.saved_tensors
+        cp, plan = ctx.cp, ctx.plan
         scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         grad_out = grad_out.contiguous()
@@ -144,11 +260,20 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             pending_kv = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
+            if plan is not None and not plan[1][step]:  # skipped in forward: the accumulators pass on
+                incoming = _exchange(list(incoming.wait()), cp)
+                if pending_kv is not None:
+                    block_k, block_v = pending_kv.wait()
+                continue
             # a later rank's block is seen by the second half of the rows: that lse slice is a strided
             # view, which the CUDA backward would misread
-            dq_b, dk_b, dv_b = attend_block_backward(grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys],
-                                                     block_v[:, :, keys], out[:, :, rows],
-                                                     lse[:, :, rows].contiguous(), causal, scale, ctx.extra)
+            inputs = (grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], out[:, :, rows],
+                      lse[:, :, rows].contiguous())
+            if plan is None:
+                dq_b, dk_b, dv_b = attend_block_backward(*inputs, causal, scale, ctx.extra)
+            else:
+                dq_b, dk_b, dv_b = attend_block_masked_backward(
+                    *inputs, _block_mask(documents, plan[0][step], rows, keys, causal), scale)
             dq[:, :, rows] += dq_b
             dk = torch.zeros_like(block_k, dtype=acc)
             dv = torch.zeros_like(block_v, dtype=acc)
@@ -165,14 +290,20 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 block_k, block_v = pending_kv.wait()
         dk, dv = incoming.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries [b, heads, s, d] to the whole sequence's keys and
-    values, of which this rank holds [b, kv_heads, s, d] (its two chunks, as `shard_sequence`)."""
+    values, of which this rank holds [b, kv_heads, s, d] (its two chunks, as `shard_sequence`).
+    `documents`: this rank's [b, s] document ids of the whole sequence's (`block.document_ids`,
+    sharded as the tokens): each query then sees the keys of its own document only."""
     if cp.size == 1:
         raise ValueError("ring attention needs cp > 1; use plain causal attention on one rank")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    return _RingAttention.apply(q, k, v, cp)
+    if documents is not None and documents.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(f"document ids {tuple(documents.shape)} do not match the queries' [batch, seq] "
+                         f"{(q.shape[0], q.shape[2])}")
+    return _RingAttention.apply(q, k, v, cp, documents)

@@ -65,10 +65,6 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
     out: list[Problem] = []
     add = lambda what, fix: out.append(Problem(what, fix))  # noqa: E731
     g = job.layout
-    if attention == "document" and g.cp > 1:
-        add(f"data.attention = document is not implemented with context parallelism (cp={g.cp}) yet: ring "
-            f"attention does not take document boundaries", "use cp=1 (more x, y, z, dp or pp instead), or "
-            "data.attention = causal")
     try:
         b = model.block
     except ValueError as e:  # heads that do not divide the hidden size, or kv heads the heads

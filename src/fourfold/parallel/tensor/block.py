@@ -182,12 +182,10 @@ class ParallelAttention(nn.Module):
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
-        if documents is not None:
-            if self.cp.size > 1:  # (spec.rules refuses it)
-                raise NotImplementedError("document-masked attention with context parallelism (cp > 1)")
+        if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
+            o = ring_attention(q, k, v, self.cp, documents)
+        elif documents is not None:
             o = document_attention(q, k, v, documents, enable_gqa=self.heads != self.kv_heads)
-        elif self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
-            o = ring_attention(q, k, v, self.cp)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return o.transpose(1, 2).reshape(b, s, self.heads * d)
