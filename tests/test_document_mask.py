@@ -3,8 +3,13 @@
 document's global positions, which the mask keeps), on 1 rank, on x2 y2 z2, on pp2, and with
 context parallelism (cp2, cp4, cp2 x2 y2, pp2 cp2), with windows holding 1 to 8 documents, the last
 one cut at the window's edge, documents longer than a cp chunk and shorter. Ring attention with
-document ids equals the 1-rank masked attention, its skipped blocks included."""
+document ids equals the 1-rank masked attention, its skipped blocks included. Held-out evaluation
+(`train.evaluate`, `fourfold eval --attention`) masks documents too."""
 
+import argparse
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +24,8 @@ from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
+from fourfold.spec.trainconfig import ConfigError
+from fourfold.train.evaluate import evaluate, windows
 from fourfold.train.trainer import local_batch, local_documents
 
 LLAMA = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
@@ -218,3 +225,61 @@ def test_masked_block_on_cpu_and_elsewhere():
 def test_rules_accept_context_parallelism():
     job = Job(Layout(cp=2), global_batch=8, micro_batch=8, seq=16)
     assert problems(LLAMA, job, world=2, attention="document") == problems(LLAMA, job, world=2) == []
+
+
+def _eval_tokens() -> np.ndarray:
+    """Five windows of SEQ + 1 tokens (overlapping by one) holding 1 to 4 documents each."""
+    g = torch.Generator().manual_seed(12)
+    tokens = torch.randint(1, LLAMA.vocab, (5 * SEQ + 1,), generator=g)
+    tokens[[3, 20, 25, 27, 44, 60, 61, 70]] = EOS
+    return tokens.numpy()
+
+
+def _eval_reference(tokens):
+    ids = torch.from_numpy(windows(tokens, SEQ, range(5)))
+    return _reference(LLAMA, ids)[0]
+
+
+def _evaluate(sizes, tokens):
+    """The held-out loss with document masking, and without, two windows per step (the last padded)."""
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    opts = TensorOptions(dtype=torch.float64)
+    if layout.pp > 1:
+        model = Pipeline(grid, LLAMA, opts, schedule="gpipe", microbatches=1, micro_batch=2, seq=SEQ // layout.cp,
+                         seed=5, std=0.3)
+    else:
+        model = Transformer(grid, LLAMA, opts, seed=5, std=0.3)
+    return [evaluate(model, grid, tokens, SEQ, 2, end_of_document=e)["loss"] for e in (EOS, None)]
+
+
+def test_evaluation_masks_documents(ranks):
+    tokens = _eval_tokens()
+    ref = ranks.run(_eval_reference, 1, tokens)[0]
+    for n, sizes in ((1, {}), (2, dict(cp=2)), (4, dict(pp=2, cp=2))):
+        for masked, causal in ranks.run(_evaluate, n, sizes, tokens):
+            assert abs(masked - ref) / ref < 1e-10 and abs(causal - masked) > 1e-6, (sizes, masked, causal, ref)
+
+
+def test_eval_command_finds_the_end_of_document(tmp_path):
+    """`fourfold eval --attention document` ends documents at the model tokenizer's end-of-document id;
+    a training checkpoint's data.attention is the default; no tokenizer names the fix."""
+    from tokenizers import Tokenizer, models
+
+    from fourfold.cli.eval import _end_of_document
+
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "<|endoftext|>": 2}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json"))
+    (tmp_path / "meta.json").write_text(json.dumps({"config": {"data": {"attention": "document"}}}))
+
+    def args(**kw):
+        return argparse.Namespace(**{"hf": None, "checkpoint": None, "attention": None, **kw})
+
+    assert _end_of_document(args(hf=str(tmp_path), attention="document")) == 2
+    assert _end_of_document(args(hf=str(tmp_path))) is None
+    assert _end_of_document(args(checkpoint=str(tmp_path))) == 2  # as it was trained
+    assert _end_of_document(args(checkpoint=str(tmp_path), attention="causal")) is None
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="no tokenizer.json: put the model's tokenizer.json there, or give "
+                                          "--attention causal"):
+        _end_of_document(args(hf=str(tmp_path), attention="document"))

@@ -10,7 +10,7 @@ from fourfold.cli.options import add_grid_options, launcher_options_removed
 from fourfold.spec.job import PRECISIONS
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import JobError, with_flags
-from fourfold.spec.trainconfig import DEVICES, ConfigError
+from fourfold.spec.trainconfig import ATTENTIONS, DEVICES, ConfigError
 from fourfold.train.launch import inside_torchrun, relaunch_with_torchrun
 
 
@@ -35,6 +35,10 @@ def add_parser(commands) -> None:
                     help="score only the first windows, up to this many tokens (default 0: the whole file)")
     ev.add_argument("--precision", choices=PRECISIONS, default="float32",
                     help="parameters and activations (default float32; auto: bf16 on GPUs, float32 on CPU)")
+    ev.add_argument("--attention", choices=ATTENTIONS, default=None,
+                    help="causal, or document: each token attends to its own document only, documents ended by "
+                         "the model tokenizer's end-of-document id (default: a training checkpoint's data.attention, "
+                         "else causal)")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
     ev.add_argument("--device", choices=DEVICES, default="auto",
                     help="auto (default): CUDA when every rank has a GPU, CPU when there is none; or cpu, cuda")
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
         checkpoint.load_checkpoint(args.checkpoint, module)
     tokens = np.load(args.tokens, mmap_mode="r")
-    result = evaluate(model, grid, tokens, args.seq, args.batch, args.max_tokens)
+    result = evaluate(model, grid, tokens, args.seq, args.batch, args.max_tokens, _end_of_document(args))
     if grid.rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -123,7 +127,8 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
 
     world = args.nproc_per_node or layout.world_size
     try:
-        check(model, job, world=world, gpu=choose_device(args.device, world) == "cuda")
+        check(model, job, world=world, gpu=choose_device(args.device, world) == "cuda",
+              attention="document" if _end_of_document(args) is not None else "causal")
     except JobError as e:  # the rules name the training config's key: eval's flag is --seq
         raise ConfigError(with_flags(str(e), {"batch.seq": "--seq"})) from None
     check_token_ids(args.tokens, model.vocab, "--tokens")
@@ -131,6 +136,34 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
         window_count(len(np.load(args.tokens, mmap_mode="r")), args.seq)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _end_of_document(args: argparse.Namespace) -> int | None:
+    """The id that ends each document with --attention document (None: plain causal attention):
+    the end-of-document id of the model's tokenizer.json, as training finds it. Without the flag,
+    a training checkpoint's data.attention decides."""
+    attention = args.attention
+    if attention is None:
+        attention = "causal"
+        if args.checkpoint:
+            from fourfold import checkpoint
+
+            attention = checkpoint.read_meta(args.checkpoint).get("config", {}).get("data", {}).get("attention",
+                                                                                                    attention)
+    if attention != "document":
+        return None
+    from fourfold.data import corpus
+
+    folder = Path(args.hf or args.checkpoint)
+    tokenizer = folder / "tokenizer.json"
+    why = "--attention document" if args.attention else "the checkpoint's data.attention = document"
+    if not tokenizer.is_file():
+        raise ConfigError(f"{why} ends documents at the tokenizer's end-of-document id, and {folder} has no "
+                          f"tokenizer.json: put the model's tokenizer.json there, or give --attention causal")
+    try:
+        return corpus.end_of_document(tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"{why}: {e}") from None
 
 
 def _eval_model_config(args: argparse.Namespace):

@@ -11,6 +11,7 @@ import torch
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.pipeline import Pipeline
+from fourfold.parallel.tensor.block import document_ids
 
 
 def window_count(tokens: int, seq: int) -> int:
@@ -31,10 +32,11 @@ def windows(tokens: np.ndarray, seq: int, indices) -> np.ndarray:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module | Pipeline, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1,
-             max_tokens: int = 0) -> dict:
+             max_tokens: int = 0, end_of_document: int | None = None) -> dict:
     """{"loss", "perplexity", "tokens"} of `model` (a whole model, or this rank's pipeline
     stages) on `tokens` (a 1-D array of ids; `max_tokens` > 0: only the first windows, up to that
-    many scored tokens).
+    many scored tokens). With `end_of_document` (data.attention = document), each token attends
+    to its own document only, the documents of each whole window found as in training.
 
     Windows are dealt to the dp*z token shards in turn, each cut into cp chunks as in training;
     the last batch is padded with windows whose targets are -1 (scored 0, not counted). Through a
@@ -57,7 +59,9 @@ def evaluate(model: torch.nn.Module | Pipeline, grid: Grid, tokens: np.ndarray, 
         mine = torch.from_numpy(ids)
         inputs = context.shard_sequence(mine[:, :-1].clamp_min(0), cp).to(grid.device)
         targets = context.shard_sequence(mine[:, 1:], cp).to(grid.device)
-        losses = score(inputs, targets)
+        documents = None if end_of_document is None else context.shard_sequence(
+            document_ids(mine[:, :-1].clamp_min(0), end_of_document), cp).to(grid.device)
+        losses = score(inputs, targets, documents)
         if losses is not None:  # (None: a pipeline rank without the last stage)
             total[0] += losses.double().sum()
             total[1] += (targets >= 0).sum()

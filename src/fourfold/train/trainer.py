@@ -608,7 +608,7 @@ class Trainer:
         """The held-out loss after `done` steps, through the pipeline stages when there are."""
         held_out = evaluate(self.model.pipeline or self.model.module, self.grid, self.loader.held_out(),
                             self.cfg.batch.seq, max(1, self.cfg.batch.micro_batch // self.grid.size("z")),
-                            self.cfg.train.eval_tokens)
+                            self.cfg.train.eval_tokens, self.end_of_document)
         self.reporter.evaluation(done, held_out)
 
     def save(self, done: int) -> str:
