@@ -161,10 +161,10 @@ def test_masks_documents_context_parallel(ranks, references):
 
 def _ring_documents(cp: int, layouts: list[torch.Tensor]):
     """(largest error of output, dQ, dK, dV against `document_attention` over every layout, the ring
-    steps each layout skipped on this rank)."""
+    steps each layout skipped on this rank, the (rows x keys) attended off the own block)."""
     group = Grid(Layout(cp=cp)).group("cp")
     g = torch.Generator().manual_seed(3)
-    errors, skipped = [], []
+    errors, skipped, area = [], [], []
     for documents in layouts:
         b, s = documents.shape
         q = torch.randn(b, 4, s, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -179,23 +179,31 @@ def _ring_documents(cp: int, layouts: list[torch.Tensor]):
         errors.append((out - context.shard_sequence(expected.detach(), group, 2)).abs().max().item())
         errors += [(t.grad - context.shard_sequence(full.grad, group, 2)).abs().max().item()
                    for t, full in zip(local, (q, k, v))]
-        skipped.append(context._document_plan(context._chunks(mine, group), group)[1].count(False))
-    return max(errors), skipped
+        plan = context._document_plan(mine, context._chunks(mine, group), group)
+        skipped.append(plan.count(None))
+        area.append(sum((p[1].stop - p[1].start) * (p[2].stop - p[2].start) for p in plan[1:] if p is not None))
+    with pytest.raises(ValueError, match="must not decrease"):
+        context.ring_attention(*local, group, mine.flip(1))
+    return max(errors), skipped, area
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_with_documents(ranks, cp):
     """Against the 1-rank masked attention (float64, GQA): one document per row beside many; a
-    document per cp chunk (every other rank's block skipped); documents of 3 tokens (some skipped);
-    one long document then short ones."""
+    document per cp chunk (every other rank's block skipped); documents of 3 tokens (some skipped,
+    the others cut to the rows and keys sharing a document); one long document then short ones.
+    Ids that decrease are refused."""
     s, chunk = 32, 32 // (2 * cp)
     position = torch.arange(s)
     layouts = [torch.stack([torch.zeros(s, dtype=torch.long), position // 5]), (position // chunk)[None],
                (position // 3)[None], torch.where(position < 20, 0, position - 19)[None]]
     results = ranks.run(_ring_documents, cp, cp, layouts)
-    assert max(error for error, _ in results) < 1e-12
+    assert max(r[0] for r in results) < 1e-12
     skipped = [sum(r[1][i] for r in results) for i in range(len(layouts))]
     assert skipped[0] == 0 and skipped[1] == cp * (cp - 1) and 0 < skipped[2] < cp * (cp - 1), skipped
+    area = [sum(r[2][i] for r in results) for i in range(len(layouts))]
+    uncut = cp * (cp - 1) * chunk * 2 * chunk  # each off-own step: s rows x s/2 keys, or s/2 rows x s keys
+    assert area[0] == uncut and area[1] == 0 and 0 < area[2] < uncut / 4, (area, uncut)
 
 
 def test_masked_block_on_cpu_and_elsewhere():

@@ -10,9 +10,9 @@ and returning to their owner at the end.
 With document ids (data.attention = document) every query sees only the keys of its own document
 at or before it. The ids of the whole sequence are all-gathered over cp once per call (b*s
 integers), so each rank knows every arriving block's ids without sending them round the ring, and
-which blocks share no document with the rows that would see them: those steps are skipped (the
-blocks still travel). A block that is attended gets the mask as an additive bias on the CPU's
-flash kernel, or explicit masked scores elsewhere (`attend_block_masked`).
+which of its rows and the block's keys can share a document: each block is cut to those (a step
+with none is skipped; the blocks still travel). The cut block gets the mask as an additive bias on
+the CPU's flash kernel, or explicit masked scores elsewhere (`attend_block_masked`).
 """
 
 from __future__ import annotations
@@ -172,25 +172,32 @@ def _chunks(documents: torch.Tensor, cp: Group) -> torch.Tensor:
     return torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).transpose(0, 1)
 
 
-def _document_plan(chunks: torch.Tensor, cp: Group) -> tuple[list[torch.Tensor], list[bool]]:
-    """For each ring step: the block owner's document ids [b, s], and whether any of this rank's
-    rows that see the block (`_visible`) shares a document with it in any sequence. Ids never
-    decrease along the sequence and step by at most one, so a chunk's ids are every integer from
-    its first to its last, and two chunks share one exactly when those ranges overlap; apart from
-    the own block, causality leaves every (row, key) pair of a step's rows and keys visible."""
+def _document_plan(documents: torch.Tensor, chunks: torch.Tensor, cp: Group) -> list[tuple | None]:
+    """For each ring step, None if no row that would see the arriving block (`_visible`) shares a
+    document with it, else (the owner's ids [b, s], rows, keys): the part of the step's rows and
+    keys that can share one. Ids never decrease along the sequence, nor along a rank's two chunks;
+    off the own block every key precedes every row, so the rows sharing a document with some key
+    are a prefix (ids up to the last key's) and the keys a suffix (ids from the first row's), in
+    every sequence of the batch: the longest of each over the batch is kept, the mask does the rest."""
     n, i = cp.size, cp.rank
-    first, last = chunks[:, :, 0], chunks[:, :, -1]
-    owners, shared = [], [torch.ones((), dtype=torch.bool, device=chunks.device)]
+    owners, lengths = [], [(chunks.flatten(1).diff(dim=1) < 0).any().long().expand(2)]
     for step in range(n):
         j = (i - step) % n
         owners.append(torch.cat([chunks[:, j], chunks[:, 2 * n - 1 - j]], dim=1))
+        rows, keys, _ = _visible(step, cp, documents.shape[1])
         if step:
-            rows = [i, 2 * n - 1 - i] if j < i else [2 * n - 1 - i]
-            keys = [j] if j < i else [j, 2 * n - 1 - j]
-            r, k = torch.tensor(rows), torch.tensor(keys)
-            overlap = (first[:, r, None] <= last[:, None, k]) & (first[:, None, k] <= last[:, r, None])
-            shared.append(overlap.any())
-    return owners, torch.stack(shared).tolist()  # (one host read per call)
+            row_ids, key_ids = documents[:, rows], owners[-1][:, keys]
+            lengths.append(torch.stack([(row_ids <= key_ids[:, -1:]).sum(1).max(),
+                                        (key_ids >= row_ids[:, :1]).sum(1).max()]))
+    decreasing, *lengths = torch.stack(lengths).tolist()  # (one host read)
+    if decreasing[0]:
+        raise ValueError("document ids must not decrease along the sequence (as block.document_ids gives them)")
+    plan = [(owners[0], *_visible(0, cp, documents.shape[1])[:2])]
+    for step, (r, k) in enumerate(lengths, start=1):
+        rows, keys, _ = _visible(step, cp, documents.shape[1])
+        row0, key_stop = rows.start or 0, keys.stop or documents.shape[1]
+        plan.append((owners[step], slice(row0, row0 + r), slice(key_stop - k, key_stop)) if r and k else None)
+    return plan
 
 
 def _block_mask(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: slice, causal: bool):
@@ -220,20 +227,21 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         out = lse = extra = None
-        plan = None if documents is None else _document_plan(_chunks(documents, cp), cp)
+        plan = None if documents is None else _document_plan(documents, _chunks(documents, cp), cp)
         block_k, block_v = k, v
         for step in range(cp.size):
             pending = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            if plan is not None and not plan[1][step]:  # no row that would see this block shares a document
+            if plan is not None and plan[step] is None:  # no row that would see this block shares a document
                 if pending is not None:
                     block_k, block_v = pending.wait()
                 continue
             if plan is None:
                 o_b, lse_b, extra = attend_block(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal,
                                                  scale)
-            else:
-                mask = _block_mask(documents, plan[0][step], rows, keys, causal)
+            else:  # only the rows and keys that can share a document
+                owner, rows, keys = plan[step]
+                mask = _block_mask(documents, owner, rows, keys, causal)
                 o_b, lse_b = attend_block_masked(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], mask,
                                                  scale)
             if out is None:  # step 0, the own block: its diagonal makes every row's lse finite
@@ -260,11 +268,13 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             pending_kv = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            if plan is not None and not plan[1][step]:  # skipped in forward: the accumulators pass on
+            if plan is not None and plan[step] is None:  # skipped in forward: the accumulators pass on
                 incoming = _exchange(list(incoming.wait()), cp)
                 if pending_kv is not None:
                     block_k, block_v = pending_kv.wait()
                 continue
+            if plan is not None:
+                owner, rows, keys = plan[step]
             # a later rank's block is seen by the second half of the rows: that lse slice is a strided
             # view, which the CUDA backward would misread
             inputs = (grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], out[:, :, rows],
@@ -272,8 +282,8 @@ class _RingAttention(torch.autograd.Function):
             if plan is None:
                 dq_b, dk_b, dv_b = attend_block_backward(*inputs, causal, scale, ctx.extra)
             else:
-                dq_b, dk_b, dv_b = attend_block_masked_backward(
-                    *inputs, _block_mask(documents, plan[0][step], rows, keys, causal), scale)
+                dq_b, dk_b, dv_b = attend_block_masked_backward(*inputs, _block_mask(documents, owner, rows, keys,
+                                                                                     causal), scale)
             dq[:, :, rows] += dq_b
             dk = torch.zeros_like(block_k, dtype=acc)
             dv = torch.zeros_like(block_v, dtype=acc)
@@ -298,7 +308,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
     """Causal attention of this rank's queries [b, heads, s, d] to the whole sequence's keys and
     values, of which this rank holds [b, kv_heads, s, d] (its two chunks, as `shard_sequence`).
     `documents`: this rank's [b, s] document ids of the whole sequence's (`block.document_ids`,
-    sharded as the tokens): each query then sees the keys of its own document only."""
+    sharded as the tokens; never decreasing along the sequence): each query then sees the keys of
+    its own document only."""
     if cp.size == 1:
         raise ValueError("ring attention needs cp > 1; use plain causal attention on one rank")
     if q.shape[1] % k.shape[1]:
