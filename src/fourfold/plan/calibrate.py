@@ -164,11 +164,6 @@ def _model(values: dict, framework: str, pp: int) -> ModelConfig:
         cfg = ModelConfig(_need(values, "family", str), _need(values, "hidden"), _need(values, "layers"),
                           _need(values, "heads"), _need(values, "kv_heads"), _need(values, "ffn"),
                           _need(values, "vocab"), seq, _flag(values, "tied", False), 1e-5)
-    if framework == "megatron" and cfg.tied and pp > 1:
-        # Megatron keeps a copy of the tied embedding on the last stage and all-reduces its
-        # gradient with the first's: priced as an untied model, as the shipped fit was made (the
-        # profile's all-reduce of a tied table, perf._tied_seconds, is left out of these runs).
-        cfg = replace(cfg, tied=False)
     return cfg
 
 
@@ -302,7 +297,7 @@ SOFTWARE_KNOBS = (
     # flash attention runs at over half its GEMMs' rate from 8k keys on (FlashAttention-2, Dao 2023:
     # about 190 of the A100 GEMMs' 270 TFLOP/s, causal, head dimension 128)
     Knob("attention_half", 1.0, 8192.0, log=True),
-    Knob("ring_overlap", 0.0, 1.0),
+    # (ring_overlap is not fitted: both runtimes send the next block while attending the current one)
     Knob("dp_overlap", 0.0, 1.0),
     Knob("layer_overhead_us", 0.0, 5000.0),
     # a micro-batch's host work (a schedule step: forward and backward calls, the loss, p2p calls) is
@@ -319,7 +314,7 @@ HARDWARE_KNOBS = (
 )
 # Where every fit starts: mid-range (every fold starts here, never from another fold's answer).
 # No profiles: a cluster the runs do not cover keeps its preset's defaults, never the shipped fit's.
-START = Calibration(attention_half=1024, ring_overlap=0.5, dp_overlap=0.5, layer_overhead_us=100,
+START = Calibration(attention_half=1024, dp_overlap=0.5, layer_overhead_us=100,
                     micro_batch_overhead_us=1000, cv_error=None, profiles=())
 START_PROFILE = dict(efficiency_max=0.6, efficiency_half=128, intra_node_efficiency=0.5, inter_node_efficiency=0.5)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fourfold.models.config import ModelConfig
 from fourfold.plan.routing import balanced_routing, expert_tokens, replicated_params, routed_tokens
-from fourfold.spec.blockspec import attention_chunks, block_plan
+from fourfold.spec.blockspec import LINEAR_KINDS, attention_chunks, block_plan
 from fourfold.spec.counts import flops_per_token as model_flops_per_token
 from fourfold.spec.counts import layer_params
 from fourfold.spec.hardware import Cluster
@@ -27,6 +27,7 @@ from fourfold.spec.volumes import (
     bytes_sent,
     embedding_passes,
     head_passes,
+    linear_passes,
     ring_attention_passes,
     tied_copy_sends,
 )
@@ -45,9 +46,9 @@ class Profile:
 
 
 # The hardware profiles of the shipped runs' clusters, fitted with the defaults below.
-FITTED_A100 = Profile("dgx-a100", efficiency_max=0.8052, efficiency_half=120.8, intra_node_efficiency=1.0,
+FITTED_A100 = Profile("dgx-a100", efficiency_max=0.8093, efficiency_half=92.40, intra_node_efficiency=1.0,
                       inter_node_efficiency=0.3)
-FITTED_H100 = Profile("dgx-h100", efficiency_max=0.9287, efficiency_half=506.5, intra_node_efficiency=0.7885,
+FITTED_H100 = Profile("dgx-h100", efficiency_max=0.9056, efficiency_half=392.2, intra_node_efficiency=0.8433,
                       inter_node_efficiency=1.0)
 
 
@@ -59,14 +60,14 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    attention_half: float = 4753  # keys per attention block at which attention runs at half its GEMM rate
-    ring_overlap: float = 0.0  # fraction of ring attention's traffic that can hide behind block attention
+    attention_half: float = 6241  # keys per attention block at which attention runs at half its GEMM rate
+    ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 1.0  # fraction of the data-parallel reduce-scatter that hides behind the last backward
     param_gather_overlap: float = 0.0  # fraction of the parameter all-gather that hides behind the first forward
-    layer_overhead_us: float = 145.3  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    layer_overhead_us: float = 339.4  # fixed cost of a layer's forward and backward on a micro-batch (launches)
     micro_batch_overhead_us: float = 10000  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
-    cv_error: float | None = 0.0667  # cross-validated mean error of a step time (fraction), from the fit
+    cv_error: float | None = 0.0671  # cross-validated mean error of a step time (fraction), from the fit
     profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_H100)  # the clusters the fit was measured on
 
     @classmethod
@@ -120,16 +121,17 @@ class Constants:
 @functools.lru_cache(maxsize=1024)
 def constants(cal: Calibration, cluster: Cluster) -> Constants:
     p = cal.profile(cluster)
-    return Constants(p.efficiency_max, p.efficiency_half, cal.attention_half, p.intra_node_efficiency,
-                     p.inter_node_efficiency, cal.ring_overlap, cal.dp_overlap, cal.param_gather_overlap,
-                     cal.layer_overhead_us, cal.micro_batch_overhead_us,
+    return Constants(p.efficiency_max, p.efficiency_half, cal.attention_half,
+                     p.intra_node_efficiency, p.inter_node_efficiency, cal.ring_overlap, cal.dp_overlap,
+                     cal.param_gather_overlap, cal.layer_overhead_us, cal.micro_batch_overhead_us,
                      cluster.latency_us if cal.latency_us is None else cal.latency_us)
 
 
 # The guesses the model had before any fit (docs/planner.md's "uncalibrated" model): no overheads,
 # every overlap perfect, the presets' measured hardware defaults.
-UNCALIBRATED = Calibration(attention_half=0, ring_overlap=1.0, dp_overlap=1.0, param_gather_overlap=0.0,
-                           layer_overhead_us=0.0, micro_batch_overhead_us=0.0, cv_error=None, profiles=())
+UNCALIBRATED = Calibration(attention_half=0, ring_overlap=1.0, dp_overlap=1.0,
+                           param_gather_overlap=0.0, layer_overhead_us=0.0, micro_batch_overhead_us=0.0,
+                           cv_error=None, profiles=())
 
 
 def gemm_efficiency(m: float, n: float, k: float, cal: Constants) -> float:
@@ -213,15 +215,47 @@ def _within_replica(s: Job) -> tuple[tuple[str, int], ...]:
 @functools.lru_cache(maxsize=65536)  # independent of the placement order and of recompute
 def _layer_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int, seq_parallel: bool,
                   keep_inputs: bool):
-    """One layer's collectives, summed: (activations outside cp and z, the input-gradient
-    all-reduces, the z weight traffic)."""
+    """One layer's collectives, summed: (forward activations outside cp and z, backward ones, the z
+    weight traffic)."""
     routed = balanced_routing(block, batch * seq) if block.moe else ()  # a mixture: routing.py's assumption
     passes = block_passes(block, dict(sizes), batch, seq, seq_parallel=seq_parallel, keep_inputs=keep_inputs,
                           routed=routed)
-    every = passes.all()
-    return (_totals([c for c in every if c.group not in ("cp", "z")]),  # ring attention: separately
-            _totals([c for c in passes.backward if c.op == "all_reduce" and c.group in ("x", "y")]),
-            _totals([c for c in every if c.group == "z"]))
+    return (_totals([c for c in passes.forward if c.group not in ("cp", "z")]),  # ring attention: separately
+            _totals([c for c in passes.backward if c.group not in ("cp", "z")]),
+            _totals([c for c in passes.all() if c.group == "z"]))
+
+
+@functools.lru_cache(maxsize=65536)
+def _gemm_seconds(tokens: float, k: float, n: float, peak_tflops: float, cal: Constants) -> float:
+    return 2 * tokens * k * n / (peak_tflops * 1e12 * gemm_efficiency(tokens, k, n, cal))
+
+
+@functools.lru_cache(maxsize=65536)
+def _overlapped(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int, seq_parallel: bool,
+                keep_inputs: bool, peak_tflops: float, cal: Constants):
+    """What each linear layer's backward hides, as `parallel.tensor.linear` runs it: the re-gather of
+    its input over the out-dim is in flight while dY is gathered and the dX GEMM runs, and the
+    input gradient's all-reduce (or reduce-scatter) over the out-dim while the dW GEMM runs; the
+    gather of dY over the in-dim waits. (GEMM seconds, re-gather collectives, input-gradient
+    collectives) per layer, from the volume functions the runtime's ledger is tested against."""
+    grid = dict(sizes)
+    plan = block_plan(block, grid["x"], grid["y"], seq_parallel=seq_parallel)
+    tokens = batch * seq
+    layers = [(plan.qkv, tokens), (plan.out, tokens)]
+    if block.moe:
+        layers += [(plan.shared_up, tokens), (plan.shared_down, tokens)] if plan.shared_up is not None else []
+        layers += [(layer, n) for n in balanced_routing(block, tokens) for layer in (plan.up, plan.down)]
+    else:
+        layers += [(plan.up, tokens), (plan.down, tokens)]
+    out = []
+    for layer, n in layers:
+        i, o = LINEAR_KINDS[layer.kind]
+        passes = linear_passes(grid, layer.kind, layer.in_features, layer.out_features, n,
+                               reduction=layer.reduction, input_gather=layer.input_gather, keep_input=keep_inputs)
+        gemm = _gemm_seconds(n, layer.in_features / grid[i], layer.out_features / grid[o], peak_tflops, cal)
+        out.append((gemm, _totals([c for c in passes.backward if c.group == o and c.op == "all_gather"]),
+                    _totals([c for c in passes.backward if c.group == o and c.op != "all_gather"])))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,52 +331,64 @@ def _ring_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int
 
 
 def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, forward_seconds: float,
-                 dw_seconds: float, framework: str) -> float:
+                 framework: str) -> float:
     """Exposed tensor-parallel communication of one layer for one micro-batch (forward, backward,
     and the forward again under full recompute)."""
     b = s.element_bytes  # bf16 on GPUs
     if framework == "megatron":
-        return _megatron_tensor_comm(cfg, s, cluster, cal, dw_seconds)
-    activations, input_grad, weights = _layer_totals(cfg.block, _within_replica(s), int(s.micro_batch / s.z),
-                                                     int(s.seq / s.cp), s.seq_parallel, s.keep_gathered_inputs)
-    total = _totals_seconds(activations, s, cluster, b, cal)
-    # The input-gradient all-reduce hides behind the dW GEMM of the same layer (the runtime's overlap).
-    exposed = total - min(dw_seconds, _totals_seconds(input_grad, s, cluster, b, cal))
+        return _megatron_tensor_comm(cfg, s, cluster, cal)
+    sizes, batch, seq = _within_replica(s), int(s.micro_batch / s.z), int(s.seq / s.cp)
+    forward, backward, weights = _layer_totals(cfg.block, sizes, batch, seq, s.seq_parallel, s.keep_gathered_inputs)
+    passes = 2 if s.recompute == "full" else 1  # the forward's collectives again
+    exposed = passes * _totals_seconds(forward, s, cluster, b, cal) + _totals_seconds(backward, s, cluster, b, cal)
+    # Each linear's input re-gather hides behind its dX GEMM, its input-gradient reduction behind
+    # its dW GEMM (the runtime's overlap; both GEMMs take the forward GEMM's time).
+    for gemm, regather, reduction in _overlapped(cfg.block, sizes, batch, seq, s.seq_parallel,
+                                                 s.keep_gathered_inputs, cluster.gpu.bf16_tflops, cal):
+        exposed -= (min(gemm, _totals_seconds(regather, s, cluster, b, cal))
+                    + min(gemm, _totals_seconds(reduction, s, cluster, b, cal)))
     # z: the weight all-gathers are prefetched one GEMM ahead and the dW reduce-scatters deferred
     # to the next one, so they hide behind the layer's compute (3x forward) up to its length.
     weights = _totals_seconds(weights, s, cluster, b, cal)
-    exposed += max(0.0, weights - 3 * forward_seconds)
-    return 1.5 * exposed if s.recompute == "full" else exposed  # the forward's collectives again
+    return exposed + max(0.0, weights - 3 * forward_seconds)
 
 
-def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, dw_seconds: float) -> float:
+def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants) -> float:
     """Megatron-LM's 1D tensor parallelism. With sequence parallelism each sublayer all-gathers its
-    input and reduce-scatters its output in forward, and all-gathers the output gradient in
-    backward, all exposed; the column-parallel linear's backward re-gathers its input (for the
-    weight gradient) and reduce-scatters the input gradient while the backward GEMMs run. Without
-    sequence parallelism: an all-reduce in forward, and one in backward behind the weight-gradient
-    GEMM. Both hide up to the layer's weight-gradient GEMM time."""
-    forward, backward, hidden = (_totals_seconds(t, s, cluster, s.element_bytes, cal) for t in
-                                 _megatron_totals(int(s.seq / s.cp * s.micro_batch / s.z) * cfg.hidden, s.seq_parallel))
+    input and reduce-scatters its output in forward, and the row-parallel linear all-gathers its
+    output gradient in backward, exposed; the column-parallel linear's backward re-gathers its input
+    (for the weight gradient) while its dX GEMM runs and reduce-scatters the input gradient while
+    its dW GEMM runs (Megatron's LinearWithGradAccumulationAndAsyncCommunication). Without sequence
+    parallelism: an all-reduce in forward, and one in backward behind the dW GEMM."""
+    forward, backward, (regather, reduction) = (
+        _megatron_totals(int(s.seq / s.cp * s.micro_batch / s.z) * cfg.hidden, s.seq_parallel))
+    seconds = functools.partial(_totals_seconds, s=s, cluster=cluster, element_size=s.element_bytes, cal=cal)
     passes = 2 if s.recompute == "full" else 1
-    return passes * forward + backward + max(0.0, hidden - dw_seconds)
+    exposed = passes * seconds(forward) + seconds(backward) + 2 * (seconds(regather) + seconds(reduction))
+    plan = _plan(cfg.block, 1, s.y)
+    T = s.seq / s.cp * s.micro_batch / s.z
+    for layer in (plan.qkv, plan.up):  # the column-parallel layers
+        gemm = _gemm_seconds(T, layer.in_features, layer.out_features / s.y, cluster.gpu.bf16_tflops, cal)
+        exposed -= min(gemm, seconds(regather)) + min(gemm, seconds(reduction))
+    return exposed
 
 
 @functools.lru_cache(maxsize=4096)
 def _megatron_totals(elements: int, seq_parallel: bool):
     """Megatron's tensor-parallel collectives of one layer on activations of `elements`: (forward,
-    exposed backward, backward hidden behind GEMMs), summed."""
+    exposed backward, (the re-gather, the input-gradient reduction) of one column-parallel linear)."""
     if seq_parallel:
         gather, scatter = Collective("y", "all_gather", elements), Collective("y", "reduce_scatter", elements)
-        return _totals([gather, scatter] * 2), _totals([gather] * 2), _totals([gather, scatter] * 2)
+        return _totals([gather, scatter] * 2), _totals([gather] * 2), (_totals([gather]), _totals([scatter]))
     reduce = Collective("y", "all_reduce", elements)
-    return _totals([reduce] * 2), (), _totals([reduce] * 2)
+    return _totals([reduce] * 2), (), ((), _totals([reduce]))
 
 
 def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str) -> float:
-    """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps can hide its
-    K, V transfer behind one block attention, backward behind two (its dQ and dK/dV GEMMs); only
-    the fraction `cal.ring_overlap` of the traffic hides (the rest waits for its transfer)."""
+    """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
+    K, V transfer behind one block attention (the next block is in flight while the current one
+    is attended: `parallel.context`, and TransformerEngine's ring for Megatron), backward behind
+    two (its dQ and dK/dV GEMMs); `cal.ring_overlap` (1: both runtimes) of the traffic can hide."""
     block = s.seq / s.cp  # local queries of one sequence, and the keys of one ring block
     T = block * s.micro_batch / s.z
     ring_forward, ring_backward = _ring_totals(cfg.block, _within_replica(s), int(s.micro_batch / s.z),
@@ -466,7 +512,7 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     score matrices through HBM; the planner plans flash attention (both runtimes use it)."""
     k = constants(cal, cluster)
     c = _compute(cfg, s, cluster, k, framework, flash_attention)
-    layer_comm = _tensor_comm(cfg, s, cluster, k, c.forward, c.dw, framework)
+    layer_comm = _tensor_comm(cfg, s, cluster, k, c.forward, framework)
     if s.cp > 1:
         layer_comm += _ring_attention_exposed(cfg, s, cluster, k, framework)
     T = s.seq / s.cp * s.micro_batch / s.z
