@@ -9,7 +9,7 @@ from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions
-from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
+from fourfold.parallel.tensor.params import full_weights, layouts, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
@@ -84,7 +84,8 @@ def serial_grads(models, grid):
     grads = {}
     for model in models:
         sum_replicated_grads(model, grid)
+        expert = {id(p) for p, layout in layouts(model).items() if layout.expert}  # replicated over edp only
         for p in model.parameters():
-            comm.all_reduce(p.grad, grid.group(("dp", "cp")))
+            comm.all_reduce(p.grad, grid.expert_group("edp") if id(p) in expert else grid.group(("dp", "cp")))
         grads.update(full_weights(model, grads=True))
     return grads

@@ -37,11 +37,15 @@ def run_moe(paths, ids, sizes, seq_parallel, recompute):
         loss = model(inputs, targets).sum() / ids[:, 1:].numel() + model.router_loss()
         loss.backward()
         routing = [tuple(layer.mlp.routed) for layer in model.layers.values()]
-        expected = model_collectives(cfg, layout.sizes, len(local), inputs.shape[1], seq_parallel=seq_parallel,
-                                     recompute=recompute, routing=routing)
+        exchanged = [layer.mlp.exchanged for layer in model.layers.values()]
+        volume_sizes = dict(layout.sizes, ep=layout.ep)
+        expected = model_collectives(cfg, volume_sizes, len(local), inputs.shape[1], seq_parallel=seq_parallel,
+                                     recompute=recompute, routing=routing, exchanged=exchanged)
         counts = grid.group(("dp", "cp", "z")).name  # the routing counts' sum, which the volumes leave out
         measured = {key: sent for key, sent in grid.ledger.bytes().items() if key[0] != counts}
-        assert measured == ledger_bytes(expected, layout.sizes, 8), name
+        assert measured == ledger_bytes(expected, volume_sizes, 8), name
+        if layout.ep > 1:
+            assert measured[("ep", "all_to_all_v")] > 0, name
         grads = serial_grads([model], grid)
         loss = comm.all_reduce(loss.detach(), grid.group(("dp", "cp", "z"))).item()
         out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if grid.rank == 0 else None, routing)

@@ -49,6 +49,10 @@ GRIDS = {  # name: (sizes, sequence parallel, recompute)
     "dp2x2y2-sp": (dict(dp=2, x=2, y=2), True, "none"),
     "cp2z2x2-full-recompute": (dict(cp=2, z=2, x=2), False, "full"),
     "x4": (dict(x=4), False, "selective"),  # kv heads 2 < x*y: attention on the published path
+    # expert parallelism: experts over ranks of dp*cp, tokens exchanged by all-to-all
+    "dp4x2-ep4": (dict(dp=4, x=2, ep=4), False, "none"),
+    "dp2cp2y2-ep2-sp": (dict(dp=2, cp=2, y=2, ep=2), True, "none"),
+    "dp2z2x2-ep2-full-recompute": (dict(dp=2, z=2, x=2, ep=2), False, "full"),
 }
 BATCH, SEQ, VOCAB = 8, 16, 128
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
@@ -166,27 +170,92 @@ def test_counts_are_transformers(references):
         assert parameter_count(cfg) - parameter_count(cfg, active=True) == (cfg.experts - cfg.top_k) * per_expert
 
 
-def test_fourfold_train_fine_tunes_a_mixtral_directory(tmp_path):
-    """`fourfold train --model.hf` of a small Mixtral saved by transformers, on dp2 x2 with its
-    load-balancing loss: the loss is finite and falls."""
-    text = tmp_path / "genesis.txt"
+@pytest.fixture(scope="module")
+def mixtral_run(tmp_path_factory):
+    """A small Mixtral saved by transformers (with its load-balancing loss), its tokenizer and a
+    corpus, trained by `fourfold train --model.hf` for 50 steps on dp4 with expert parallelism ep4
+    (each rank one expert of four) in float64, checkpoints at steps 25 and 50."""
+    folder = tmp_path_factory.mktemp("mixtral-run")
+    text = folder / "genesis.txt"
     text.write_text(corpus.bundled_text()[:60_000])
-    tokenizer, tokens = corpus.prepare(str(text), 512, str(tmp_path / "cache"))
-    hf = tmp_path / "mixtral"
+    tokenizer, tokens = corpus.prepare(str(text), 512, str(folder / "cache"))
+    hf = folder / "mixtral"
     config = transformers.AutoConfig.for_model(**dict(MODELS["mixtral"], vocab_size=512))
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
     shutil.copy(tokenizer, hf / "tokenizer.json")
-    run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "fourfold.cli.main", "train", "--model.hf", str(hf), "--data.tokens", str(tokens),
-         "--data.tokenizer", str(hf / "tokenizer.json"), "--grid.dp", "2", "--grid.x", "2", "--log.run_dir", str(run),
-         "--log.progress", "false", "--train.steps", "8", "--batch.global_batch", "8", "--batch.micro_batch", "2",
-         "--batch.seq", "32", "--optimizer.lr", "0.01", "--optimizer.warmup", "2", "--checkpoint.every", "100"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    options = ["--model.hf", str(hf), "--data.tokens", str(tokens), "--data.tokenizer", str(hf / "tokenizer.json"),
+               "--log.progress", "false", "--log.every", "1", "--train.steps", "50", "--batch.global_batch", "8",
+               "--batch.micro_batch", "2", "--batch.seq", "32", "--optimizer.lr", "0.01", "--optimizer.warmup", "2",
+               "--checkpoint.every", "25", "--train.precision", "float64"]
+    run = SimpleNamespace(folder=folder, options=options, train=lambda *extra: _fourfold_train(*options, *extra))
+    run.train("--grid.dp", "4", "--grid.ep", "4", "--log.run_dir", str(folder / "ep4"))
+    return run
+
+
+def _fourfold_train(*options):
+    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "train", *options], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = [r["loss"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "loss" in r]
-    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
-    assert losses[-1] < losses[0] - 0.5, losses
+    return done
+
+
+def _step_losses(run_dir):
+    """The last logged loss of each step (a restarted run logs the replayed steps again)."""
+    out = {}
+    for record in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines()):
+        if "loss" in record and "event" not in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def test_expert_parallel_training_learns_and_resumes_bitwise_after_a_kill(mixtral_run):
+    """50 steps on dp4 ep4: the loss falls. The same run with rank 1 killed at step 30 is restarted
+    by torchrun from the step-25 checkpoint, and every step's loss equals the uninterrupted run's."""
+    expected = _step_losses(mixtral_run.folder / "ep4")
+    assert list(expected) == list(range(50)) and all(math.isfinite(x) for x in expected.values())
+    assert sum(list(expected.values())[-5:]) / 5 < expected[0] - 0.8, expected
+    killed = mixtral_run.folder / "ep4-killed"
+    done = mixtral_run.train("--grid.dp", "4", "--grid.ep", "4", "--log.run_dir", str(killed), "--nproc-per-node",
+                             "4", "--max-restarts", "1", "--fault.kill_rank", "1", "--fault.kill_step", "30")
+    assert (killed / ".fault-injected").exists()
+    assert f"resumed {killed / 'checkpoints' / 'step-00000025'} at step 25" in done.stdout
+    assert _step_losses(killed) == expected
+
+
+# (dp2 with micro-batches of 4: the load-balancing loss is a micro-batch's, so its tokens stay the same)
+@pytest.mark.parametrize("grid", [["--grid.dp", "4"],
+                                  ["--grid.dp", "2", "--grid.x", "2", "--grid.ep", "2", "--batch.micro_batch", "4"]],
+                         ids=["dp4-ep1", "dp2x2-ep2"])
+def test_an_expert_parallel_checkpoint_continues_on_another_ep(mixtral_run, grid, tmp_path):
+    """The step-25 checkpoint of dp4 ep4 continues without expert parallelism, and on ep2 with x2,
+    with the same losses over 25 steps (float64: in float32 the sums' order sets the runs apart
+    by 4e-5 in three steps)."""
+    start = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000025"
+    mixtral_run.train(*grid, "--log.run_dir", str(tmp_path), "--checkpoint.load", str(start))
+    expected = _step_losses(mixtral_run.folder / "ep4")
+    got = _step_losses(tmp_path)
+    assert list(got) == list(range(25, 50))
+    assert got == pytest.approx({s: expected[s] for s in got}, rel=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # export reads the checkpoint in one process
+def test_an_expert_parallel_checkpoint_exports_to_transformers(mixtral_run, tmp_path):
+    """The step-50 checkpoint of dp4 ep4, exported, loads in transformers with every expert's weights
+    equal to the checkpoint's serial tensors."""
+    from fourfold.checkpoint.export import export
+    from test_trainer import _read_whole
+
+    step = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000050"
+    export(step, tmp_path / "hf")
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
+    cfg = ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    saved = {name.removeprefix("model/"): t for name, t in _read_whole(step).items() if name.startswith("model/")}
+    ours = to_hf_tensors(cfg, saved)
+    written = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert sum(".experts.3." in key for key in ours) == 6 and ours.keys() == written.keys()  # 3 per layer
+    for key, value in ours.items():
+        assert torch.equal(written[key], value), key
 
 
 @pytest.mark.parametrize("config, fields", [(transformers.MixtralConfig, mixtral.FIELDS),
@@ -215,3 +284,18 @@ def test_rules_refuse_pipelines_and_a_shared_expert_y_does_not_divide():
     assert any("y=8 must divide the shared expert's ffn=20; choose y from 1, 2, 4, 5" in p for p in found), found
     assert any("pipeline parallelism (pp=2) does not run a mixture of experts yet" in p and "use pp=1" in p
                for p in found), found
+
+
+def test_expert_parallel_grids_that_cannot_work_are_refused_with_the_fix():
+    cfg = ModelConfig.from_hf(MODELS["mixtral"])  # 4 experts
+    assert problems(cfg, Job(Layout(dp=4, x=2, ep=4), seq=16)) == []
+    found = [str(p) for p in problems(cfg, Job(Layout(dp=8, ep=8), seq=16))]
+    assert any("ep=8 must divide the experts (4)" in p and "choose ep from 1, 2, 4" in p for p in found), found
+    dense = ModelConfig.from_hf({k: v for k, v in MODELS["mixtral"].items() if k not in (
+        "num_local_experts", "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef")} | {
+        "model_type": "llama"})
+    found = [str(p) for p in problems(dense, Job(Layout(dp=2, ep=2), seq=16))]
+    assert any("ep=2 splits a mixture's experts, and this model has none" in p for p in found), found
+    with pytest.raises(ValueError, match="ep=3 must divide dp\\*cp=4 .*choose ep from 1, 2, 4"):
+        Layout(dp=2, cp=2, ep=3)
+    assert str(Layout(dp=4, ep=2)).startswith("dp=4,ep=2") and Layout.parse("dp=4,ep=2") == Layout(dp=4, ep=2)

@@ -11,6 +11,7 @@ computes the same result about 2x faster and sends exactly the ring reduce-scatt
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -168,6 +169,21 @@ def all_to_all(tensor: torch.Tensor, group: Group, async_op: bool = False):
     group._record("all_to_all", tensor)
     work = dist.all_to_all_single(out, tensor, group=group.process_group, async_op=async_op)
     return _run([work], lambda: out, async_op)
+
+
+def all_to_all_rows(tensor: torch.Tensor, group: Group, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+    """Send rows [sum(send[:j]), sum(send[:j+1])) of `tensor` to group rank j, receiving recv[j] rows
+    from rank j, in rank order (uneven splits: a mixture's token dispatch). Recorded as the bytes
+    this rank really sends to the others ("all_to_all_v"), its own rows excluded."""
+    if group.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+    row = math.prod(tensor.shape[1:]) * tensor.element_size()  # (an empty tensor has rows of a size too)
+    group.ledger.record(group.name, "all_to_all_v", Fraction((sum(send) - send[group.rank]) * row))
+    dist.all_to_all_single(out, tensor, output_split_sizes=list(recv), input_split_sizes=list(send),
+                           group=group.process_group)
+    return out
 
 
 def send(tensor: torch.Tensor, peer: int, group: Group) -> None:

@@ -2,8 +2,9 @@
 
 Each parameter's gradient is reduced over dp and cp, plus the tensor dims its layout names in
 `grad_sum` (a norm weight's tokens were split over z too), so one collective per bucket does
-both. Buckets fill in the order gradients become final in backward (the order layers really
-run), each launched asynchronously when full; the rest are launched by `finish()`. Under
+both; an expert's weight under expert parallelism over its replicas only (`Grid.expert_group`).
+Buckets fill in the order gradients become final in backward (the order layers really run), each
+launched asynchronously when full; the rest are launched by `finish()`. Under
 gradient accumulation, hooks only accumulate until the micro-batch that is run with `sync=True`.
 
 Memory (as Megatron's distributed optimizer): once the buckets are known, each owns one flat fp32
@@ -84,6 +85,7 @@ class GradientSync:
         for r in range(4):
             for dims in itertools.combinations(("x", "y", "z"), r):
                 grid.group(("dp", "cp", *dims))
+        grid.expert_group("edp")
         self.sync = True
         self.buckets: list[Bucket] = []
         self._expected: dict[int, int] = {}  # arrivals per parameter, from the traced backward
@@ -109,10 +111,14 @@ class GradientSync:
                 self._launch(bucket)
 
     def _place(self, p: nn.Parameter) -> None:
-        key = ("dp", "cp", *self.layouts[p].grad_sum)
+        layout = self.layouts[p]
+        key = ("edp", *layout.grad_sum) if layout.expert else ("dp", "cp", *layout.grad_sum)
         bucket = self._open.get(key)
         if bucket is None:
-            bucket = self._open[key] = Bucket(self.grid.group(key))
+            if layout.expert and layout.grad_sum:  # (none today: an expert's weights are whole over its tokens)
+                raise NotImplementedError(f"an expert weight summed over {layout.grad_sum} besides its replicas")
+            group = self.grid.expert_group("edp") if layout.expert else self.grid.group(key)
+            bucket = self._open[key] = Bucket(group)
             self.buckets.append(bucket)
         bucket.params.append(p)
         bucket.ids.add(id(p))

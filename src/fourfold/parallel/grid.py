@@ -98,6 +98,7 @@ class Grid:
         self.rank = dist.get_rank()
         self.coords = layout.coords(self.rank)
         self._groups: dict[tuple[str, ...], Group] = {}
+        self._expert_groups: dict[str, Group] = {}
 
     @classmethod
     def parse(cls, text: str, order: str | None = None) -> "Grid":
@@ -146,6 +147,37 @@ class Grid:
         if ranks != expected:  # the one place the two layouts meet: fail loudly if they ever differ
             raise RuntimeError(f"group {name}: DeviceMesh ranks {ranks} differ from the layout's {expected}")
         return Group(name, process_group, ranks, ranks.index(self.rank), self.ledger)
+
+    def expert_group(self, kind: str) -> Group:
+        """Expert parallelism's groups within this rank's dp*cp group (see `Layout`): "ep", the ep
+        ranks that exchange tokens (consecutive dp*cp group ranks), or "edp", the dp*cp/ep ranks that
+        hold the same experts (their gradients are summed over it). Collective on first use."""
+        if kind not in ("ep", "edp"):
+            raise ValueError(f"expert group {kind!r} is neither 'ep' nor 'edp'")
+        if kind not in self._expert_groups:
+            self._expert_groups.update(self._build_expert_groups())
+        return self._expert_groups[kind]
+
+    def _build_expert_groups(self) -> dict[str, Group]:
+        data, ep = self.group(("dp", "cp")), self.layout.ep
+        at = data.rank // ep * ep
+        expected = {"ep": data.ranks[at : at + ep], "edp": data.ranks[data.rank % ep :: ep]}
+        if ep == 1 or ep == data.size:  # one of the two is the dp*cp group, the other this rank alone
+            whole, alone = ("edp", "ep") if ep == 1 else ("ep", "edp")
+            return {whole: Group(whole, data.process_group, data.ranks, data.rank, self.ledger),
+                    alone: Group(alone, None, (self.rank,), 0, self.ledger)}
+        outer_first = tuple(d for d in self.layout.mesh_order if d in ("dp", "cp"))
+        with unset_fake_temporarily():
+            flat = self.mesh[outer_first]._flatten("dp_cp") if len(outer_first) > 1 else self.mesh[outer_first[0]]
+            mesh = flat._unflatten(0, (data.size // ep, ep), ("edp", "ep"))
+        out = {}
+        for kind in ("ep", "edp"):
+            process_group = mesh.get_group(kind)
+            ranks = tuple(dist.get_process_group_ranks(process_group))
+            if ranks != expected[kind]:
+                raise RuntimeError(f"group {kind}: DeviceMesh ranks {ranks} differ from the layout's {expected[kind]}")
+            out[kind] = Group(kind, process_group, ranks, ranks.index(self.rank), self.ledger)
+        return out
 
     def __repr__(self) -> str:
         coords = ",".join(f"{d}={self.coords[d]}" for d in DIMS)

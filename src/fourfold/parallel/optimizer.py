@@ -59,12 +59,16 @@ class AdamW:
     def _copies(self, bucket: Bucket, lo: int, hi: int) -> list[tuple[int, int, float]]:
         """(start, end, copies) segments of this rank's range [lo, hi) of the bucket: how many
         ranks of the world hold each element after reduction. Its tensor-grid copies times dp*cp
-        replicas; with ZeRO-1 one rank of the bucket's group (dp, cp and the dims its gradient
-        was summed over) holds it. Padding is counted once (it is zero)."""
-        grid = self.sync.grid
-        factor = grid.size(("dp", "cp")) / (bucket.group.size if self.sync.shard else 1)
-        return [(at, at + b - a, grid.size(self.sync.layouts[p].replicated) * factor)
-                for p, a, b, at in bucket.segments(lo, hi)]
+        replicas (an expert's: its expert replicas); with ZeRO-1 one rank of the bucket's group (dp,
+        cp and the dims its gradient was summed over; an expert's replicas) holds it. Padding is
+        counted once (it is zero)."""
+        grid, out = self.sync.grid, []
+        for p, a, b, at in bucket.segments(lo, hi):
+            layout = self.sync.layouts[p]
+            replicas = grid.expert_group("edp").size if layout.expert else grid.size(("dp", "cp"))
+            out.append((at, at + b - a, grid.size(layout.replicated) * replicas
+                        / (bucket.group.size if self.sync.shard else 1)))
+        return out
 
     def global_norm(self, buckets: list[Bucket]) -> torch.Tensor:
         """Exact global gradient norm: each element counted once over every shard and replica."""

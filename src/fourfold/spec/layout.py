@@ -42,7 +42,12 @@ def _check_order(order: Iterable[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the six grid dims and their placement order (innermost first)."""
+    """Sizes of the six grid dims and their placement order (innermost first).
+
+    `ep`, expert parallelism, adds no ranks: it splits a mixture's experts over `ep` of the dp*cp
+    ranks (consecutive members of the dp*cp group, innermost first, as the anchors take expert
+    ranks from the data-parallel ones). Of the dp*cp ranks, the `ep` of an expert group exchange
+    tokens; the dp*cp/ep holding the same experts (the expert replicas) sum their gradients."""
 
     dp: int = 1
     pp: int = 1
@@ -51,12 +56,16 @@ class Layout:
     y: int = 1
     z: int = 1
     order: tuple[str, ...] = DEFAULT_ORDER
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for dim in DIMS:
+        for dim in (*DIMS, "ep"):
             size = getattr(self, dim)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise GridError(f"{dim}={size!r} is not a valid size; every dim must be an integer >= 1")
+        if (self.dp * self.cp) % self.ep:
+            raise GridError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (expert ranks are taken from the "
+                            f"data and context parallel ranks); choose ep from {_divisors(self.dp * self.cp)}")
         object.__setattr__(self, "order", _check_order(self.order))
 
     # ----- construction -------------------------------------------------------------------
@@ -69,8 +78,8 @@ class Layout:
             name = name.strip()
             if not sep:
                 raise GridError(f"grid entry {item!r} has no '='; write the grid as e.g. dp=2,x=2,y=2")
-            if name not in DIMS:
-                raise GridError(f"unknown dim {name!r} in grid {text!r}; the dims are {','.join(DIMS)}")
+            if name not in (*DIMS, "ep"):
+                raise GridError(f"unknown dim {name!r} in grid {text!r}; the dims are {','.join(DIMS)} (and ep)")
             if name in sizes:
                 raise GridError(f"dim {name!r} is given twice in grid {text!r}; give each dim once")
             try:
@@ -141,7 +150,7 @@ class Layout:
             raise GridError(f"rank {rank} is outside a grid of {self.world_size} ranks")
 
     def __str__(self) -> str:
-        dims = ",".join(f"{d}={getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "dp=1"
+        dims = ",".join(f"{d}={getattr(self, d)}" for d in (*DIMS, "ep") if getattr(self, d) > 1) or "dp=1"
         return f"{dims} (order {','.join(self.order)})"
 
 
@@ -154,6 +163,10 @@ def factorisations(n: int, k: int = len(DIMS)) -> Iterator[tuple[int, ...]]:
         if n % d == 0:
             for rest in factorisations(n // d, k - 1):
                 yield (d, *rest)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _as_dims(dims: str | Iterable[str]) -> tuple[str, ...]:

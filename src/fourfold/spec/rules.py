@@ -9,6 +9,7 @@ ranks).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fourfold.models.config import ModelConfig
@@ -91,6 +92,11 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
         add(f"y={g.y} must divide ffn={model.ffn}", f"choose y from {_divisors(model.ffn)}")
     if b.shared_ffn and b.shared_ffn % g.y:
         add(f"y={g.y} must divide the shared expert's ffn={b.shared_ffn}", f"choose y from {_divisors(b.shared_ffn)}")
+    if g.ep > 1 and not b.moe:
+        add(f"ep={g.ep} splits a mixture's experts, and this model has none", "use ep=1 (the default)")
+    elif b.moe and model.experts % g.ep:
+        add(f"ep={g.ep} must divide the experts ({model.experts}): each expert rank holds experts/ep of them",
+            f"choose ep from {_divisors(math.gcd(model.experts, g.dp * g.cp))}")
     if b.moe and g.pp > 1:
         add(f"pipeline parallelism (pp={g.pp}) does not run a mixture of experts yet (the routers' load-balancing "
             f"loss spans every stage)", "use pp=1 and the other dims (dp, cp, x, y, z)")

@@ -31,7 +31,7 @@ class ModelSection:
 # [grid]: the sizes of the dims Layout declares, the placement order (innermost first, e.g.
 # "x,y,z,cp,dp,pp", the default) and `auto` (take the planner's best job for `hardware`).
 GridSection = dataclasses.make_dataclass(
-    "GridSection", [(d, int, 1) for d in DIMS] + [("order", str, ""), ("auto", bool, False)])
+    "GridSection", [(d, int, 1) for d in DIMS] + [("ep", int, 1), ("order", str, ""), ("auto", bool, False)])
 
 
 @dataclass
@@ -173,7 +173,7 @@ class TrainConfig:
 
     def layout(self) -> Layout:
         g = self.grid
-        sizes = {d: getattr(g, d) for d in DIMS}
+        sizes = {d: getattr(g, d) for d in (*DIMS, "ep")}
         return Layout(**sizes, order=tuple(g.order.split(","))) if g.order else Layout(**sizes)
 
     def job(self) -> Job:
@@ -282,7 +282,9 @@ def key_help() -> dict[str, str]:
     """Each key's meaning: the comment beside it (or the comment lines above it) in this file's
     section classes, the one place a key is explained."""
     meaning = {f"grid.{d}": f"ranks along {d}" for d in DIMS}
-    meaning.update({"grid.order": "placement order, innermost first (default x,y,z,cp,dp,pp): the innermost "
+    meaning.update({"grid.ep": "expert parallelism: a mixture's experts split over ep of the dp*cp ranks (no "
+                               "ranks added; ep divides dp*cp and the experts)",
+                    "grid.order": "placement order, innermost first (default x,y,z,cp,dp,pp): the innermost "
                                   "dim's groups are consecutive ranks", "grid.auto": "take the planner's best job "
                                   "for [hardware] (grid, micro-batch, recompute, sequence parallelism)"})
     section, above = None, []
@@ -519,7 +521,7 @@ def check_token_ids(path: str, vocab: int, option: str) -> None:
 def job_settings(job: Job) -> dict[str, object]:
     """The config keys a planner's job sets: one mapping for `TrainConfig.use_job` and for the
     `--section.key value` overrides that hand the ranks (or a user) the same job."""
-    out: dict[str, object] = {f"grid.{d}": getattr(job.layout, d) for d in DIMS}
+    out: dict[str, object] = {f"grid.{d}": getattr(job.layout, d) for d in (*DIMS, "ep")}
     out.update({"grid.order": ",".join(job.layout.order), "grid.auto": False, "batch.micro_batch": job.micro_batch,
                 "train.recompute": job.recompute, "train.seq_parallel": job.seq_parallel,
                 "train.keep_gathered_inputs": job.keep_gathered_inputs})

@@ -26,7 +26,7 @@ from fourfold.spec.rules import padded_vocab
 if TYPE_CHECKING:  # comm imports this module for `bytes_sent`: it needs no model config
     from fourfold.models.config import ModelConfig
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all_v", "send")
 
 
 def bytes_sent(op: str, group_size: int, message_bytes: int) -> Fraction:
@@ -38,7 +38,7 @@ def bytes_sent(op: str, group_size: int, message_bytes: int) -> Fraction:
         return Fraction(g - 1, g) * message_bytes
     if op == "all_reduce":
         return Fraction(2 * (g - 1), g) * message_bytes
-    if op == "send":
+    if op in ("send", "all_to_all_v"):  # an uneven all-to-all's message: the bytes sent to the others
         return Fraction(message_bytes)
     raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(COLLECTIVES)}")
 
@@ -54,9 +54,10 @@ class Collective:
     op: str
     numel: int
     wide: bool = False  # sent in fp32 at least whatever the dtype (gradient sums: z's dW, ring attention's dK, dV)
+    integer: bool = False  # int64 whatever the dtype (a mixture's routing counts)
 
     def element_bytes(self, element_size: int) -> int:
-        return max(element_size, 4) if self.wide else element_size
+        return 8 if self.integer else max(element_size, 4) if self.wide else element_size
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Passes:
 
 
 def _passes(sizes: dict, forward: list[Collective], backward: list[Collective]) -> Passes:
-    return Passes([c for c in forward if sizes[c.group] > 1], [c for c in backward if sizes[c.group] > 1])
+    return Passes([c for c in forward if sizes.get(c.group, 1) > 1], [c for c in backward if sizes.get(c.group, 1) > 1])
 
 
 def padded_block(sizes: dict, rows: int, cols: int) -> int:
@@ -122,9 +123,11 @@ def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *
 
 def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
                  keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
-                 routed: tuple[int, ...] = ()) -> Passes:
+                 routed: tuple[int, ...] = (), exchanged: tuple[int, int] = (0, 0)) -> Passes:
     """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's): its block plan's
-    layers; a mixture's at a given routing, `routed` tokens to each expert (`ParallelMoE.routed`)."""
+    layers; a mixture's at a given routing, `routed` tokens to each of this rank's experts
+    (`ParallelMoE.routed`) and, with expert parallelism (`sizes["ep"]` > 1), the rows it sent to and
+    received from the other ranks of its expert group (`ParallelMoE.exchanged`)."""
     plan = block_plan(cfg, sizes["x"], sizes["y"], seq_parallel=seq_parallel, non_redundant=non_redundant)
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens  # tokens of the residual stream on this rank
@@ -136,14 +139,19 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
 
     if not cfg.moe:
         mlp = linear(plan.up) + linear(plan.down)
-    elif len(routed) != cfg.experts:
+    elif len(routed) != cfg.experts // sizes.get("ep", 1):
         raise ValueError(f"a mixture's collectives depend on its routing: give the tokens routed to each of its "
-                         f"{cfg.experts} experts (ParallelMoE.routed), not {routed}")
+                         f"{cfg.experts // sizes.get('ep', 1)} experts on a rank (ParallelMoE.routed), not {routed}")
     else:  # `fourfold.parallel.tensor.moe`
         features = tokens * (cfg.hidden // sizes["x"])
         mlp = _passes(sizes, [Collective("y", "all_gather", features)] if seq_parallel else [], [])  # the tokens
         mlp += _passes(sizes, [Collective("x", "all_reduce", tokens * cfg.experts)],  # router logits
                        [Collective("x", "all_reduce", tokens * cfg.top_k)])  # the weights' gradient
+        sent, received = (n * (cfg.hidden // sizes["x"]) for n in exchanged)
+        # expert parallelism: the counts, the rows out to the experts' ranks and back (their gradients reversed)
+        mlp += _passes(sizes, [Collective("ep", "all_to_all", cfg.experts, integer=True),
+                               Collective("ep", "all_to_all_v", sent), Collective("ep", "all_to_all_v", received)],
+                       [Collective("ep", "all_to_all_v", received), Collective("ep", "all_to_all_v", sent)])
         for n in routed:
             mlp += linear(plan.up, n) + linear(plan.down, n)
         if plan.shared_up is not None:  # its gate's logit and gradient, as the router's
@@ -187,18 +195,22 @@ def head_passes(sizes: dict, hidden: int, vocab: int, tokens: int, *, seq_parall
 def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
                       keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
                       recompute: str = "none", layers: int | None = None, first: bool = True,
-                      last: bool = True, routing: list[tuple[int, ...]] | None = None) -> list[Collective]:
+                      last: bool = True, routing: list[tuple[int, ...]] | None = None,
+                      exchanged: list[tuple[int, int]] | None = None) -> list[Collective]:
     """A `Transformer` forward and backward, loss included, on `batch` local sequences of `seq`
     tokens (this cp rank's); for a pipeline stage, its number of `layers` and whether it is the
     `first` (embedding) or `last` (head and loss); a mixture's at the `routing` of each layer (the
-    tokens routed to each expert). Gradient synchronisation is not included, nor a mixture's sum of
-    its routing counts over the ranks holding other tokens (E numbers, as the reported loss's sum)."""
+    tokens routed to each of a rank's experts) and, with expert parallelism, the rows each layer
+    `exchanged` (sent, received) with the other ranks of its expert group. Gradient synchronisation
+    is not included, nor a mixture's sum of its routing counts over the ranks holding other tokens
+    (E numbers, as the reported loss's sum)."""
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens
 
-    def block(routed: tuple[int, ...] = ()) -> Passes:
+    def block(routed: tuple[int, ...] = (), exchanged: tuple[int, int] = (0, 0)) -> Passes:
         passes = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
-                              keep_inputs=keep_inputs, non_redundant=non_redundant, routed=routed)
+                              keep_inputs=keep_inputs, non_redundant=non_redundant, routed=routed,
+                              exchanged=exchanged)
         if recompute == "full":  # the block's forward runs again during backward, its collectives too
             return Passes(passes.forward, passes.forward + passes.backward)
         if recompute == "selective":  # the attention core, ring included, runs again in backward
@@ -207,7 +219,10 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
         return passes
 
     n = cfg.layers if layers is None else layers
-    total = sum(map(block, routing), Passes([], [])) if routing is not None else block() * n
+    if routing is not None:
+        total = sum(map(block, routing, exchanged or [(0, 0)] * len(routing)), Passes([], []))
+    else:
+        total = block() * n
     if first:
         total = embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel) + total
     if last:
@@ -245,5 +260,6 @@ def ledger_bytes(collectives: list[Collective], sizes: dict, element_size: int) 
     out: dict[tuple[str, str], Fraction] = {}
     for c in collectives:
         key = (c.group, c.op)
-        out[key] = out.get(key, Fraction(0)) + bytes_sent(c.op, sizes[c.group], c.numel * c.element_bytes(element_size))
+        out[key] = out.get(key, Fraction(0)) + bytes_sent(c.op, sizes.get(c.group, 1),
+                                                          c.numel * c.element_bytes(element_size))
     return out

@@ -434,7 +434,7 @@ def _agreed_source(cfg: TrainConfig, group) -> tuple[Path | None, list[tuple[Pat
 
 
 def _grid_text(sizes: dict) -> str:
-    return ",".join(f"{d}={sizes.get(d, 1)}" for d in DIMS if sizes.get(d, 1) > 1) or "dp=1"
+    return ",".join(f"{d}={sizes.get(d, 1)}" for d in (*DIMS, "ep") if sizes.get(d, 1) > 1) or "dp=1"
 
 
 def _start_event(cfg: TrainConfig, source: Path | None, skipped: list[tuple[Path, str]], start: int,
@@ -524,7 +524,10 @@ class Trainer:
         o = cfg.optimizer
         self.opt = AdamW(self.sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
                          clip_norm=o.clip or None)
-        self.replicas = grid.group(("dp", "cp"))  # ranks holding the same parameters: they share loads and saves
+        # Ranks holding the same parameters: they share loads and saves. With expert parallelism the
+        # expert replicas (dp*cp/ep ranks), which hold the same experts and the same dense parameters;
+        # each of the ep groups then offers the dense ones, and DCP keeps one copy.
+        self.replicas = grid.expert_group("edp") if grid.layout.ep > 1 else grid.group(("dp", "cp"))
         self.start, self.position, saved_config = self._load()
         self.reporter = Reporter(cfg, self.start, flops_per_token(model_cfg, cfg.batch.seq),
                                  grid.layout.world_size, grid.device)

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import is_fake
 from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor import init, regions
-from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
+from fourfold.parallel.tensor.params import ExpertShard, ParallelModule, ParamLayout, Piece
 from fourfold.spec.blockspec import BlockPlan
 
 
@@ -100,15 +100,22 @@ class ParallelMoE(nn.Module):
         self.grid, self.cfg, self.seq_parallel = grid, cfg, seq_parallel
         self.router = ReplicatedLinear(grid, cfg.hidden, cfg.experts, name=f"{prefix}.mlp.router", seed=seed, std=std,
                                        dtype=dtype)
-        self.experts = nn.ModuleList(
-            mlp(dataclasses.replace(plan, up=up, down=down)) for up, down in map(plan.expert, range(cfg.experts)))
+        # Expert parallelism: this rank holds experts [first, first + experts/ep) of the mixture.
+        self.dispatch = grid.expert_group("ep")
+        local = cfg.experts // self.dispatch.size
+        self.first = self.dispatch.rank * local
+        experts = (mlp(dataclasses.replace(plan, up=up, down=down))
+                   for up, down in map(plan.expert, range(self.first, self.first + local)))
+        self.experts = ExpertShard(experts, self.first, self.dispatch) if self.dispatch.size > 1 else nn.ModuleList(
+            experts)
         self.shared = self.shared_gate = None
         if plan.shared_up is not None:
             self.shared = mlp(dataclasses.replace(plan, up=plan.shared_up, down=plan.shared_down))
             self.shared_gate = ReplicatedLinear(grid, cfg.hidden, 1, name=f"{prefix}.mlp.shared_gate", seed=seed,
                                                 std=std, dtype=dtype)
         self.stats: RouterStats | None = None  # the last forward's
-        self.routed: list[int] = []  # tokens each expert got in the last forward (for the volume functions)
+        self.routed: list[int] = []  # tokens each of this rank's experts got in the last forward (for the volumes)
+        self.exchanged = (0, 0)  # with expert parallelism: rows sent to, and received from, the other ranks
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.grid.group("y")
@@ -123,19 +130,57 @@ class ParallelMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         # d(weight) is a dot product over the hidden features, which x splits
         weights = regions.sum_gradients(weights.to(h.dtype), self.grid.group("x"))
-        out = torch.zeros_like(flat)
-        self.routed = []
-        fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
-        for e, expert in enumerate(self.experts):  # in expert order, as transformers adds them up
-            token, slot = balanced_choice(e, len(flat), self.cfg, flat.device) if fake else torch.where(chosen == e)
-            self.routed.append(len(token))
-            out = out.index_add(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
+        if self.dispatch.size > 1:
+            out = self._exchanged(flat, chosen, weights)
+        else:
+            out = torch.zeros_like(flat)
+            self.routed = []
+            fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
+            for e, expert in enumerate(self.experts):  # in expert order, as transformers adds them up
+                token, slot = balanced_choice(e, len(flat), self.cfg, flat.device) if fake else torch.where(chosen == e)
+                self.routed.append(len(token))
+                out = out.index_add(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
         if self.shared is not None:
             gate = regions.sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
             out = out + gate * self.shared(flat[None])[0]
         self.stats = self._stats(logits)
         out = out.view(shape)
         return regions.own_part(out, y, dim=1) if self.seq_parallel else out
+
+    def _exchanged(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted outputs under expert parallelism: each choice's token sent to the rank
+        of the expert group holding its expert (counts exchanged first: the splits are uneven), run
+        there beside the other ranks' tokens for that expert, and sent back. The x and y ranks of a
+        (x, y) group route the same tokens the same way, so each receives the same rows as its peers.
+        Contributions are added in expert order, as transformers adds them."""
+        group, k, experts = self.dispatch, self.cfg.top_k, self.cfg.experts
+        local = len(self.experts)
+        choice_expert = chosen.reshape(-1)  # choice i = token * top_k + slot
+        if is_fake(flat):  # a static balanced routing (balanced_choice): choice i to expert i % experts
+            n = len(choice_expert)
+            per = [len(range(e, n, experts)) for e in range(experts)]
+            comm.all_to_all(torch.tensor(per, device=flat.device), group)  # counted as a real one is
+            choice_expert = torch.arange(n, device=flat.device) % experts
+            send = [sum(per[s * local : (s + 1) * local]) for s in range(group.size)]
+            received = [per[self.first : self.first + local]] * group.size  # every rank routes alike
+        else:
+            counts = torch.bincount(choice_expert, minlength=experts)
+            send = counts.view(group.size, local).sum(1).tolist()
+            received = comm.all_to_all(counts, group).view(group.size, local).tolist()  # [source][my expert]
+        order = torch.argsort(choice_expert, stable=True)  # the choices by expert, tokens ascending in each
+        here = [sum(r) for r in received]  # rows from each rank of the group
+        self.exchanged = (sum(send) - send[group.rank], sum(here) - here[group.rank])
+        rows = regions.all_to_all_rows(flat[order // k], group, send, here)
+        pieces = rows.split([n for r in received for n in r])  # (source, expert) order
+        self.routed = [sum(r[j] for r in received) for j in range(local)]
+        outputs = [None] * len(pieces)
+        for j, expert in enumerate(self.experts):
+            mine = [pieces[s * local + j] for s in range(group.size)]
+            for s, part in enumerate(expert(torch.cat(mine)[None])[0].split([len(m) for m in mine])):
+                outputs[s * local + j] = part
+        back = regions.all_to_all_rows(torch.cat(outputs), group, here, send)
+        scaled = back * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add(0, order // k, scaled)
 
     def _stats(self, logits: torch.Tensor) -> RouterStats:
         """As `load_balancing_loss_func`: the softmax of the logits in their dtype, its top-k again,

@@ -12,6 +12,7 @@ Loading goes through a `Read`: a function giving a slice of a *serial* tensor by
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -48,11 +49,14 @@ class Piece:
 class ParamLayout:
     """`grad_sum`: the tensor dims a parameter's gradient must be summed over (its tokens, or its
     filled slice, were split over them); `replicated`: the tensor dims holding identical copies of
-    it; `pieces`: the serial elements it holds (elements in no piece are padding, always zero)."""
+    it; `pieces`: the serial elements it holds (elements in no piece are padding, always zero);
+    `expert`: an expert's weight under expert parallelism, replicated over the expert replicas
+    (`Grid.expert_group("edp")`) instead of the dp*cp ranks."""
 
     grad_sum: tuple[str, ...]
     replicated: tuple[str, ...]
     pieces: tuple[Piece, ...]
+    expert: bool = False
 
 
 def vector_piece(name: str, size: int, start: int, count: int) -> Piece:
@@ -92,12 +96,39 @@ def parallel_layers(module: nn.Module) -> list[ParallelModule]:
     return [layer for layer in module.modules() if isinstance(layer, ParallelModule)]
 
 
+class ExpertShard(nn.ModuleList):
+    """The experts [first, first + len) of a mixture held by this rank of its expert group (expert
+    parallelism): their parameters are replicated over the expert replicas only (`ParamLayout.expert`),
+    and gathering the model's weights gathers the other ranks' experts over the expert group."""
+
+    def __init__(self, experts, first: int, group: comm.Group):
+        super().__init__(experts)
+        self.first, self.group = first, group
+
+    def full_weights(self, pick: Pick) -> dict[str, torch.Tensor]:
+        """Serial name -> full tensor of every expert of the mixture (this rank's and the group's)."""
+        mine = [{} for _ in self]
+        for j, expert in enumerate(self):
+            for layer in parallel_layers(expert):
+                mine[j].update(layer.full_weights(pick))
+        out = {}
+        tag = f"experts.{self.first}."
+        for name in sorted(mine[0]):  # expert `first`'s names; the others' differ by the index only
+            local = torch.stack([mine[j][name.replace(tag, f"experts.{self.first + j}.")] for j in range(len(self))])
+            everyone = comm.all_gather(local, self.group)  # [ep * len, ...] in expert order
+            for e, tensor in enumerate(everyone):
+                out[name.replace(tag, f"experts.{e}.")] = tensor
+        return out
+
+
 def layouts(module: nn.Module) -> dict[nn.Parameter, ParamLayout]:
     """Every parallel parameter of `module` (a tied weight once, as its first layer lays it out)."""
+    experts = {id(layer) for shard in module.modules() if isinstance(shard, ExpertShard)
+               for layer in parallel_layers(shard)}
     out: dict[nn.Parameter, ParamLayout] = {}
     for layer in parallel_layers(module):
         for p, layout in layer.param_layouts().items():
-            out.setdefault(p, layout)
+            out.setdefault(p, dataclasses.replace(layout, expert=True) if id(layer) in experts else layout)
     return out
 
 
@@ -146,9 +177,14 @@ def full_weights(module: nn.Module, grads: bool = False, pick: Pick | None = Non
     """Serial name -> full tensor, gathered onto every rank: the parameters, their gradients
     (`grads`), or any tensor laid out like each parameter (`pick(param)`, e.g. optimizer state)."""
     pick = pick or ((lambda p: p.grad) if grads else (lambda p: p))
+    shards = [shard for shard in module.modules() if isinstance(shard, ExpertShard)]
+    theirs = {id(layer) for shard in shards for layer in parallel_layers(shard)}
     out = {}
     for layer in parallel_layers(module):
-        out.update(layer.full_weights(pick))
+        if id(layer) not in theirs:
+            out.update(layer.full_weights(pick))
+    for shard in shards:
+        out.update(shard.full_weights(pick))
     return out
 
 

@@ -7,6 +7,7 @@ Which pair is right depends on how the ranks of the group use the result:
   `all_gather_weight` for a weight's z shards (its gradient summed in fp32 at least).
 - `all_gather_replicated`: parts gathered into a tensor every rank uses whole, so the backward
   keeps each rank's own part.
+- `all_to_all_rows`: rows sent to the ranks that use them (uneven splits), their gradients sent back.
 (The norms' statistics, summed over x and used by each rank's feature slice, have their own
 autograd function in `norm.py`.)
 """
@@ -102,6 +103,24 @@ class _OwnPart(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return comm.all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows sent to the ranks that use them (a mixture's dispatch, and its combine back): the
+    gradient of each row goes back to the rank it came from, by the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group, send, recv):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return comm.all_to_all_rows(x, group, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_to_all_rows(grad, ctx.group, ctx.recv, ctx.send), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int], recv: list[int]) -> torch.Tensor:
+    return x if group.size == 1 else _AllToAllRows.apply(x, group, send, recv)
 
 
 def sum_gradients(x: torch.Tensor, group: Group) -> torch.Tensor:
