@@ -76,7 +76,7 @@ def main() -> None:
     for n in (1, 4, 16):
         mine = context.shard_sequence(docs[n], cp)
         plan = context._document_plan(mine, context._chunks(mine, cp), cp)
-        attended.append(sum((p[1].stop - p[1].start) * (p[2].stop - p[2].start) for p in plan[1:] if p is not None))
+        attended.append(sum((r.stop - r.start) * (k.stop - k.start) for p in plan[1:] if p for r, k in p[1]))
     attended = torch.tensor(attended, dtype=torch.float64) / (s // cp.size * s // (2 * cp.size))  # (s/cp x s/(2cp))
     dist.all_reduce(attended)
     attended /= cp.size * (cp.size - 1)

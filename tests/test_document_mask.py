@@ -160,8 +160,9 @@ def test_masks_documents_context_parallel(ranks, references):
 
 
 def _ring_documents(cp: int, layouts: list[torch.Tensor]):
-    """(largest error of output, dQ, dK, dV against `document_attention` over every layout, the ring
-    steps each layout skipped on this rank, the (rows x keys) attended off the own block)."""
+    """(largest error of output, dQ, dK, dV of the ring and of `document_attention` against SDPA with
+    the whole mask over every layout, the ring steps each layout skipped on this rank, the (rows x
+    keys) the ring attended off the own block)."""
     group = Grid(Layout(cp=cp)).group("cp")
     g = torch.Generator().manual_seed(3)
     errors, skipped, area = [], [], []
@@ -170,7 +171,8 @@ def _ring_documents(cp: int, layouts: list[torch.Tensor]):
         q = torch.randn(b, 4, s, 8, generator=g, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(b, 2, s, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in "kv")
         grad = torch.randn(b, 4, s, 8, generator=g, dtype=torch.float64)
-        expected = document_attention(q, k, v, documents, enable_gqa=True)
+        mask = (documents[:, :, None] == documents[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
         expected.backward(grad)
         local = [context.shard_sequence(t.detach(), group, dim=2).requires_grad_() for t in (q, k, v)]
         mine = context.shard_sequence(documents, group)
@@ -179,9 +181,14 @@ def _ring_documents(cp: int, layouts: list[torch.Tensor]):
         errors.append((out - context.shard_sequence(expected.detach(), group, 2)).abs().max().item())
         errors += [(t.grad - context.shard_sequence(full.grad, group, 2)).abs().max().item()
                    for t, full in zip(local, (q, k, v))]
+        banded = [t.detach().requires_grad_() for t in (q, k, v)]  # the 1-rank path, in bands
+        out = document_attention(*banded, documents, enable_gqa=True)
+        out.backward(grad)
+        errors.append((out - expected).abs().max().item())
+        errors += [(t.grad - full.grad).abs().max().item() for t, full in zip(banded, (q, k, v))]
         plan = context._document_plan(mine, context._chunks(mine, group), group)
         skipped.append(plan.count(None))
-        area.append(sum((p[1].stop - p[1].start) * (p[2].stop - p[2].start) for p in plan[1:] if p is not None))
+        area.append(sum((r.stop - r.start) * (k.stop - k.start) for p in plan[1:] if p for r, k in p[1]))
     with pytest.raises(ValueError, match="must not decrease"):
         context.ring_attention(*local, group, mine.flip(1))
     return max(errors), skipped, area
@@ -189,7 +196,7 @@ def _ring_documents(cp: int, layouts: list[torch.Tensor]):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_with_documents(ranks, cp):
-    """Against the 1-rank masked attention (float64, GQA): one document per row beside many; a
+    """Against SDPA with the whole [s, s] mask (float64, GQA): one document per row beside many; a
     document per cp chunk (every other rank's block skipped); documents of 3 tokens (some skipped,
     the others cut to the rows and keys sharing a document); one long document then short ones.
     Ids that decrease are refused."""

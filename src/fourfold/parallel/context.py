@@ -10,9 +10,10 @@ and returning to their owner at the end.
 With document ids (data.attention = document) every query sees only the keys of its own document
 at or before it. The ids of the whole sequence are all-gathered over cp once per call (b*s
 integers), so each rank knows every arriving block's ids without sending them round the ring, and
-which of its rows and the block's keys can share a document: each block is cut to those (a step
-with none is skipped; the blocks still travel). The cut block gets the mask as an additive bias on
-the CPU's flash kernel, or explicit masked scores elsewhere (`attend_block_masked`).
+which of its rows and the block's keys can share a document: each block's rows are cut into bands,
+each band attending only to the keys its documents (and causality) reach (`document_bands`; a step
+with none is skipped, the blocks still travel). A band gets the mask as an additive bias on the
+CPU's flash kernel, or explicit masked scores elsewhere (`attend_block_masked`).
 """
 
 from __future__ import annotations
@@ -172,37 +173,70 @@ def _chunks(documents: torch.Tensor, cp: Group) -> torch.Tensor:
     return torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).transpose(0, 1)
 
 
+BANDS = 8  # row bands of a block with document ids, each cut to the keys its documents (and causality) reach
+
+
+def document_bands(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: slice,
+                   causal: bool) -> tuple[list[slice], torch.Tensor]:
+    """The rows of a block (this rank's ids `documents` [b, s], `rows` of them) in up to BANDS bands,
+    and for each the keys (`keys` of the owner's ids [b, s]) it can see: a [bands, 2] tensor of
+    (start, stop) on the device, empty where start >= stop. Ids never decrease along the rows nor
+    along the keys, so a band sees keys from the first whose id is its first row's to the last whose
+    id is its last row's (`causal`, the own block: to the band's last row), in every sequence of the
+    batch: the widest over the batch is kept, the mask does the rest."""
+    seq = documents.shape[1]
+    r0, r1 = rows.start or 0, seq if rows.stop is None else rows.stop
+    k0, k1 = keys.start or 0, owner.shape[1] if keys.stop is None else keys.stop
+    size = -(-(r1 - r0) // BANDS)
+    bands = [slice(a, min(a + size, r1)) for a in range(r0, r1, size)]
+    key_ids = owner[:, k0:k1].contiguous()
+    firsts = documents[:, [band.start for band in bands]].contiguous()
+    start = k0 + torch.searchsorted(key_ids, firsts).amin(0)
+    if causal:
+        stop = torch.tensor([band.stop for band in bands], device=documents.device)
+    else:
+        lasts = documents[:, [band.stop - 1 for band in bands]].contiguous()
+        stop = k0 + torch.searchsorted(key_ids, lasts, right=True).amax(0)
+    return bands, torch.stack([start, stop], dim=1)
+
+
+def decreasing(documents: torch.Tensor) -> torch.Tensor:
+    """Whether ids decrease anywhere along a sequence [b, s] (a 0-d tensor on the device)."""
+    return (documents.diff(dim=1) < 0).any()
+
+
+def block_mask(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: slice, causal: bool):
+    """[b, rows, keys]: True where the row's document is the key's (and, `causal`, in the own block,
+    the key is not after the row)."""
+    mask = documents[:, rows, None] == owner[:, None, keys]
+    if causal:
+        at = torch.arange(documents.shape[1], device=documents.device)
+        mask &= at[rows, None] >= at[None, keys]
+    return mask
+
+
 def _document_plan(documents: torch.Tensor, chunks: torch.Tensor, cp: Group) -> list[tuple | None]:
     """For each ring step, None if no row that would see the arriving block (`_visible`) shares a
-    document with it, else (the owner's ids [b, s], rows, keys): the part of the step's rows and
-    keys that can share one. Ids never decrease along the sequence, nor along a rank's two chunks;
-    off the own block every key precedes every row, so the rows sharing a document with some key
-    are a prefix (ids up to the last key's) and the keys a suffix (ids from the first row's), in
-    every sequence of the batch: the longest of each over the batch is kept, the mask does the rest."""
-    n, i = cp.size, cp.rank
-    owners, lengths = [], [(chunks.flatten(1).diff(dim=1) < 0).any().long().expand(2)]
+    document with it, else (the owner's ids [b, s], [(rows, keys), ...]): the step's rows in bands,
+    each with the keys it can share a document with (`document_bands`)."""
+    n, i, seq = cp.size, cp.rank, documents.shape[1]
+    owners, bands, reach = [], [], [decreasing(chunks.flatten(1)).long().expand(1, 2)]
     for step in range(n):
         j = (i - step) % n
         owners.append(torch.cat([chunks[:, j], chunks[:, 2 * n - 1 - j]], dim=1))
-        rows, keys, _ = _visible(step, cp, documents.shape[1])
-        if step:
-            row_ids, key_ids = documents[:, rows], owners[-1][:, keys]
-            lengths.append(torch.stack([(row_ids <= key_ids[:, -1:]).sum(1).max(),
-                                        (key_ids >= row_ids[:, :1]).sum(1).max()]))
-    decreasing, *lengths = torch.stack(lengths).tolist()  # (one host read)
-    if decreasing[0]:
+        rows, keys, causal = _visible(step, cp, seq)
+        b, r = document_bands(documents, owners[-1], rows, keys, causal)
+        bands.append(b)
+        reach.append(r)
+    bad, *reach = torch.cat(reach).tolist()  # (one host read)
+    if bad[0]:
         raise ValueError("document ids must not decrease along the sequence (as block.document_ids gives them)")
-    plan = [(owners[0], *_visible(0, cp, documents.shape[1])[:2])]
-    for step, (r, k) in enumerate(lengths, start=1):
-        rows, keys, _ = _visible(step, cp, documents.shape[1])
-        row0, key_stop = rows.start or 0, keys.stop or documents.shape[1]
-        plan.append((owners[step], slice(row0, row0 + r), slice(key_stop - k, key_stop)) if r and k else None)
+    plan = []
+    for owner, step_bands in zip(owners, bands):
+        cut = [(band, slice(a, b)) for band, (a, b) in zip(step_bands, reach[: len(step_bands)]) if a < b]
+        reach = reach[len(step_bands):]
+        plan.append((owner, cut) if cut else None)
     return plan
-
-
-def _block_mask(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: slice, causal: bool):
-    mask = documents[:, rows, None] == owner[:, None, keys]
-    return mask.tril_() if causal else mask
 
 
 def _merge(out, lse, o_b, lse_b):
@@ -226,28 +260,26 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: Group, documents: torch.Tensor | None):
         scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
-        out = lse = extra = None
+        out, lse, extra = q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc), None
         plan = None if documents is None else _document_plan(documents, _chunks(documents, cp), cp)
         block_k, block_v = k, v
         for step in range(cp.size):
             pending = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            if plan is not None and plan[step] is None:  # no row that would see this block shares a document
-                if pending is not None:
-                    block_k, block_v = pending.wait()
-                continue
-            if plan is None:
-                o_b, lse_b, extra = attend_block(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal,
-                                                 scale)
-            else:  # only the rows and keys that can share a document
-                owner, rows, keys = plan[step]
-                mask = _block_mask(documents, owner, rows, keys, causal)
-                o_b, lse_b = attend_block_masked(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], mask,
-                                                 scale)
-            if out is None:  # step 0, the own block: its diagonal makes every row's lse finite
-                out, lse = o_b.to(acc), lse_b.to(acc)
-            else:
-                _merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+            # with document ids: band by band, each with the keys it can share a document with (none:
+            # no row that would see this block shares a document with it)
+            owner, cut = (None, [(rows, keys)]) if plan is None else plan[step] or (None, [])
+            for rows, keys in cut:
+                if plan is None:
+                    o_b, lse_b, extra = attend_block(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal,
+                                                     scale)
+                else:
+                    o_b, lse_b = attend_block_masked(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys],
+                                                     block_mask(documents, owner, rows, keys, causal), scale)
+                if step == 0:  # the own block covers every row, each seeing itself: a finite lse
+                    out[:, :, rows], lse[:, :, rows] = o_b, lse_b
+                else:
+                    _merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             if pending is not None:
                 block_k, block_v = pending.wait()
         out = out.to(q.dtype)
@@ -273,22 +305,22 @@ class _RingAttention(torch.autograd.Function):
                 if pending_kv is not None:
                     block_k, block_v = pending_kv.wait()
                 continue
-            if plan is not None:
-                owner, rows, keys = plan[step]
-            # a later rank's block is seen by the second half of the rows: that lse slice is a strided
-            # view, which the CUDA backward would misread
-            inputs = (grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], out[:, :, rows],
-                      lse[:, :, rows].contiguous())
-            if plan is None:
-                dq_b, dk_b, dv_b = attend_block_backward(*inputs, causal, scale, ctx.extra)
-            else:
-                dq_b, dk_b, dv_b = attend_block_masked_backward(*inputs, _block_mask(documents, owner, rows, keys,
-                                                                                     causal), scale)
-            dq[:, :, rows] += dq_b
+            owner, cut = plan[step] if plan is not None else (None, [(rows, keys)])
             dk = torch.zeros_like(block_k, dtype=acc)
             dv = torch.zeros_like(block_v, dtype=acc)
-            dk[:, :, keys] += dk_b
-            dv[:, :, keys] += dv_b
+            for rows, keys in cut:
+                # a later rank's block is seen by the second half of the rows: that lse slice is a strided
+                # view, which the CUDA backward would misread
+                inputs = (grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys],
+                          out[:, :, rows], lse[:, :, rows].contiguous())
+                if plan is None:
+                    dq_b, dk_b, dv_b = attend_block_backward(*inputs, causal, scale, ctx.extra)
+                else:
+                    dq_b, dk_b, dv_b = attend_block_masked_backward(
+                        *inputs, block_mask(documents, owner, rows, keys, causal), scale)
+                dq[:, :, rows] += dq_b
+                dk[:, :, keys] += dk_b
+                dv[:, :, keys] += dv_b
             if incoming is not None:
                 dk_in, dv_in = incoming.wait()
                 dk += dk_in

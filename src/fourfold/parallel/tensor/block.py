@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fourfold.parallel import context
 from fourfold.parallel.context import ring_attention
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions, Overlapper
@@ -126,13 +127,23 @@ def document_ids(ids: torch.Tensor, end_of_document: int) -> torch.Tensor:
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, *,
                        enable_gqa: bool) -> torch.Tensor:
-    """Causal attention within each document: SDPA with a block-diagonal causal mask [b, 1, s, s]
-    built from the document ids [b, s]. A correct path on any device (the mask is materialised;
-    on CUDA a varlen flash kernel over the documents' lengths would avoid it, not done yet)."""
-    s = q.shape[-2]
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    mask = (documents[:, :, None] == documents[:, None, :]) & causal
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=enable_gqa)
+    """Causal attention within each document: the rows in bands (`context.document_bands`), each
+    band's SDPA over only the keys its documents reach, with the block-diagonal causal mask of that
+    part materialised ([b, 1, band, keys]). A correct path on any device, and on CPU with the mask
+    nearer plain causal attention's cost than one [s, s] mask (on CUDA a varlen flash kernel over
+    the documents' lengths would avoid the mask, not done yet). Ids must not decrease (checked)."""
+    everything = slice(None)
+    bands, reach = context.document_bands(documents, documents, everything, everything, True)
+    bad, *reach = torch.cat([context.decreasing(documents).long().expand(1, 2), reach]).tolist()  # (one host read)
+    if bad[0]:
+        raise ValueError("document ids must not decrease along the sequence (as document_ids gives them)")
+    out = []
+    for rows, (start, stop) in zip(bands, reach):
+        keys = slice(start, stop)  # (never empty: each row sees itself)
+        mask = context.block_mask(documents, documents, rows, keys, True)
+        out.append(F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], attn_mask=mask[:, None],
+                                                  enable_gqa=enable_gqa))
+    return torch.cat(out, dim=2)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
