@@ -12,7 +12,7 @@ from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
-from fourfold.spec.volumes import ledger_bytes, model_collectives
+from fourfold.spec.volumes import ledger_bytes, model_collectives, pipeline_sends
 
 
 def run_moe(paths, ids, sizes, seq_parallel, recompute):
@@ -49,6 +49,34 @@ def run_moe(paths, ids, sizes, seq_parallel, recompute):
         grads = serial_grads([model], grid)
         loss = comm.all_reduce(loss.detach(), grid.group(("dp", "cp", "z"))).item()
         out[name] = (loss, logits if c["x"] == c["y"] == 0 else None, grads if grid.rank == 0 else None, routing)
+    return c, out
+
+
+def run_moe_pipeline(paths, ids, sizes, microbatches, schedule, virtual=1):
+    """Each model's loss through pipeline stages (every micro-batch's load-balancing loss included)
+    and the full gradients (one rank per stage), in float64."""
+    from fourfold.parallel.pipeline import Pipeline
+
+    layout = Layout(**sizes)
+    grid = Grid(layout)
+    c, cp = grid.coords, grid.group("cp")
+    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+    inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+    out = {}
+    for name, path in paths.items():
+        cfg = load_config(path)
+        pipe = Pipeline(grid, cfg, TensorOptions(dtype=torch.float64), schedule=schedule, microbatches=microbatches,
+                        micro_batch=len(local) // microbatches, seq=inputs.shape[1], virtual=virtual)
+        for model in pipe.models:
+            load_hf(model, path)
+        grid.ledger.reset()
+        loss = pipe.step(inputs, targets, 1.0 / ids[:, 1:].numel())
+        sends = pipeline_sends(cfg, layout.sizes, len(local) // microbatches, inputs.shape[1], microbatches,
+                               pipe.indices, layout.pp * virtual)
+        assert grid.ledger.bytes()[("pp", "send")] == ledger_bytes(sends, layout.sizes, 8)[("pp", "send")], name
+        grads = serial_grads(pipe.models, grid)
+        loss = comm.all_reduce(loss.detach(), grid.group(("dp", "pp", "cp", "z"))).item()
+        out[name] = (loss, None, grads if all(c[d] == 0 for d in c if d != "pp") else None, [])
     return c, out
 
 

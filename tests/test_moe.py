@@ -26,7 +26,7 @@ from fourfold.spec.counts import parameter_count
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
-from moe_on_grids import run_moe
+from moe_on_grids import run_moe, run_moe_pipeline
 from serial_reference import cp_shard, relative_error, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 
@@ -79,32 +79,45 @@ def _load_balancing_in_input_dtype(gate_logits, num_experts, top_k, attention_ma
     return torch.sum(counts / rows * (probs / rows)) * num_experts
 
 
-def _reference(name, path):
+def _reference(name, path, microbatches=(IDS,), layers=2):
+    """transformers' loss, logits and gradients: the token losses' mean over every micro-batch plus
+    the mean of each micro-batch's load-balancing loss times its coefficient (as fourfold, and
+    transformers under gradient accumulation, add them up)."""
     # every parameter non-trivial; routers decisive (no near ties)
-    config, model = saved_random_model(MODELS[name], path, lambda n: 1.0 if n.endswith("gate.weight") else 0.05,
+    config, model = saved_random_model(dict(MODELS[name], num_hidden_layers=layers), path,
+                                       lambda n: 1.0 if n.endswith("gate.weight") else 0.05,
                                        experts_implementation="eager")
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (modeling_mixtral, modeling_qwen2_moe):
-            patch.setattr(module, "load_balancing_loss_func", _load_balancing_in_input_dtype)
-        patch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", _rms_norm_in_input_dtype)
-        patch.setattr(modeling_qwen2_moe.Qwen2MoeRMSNorm, "forward", _rms_norm_in_input_dtype)
-        patch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", _router_in_input_dtype)
-        patch.setattr(modeling_qwen2_moe.Qwen2MoeTopKRouter, "forward", _router_in_input_dtype)
-        out = model(input_ids=IDS[:, :-1])
-    # the float64 copy is transformers' formula: its own (float32) gives the same to float32 rounding
-    module = modeling_mixtral if "mixtral" in name else modeling_qwen2_moe
-    own = module.load_balancing_loss_func(out.router_logits, _experts(config),
-                                          config.num_experts_per_tok)
-    assert abs(own.item() - out.aux_loss.item()) < 1e-6 * out.aux_loss.item()
-    loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1))
-    loss = loss + config.router_aux_loss_coef * out.aux_loss
+    loss, logits = 0.0, []
+    for ids in microbatches:
+        with pytest.MonkeyPatch.context() as patch:
+            for module in (modeling_mixtral, modeling_qwen2_moe):
+                patch.setattr(module, "load_balancing_loss_func", _load_balancing_in_input_dtype)
+            patch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", _rms_norm_in_input_dtype)
+            patch.setattr(modeling_qwen2_moe.Qwen2MoeRMSNorm, "forward", _rms_norm_in_input_dtype)
+            patch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", _router_in_input_dtype)
+            patch.setattr(modeling_qwen2_moe.Qwen2MoeTopKRouter, "forward", _router_in_input_dtype)
+            out = model(input_ids=ids[:, :-1])
+        # the float64 copy is transformers' formula: its own (float32) gives the same to float32 rounding
+        module = modeling_mixtral if "mixtral" in name else modeling_qwen2_moe
+        own = module.load_balancing_loss_func(out.router_logits, _experts(config),
+                                              config.num_experts_per_tok)
+        assert abs(own.item() - out.aux_loss.item()) < 1e-6 * out.aux_loss.item()
+        loss = loss + F.cross_entropy(out.logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="sum") / (
+            IDS[:, 1:].numel()) + config.router_aux_loss_coef * out.aux_loss / len(microbatches)
+        logits.append(out.logits.detach())
     loss.backward()
     with torch.no_grad():  # the gradients in the checkpoint's layout (experts one by one), as transformers saves it
         for p in model.parameters():
             p.copy_(p.grad)
     model.save_pretrained(path / "grads")
-    return SimpleNamespace(path=str(path), loss=loss.item(), logits=out.logits.detach(),
+    return SimpleNamespace(path=str(path), loss=loss.item(), logits=torch.cat(logits),
                            grads=load_file(path / "grads" / "model.safetensors"))
+
+
+def _global_microbatches(dp, microbatches):
+    """Micro-batch m of the step: the m-th of each data-parallel rank's share of IDS."""
+    shares = [share.chunk(microbatches) for share in IDS.chunk(dp)]
+    return [torch.cat([share[m] for share in shares]) for m in range(microbatches)]
 
 
 def _experts(config):
@@ -139,6 +152,39 @@ def test_mixtures_equal_transformers(ranks, references, grid):
         for param, g in ref.grads.items():
             errors[(name, param)] = [relative_error(hf_grads[param], g)]
     bad = {key: found for key, found in errors.items() if not all(e < 1e-10 for e in found)}  # NaN fails too
+    assert not bad, (grid, bad)
+
+
+PIPELINES = {  # name: (sizes, micro-batches, schedule, virtual stages, layers)
+    "pp2dp2x2-ep2-1f1b": (dict(pp=2, dp=2, x=2, ep=2), 2, "1f1b", 1, 2),
+    "pp2cp2y2-gpipe": (dict(pp=2, cp=2, y=2), 2, "gpipe", 1, 2),
+    "pp2dp2z2-ep2-interleaved": (dict(pp=2, dp=2, z=2, ep=2), 2, "interleaved-1f1b", 2, 4),
+}
+
+
+@pytest.mark.parametrize("grid", PIPELINES)
+def test_mixtures_through_pipeline_stages_equal_transformers(ranks, tmp_path_factory, grid):
+    """Through pipeline stages, each micro-batch's load-balancing loss spans the stages (its sums
+    travel with the stream): loss and every gradient equal transformers' on the same micro-batches."""
+    sizes, microbatches, schedule, virtual, layers = PIPELINES[grid]
+    layout = Layout(**sizes)
+    names = ["mixtral", "qwen2_moe"]
+    batches = _global_microbatches(layout.dp * layout.z, microbatches)  # (z splits a dp rank's share)
+    refs = {name: _reference(name, tmp_path_factory.mktemp(name), batches, layers) for name in names}
+    results = ranks.run(run_moe_pipeline, layout.world_size, {n: r.path for n, r in refs.items()}, IDS, sizes,
+                        microbatches, schedule, virtual)
+    errors = {}
+    for name, ref in refs.items():
+        grads = {}
+        for _, out in results:
+            loss, _, rank_grads, _ = out[name]
+            errors.setdefault((name, "loss"), []).append(abs(loss - ref.loss) / ref.loss)
+            grads.update(rank_grads or {})
+        hf_grads = to_hf_tensors(ModelConfig.from_hf(dict(MODELS[name], num_hidden_layers=layers)), grads)
+        assert hf_grads.keys() == ref.grads.keys()
+        for param, g in ref.grads.items():
+            errors[(name, param)] = [relative_error(hf_grads[param], g)]
+    bad = {key: found for key, found in errors.items() if not all(e < 1e-10 for e in found)}
     assert not bad, (grid, bad)
 
 
@@ -277,13 +323,12 @@ def test_unimplemented_mixtures_are_refused_by_name(change, message):
         ModelConfig.from_hf({**base, **change})
 
 
-def test_rules_refuse_pipelines_and_a_shared_expert_y_does_not_divide():
+def test_rules_refuse_a_shared_expert_y_does_not_divide():
     cfg = ModelConfig.from_hf(dict(MODELS["qwen2_moe"], shared_expert_intermediate_size=20))
     assert problems(cfg, Job(Layout(x=2, y=2), seq=16)) == []
+    assert problems(cfg, Job(Layout(pp=2, y=2), seq=16, global_batch=2)) == []
     found = [str(p) for p in problems(cfg, Job(Layout(pp=2, y=8), seq=16))]
     assert any("y=8 must divide the shared expert's ffn=20; choose y from 1, 2, 4, 5" in p for p in found), found
-    assert any("pipeline parallelism (pp=2) does not run a mixture of experts yet" in p and "use pp=1" in p
-               for p in found), found
 
 
 def test_expert_parallel_grids_that_cannot_work_are_refused_with_the_fix():

@@ -28,6 +28,7 @@ from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm
 from fourfold.parallel.comm import P2P, Group, at_least_fp32
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.tensor import moe
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import parallel_layers
 from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
@@ -67,6 +68,23 @@ def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range
         if cfg.tied and last and not first:
             model.lm_head.hold_copy()
     return model
+
+
+class _RoutingStage(nn.Module):
+    """A stage of a mixture whose load-balancing loss spans the stages (it multiplies every layer's
+    counts by every layer's probabilities): the stage takes the running sums [counts; probabilities]
+    of the layers before it beside the residual stream and passes them on with its own added, so
+    the last stage computes the loss whole, and backward carries d(loss)/d(probabilities) to each
+    stage's routers through the same sends as the stream's gradient."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(x)
+        mine = moe.stage_stats([layer.mlp for layer in self.model.layers.values()])
+        return out, mine if stats is None else stats + mine
 
 
 class _LedgerStage(PipelineStage):
@@ -123,16 +141,29 @@ class Pipeline:
         logits = torch.empty(1, micro_batch * seq // grid.size("x"), vocab // grid.size("y"), dtype=opts.dtype,
                              device="meta", requires_grad=True)  # the head keeps this x rank's tokens
         self.stream_shape = stream.shape  # what travels between stages (`simulate` makes its own)
-        stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=ids if i == 0 else stream,
-                               output_args=logits if i == n_stages - 1 else stream, group=pp.process_group, pp=pp)
-                  for m, i in zip(self.models, self.indices)]
+        modules, inputs, outputs = self.models, [stream] * n_stages, [stream] * (n_stages - 1) + [logits]
+        self.routing = bool(cfg.experts and cfg.aux_loss)  # the load-balancing loss's sums travel too
+        if self.routing:
+            self.rows = cfg.layers * micro_batch * seq  # the loss's rows: every layer's, of a micro-batch
+            stats = torch.empty(2, cfg.experts, dtype=at_least_fp32(opts.dtype), device="meta", requires_grad=True)
+            modules = [_RoutingStage(m) for m in self.models]
+            inputs, outputs = [(t, stats) for t in inputs], [(t, stats) for t in outputs]
+        inputs[0] = ids
+        stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=inputs[i], output_args=outputs[i],
+                               group=pp.process_group, pp=pp) for m, i in zip(modules, self.indices)]
         kind = SCHEDULE_CLASSES[schedule]
         self.schedule = kind(stages if schedule == "interleaved-1f1b" else stages[0], microbatches,
                              loss_fn=self._loss, scale_grads=False)
         self._scale = 1.0
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
+    def _loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        if not self.routing:
+            return vocab_parallel_cross_entropy(output, targets, self.grid, self.seq_parallel).sum() * self._scale
+        logits, (counts, probs) = output
+        loss = vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
+        # each micro-batch's load-balancing loss, averaged as the token losses are (as without pp)
+        cfg = self.models[-1].cfg
+        return loss + moe.balance_loss(counts, probs, self.rows, self.grid, cfg.aux_loss_coef) / self.microbatches
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float,
              documents: torch.Tensor | None = None) -> torch.Tensor:

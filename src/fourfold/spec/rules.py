@@ -97,9 +97,6 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
     elif b.moe and model.experts % g.ep:
         add(f"ep={g.ep} must divide the experts ({model.experts}): each expert rank holds experts/ep of them",
             f"choose ep from {_divisors(math.gcd(model.experts, g.dp * g.cp))}")
-    if b.moe and g.pp > 1:
-        add(f"pipeline parallelism (pp={g.pp}) does not run a mixture of experts yet (the routers' load-balancing "
-            f"loss spans every stage)", "use pp=1 and the other dims (dp, cp, x, y, z)")
     if b.rope and b.head_dim % 2:
         add(f"rotary embeddings need an even head dim (hidden/heads = {b.head_dim})",
             "use a model with an even head dim")

@@ -104,7 +104,7 @@ class DataSection:
     packing: str = "stream"
     # "causal": each token attends to every token before it in its window. "document": only to those of
     # its own document (a block-diagonal causal mask from the end-of-document ids in the window: the
-    # end-of-document token closes its document); positions are kept. Not with cp > 1 yet.
+    # end-of-document token closes its document); positions are kept. On every grid, cp included.
     attention: str = "causal"
 
 

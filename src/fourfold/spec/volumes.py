@@ -235,11 +235,14 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
 def pipeline_sends(cfg: ModelConfig, sizes: dict, micro_batch: int, seq: int, microbatches: int, stages: list[int],
                    n_stages: int, *, seq_parallel: bool = False) -> list[Collective]:
     """The activations (forward) and their gradients (backward) one pp rank holding `stages` of
-    `n_stages` sends per step: its residual-stream shard [micro_batch, seq(/y), hidden/x]; and a
-    tied embedding's (`tied_copy_sends`)."""
+    `n_stages` sends per step: its residual-stream shard [micro_batch, seq(/y), hidden/x] (and a
+    mixture's load-balancing sums, `pipeline._RoutingStage`); and a tied embedding's (`tied_copy_sends`)."""
     shard = micro_batch * (seq // sizes["y"] if seq_parallel else seq) * (cfg.hidden // sizes["x"])
     sends = sum((s < n_stages - 1) + (s > 0) for s in stages) * microbatches
-    return [Collective("pp", "send", shard)] * sends + tied_copy_sends(cfg, sizes, stages, n_stages)
+    out = [Collective("pp", "send", shard)] * sends
+    if cfg.experts and cfg.aux_loss:  # a mixture's load-balancing sums [counts; probabilities] travel beside it
+        out += [Collective("pp", "send", 2 * cfg.experts, wide=True)] * sends
+    return out + tied_copy_sends(cfg, sizes, stages, n_stages)
 
 
 def tied_copy_sends(cfg: ModelConfig, sizes: dict, stages: list[int], n_stages: int) -> list[Collective]:

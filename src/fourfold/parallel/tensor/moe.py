@@ -203,11 +203,20 @@ def router_loss(layers: list[ParallelMoE], grid: Grid, coef: float) -> torch.Ten
     own tokens, so that the shares of the (dp, cp, z) ranks add up to the loss and each rank's
     gradient is its part. Counts are summed in float32 at least (in float32: exact up to 2^24
     choices, as transformers')."""
-    stats = [layer.stats for layer in layers]
+    counts, probs = stage_stats(layers)
+    return balance_loss(counts, probs, sum(layer.stats.tokens for layer in layers), grid, coef)
+
+
+def stage_stats(layers: list[ParallelMoE]) -> torch.Tensor:
+    """[2, experts]: the top-k choices per expert and the sums of the router's probabilities of
+    these layers' last forward on this rank's tokens (a pipeline stage passes its running sum on)."""
+    return torch.stack([sum(layer.stats.counts for layer in layers), sum(layer.stats.probs for layer in layers)])
+
+
+def balance_loss(counts: torch.Tensor, probs: torch.Tensor, rows: int, grid: Grid, coef: float) -> torch.Tensor:
+    """This rank's share of the load-balancing loss from every layer's `stage_stats` summed, over
+    `rows` = layers x this rank's tokens (see `router_loss`)."""
     tokens = grid.group(("dp", "cp", "z"))
-    counts, probs = torch.zeros_like(stats[0].counts), torch.zeros_like(stats[0].probs)
-    for s in stats:
-        counts, probs = counts + s.counts, probs + s.probs
-    rows = sum(s.tokens for s in stats) * tokens.size  # every rank holds as many tokens
-    counts = comm.all_reduce(counts, tokens)
+    rows *= tokens.size  # every rank holds as many tokens
+    counts = comm.all_reduce(counts.detach().clone(), tokens)
     return coef * (torch.sum((counts / rows) * (probs / rows)) * len(counts))
