@@ -8,6 +8,10 @@ is replicated over x and y: the router's logits are all-reduced over x, and each
 (x, y) group holds the same tokens. With sequence parallelism the block gathers the stream's
 tokens over y first and keeps its own part of the output.
 
+With expert parallelism (`Layout.ep`) a rank holds experts/ep of them, and each choice's token
+goes to its expert's rank of the expert group and back by uneven all-to-alls (`_exchanged`); the
+experts' x/y/z splits are unchanged, their gradients summed over their replicas only (`ExpertShard`).
+
 The router's arithmetic is transformers': softmax, top-k, optional renormalisation, in float32 at
 least (transformers: float32 always, so a float64 model matches a float64 reference to rounding);
 the load-balancing loss (Switch Transformer's, `load_balancing_loss_func`) from each layer's
