@@ -68,7 +68,7 @@ def _fake_tensor_peak_and_estimate(cfg, sizes):
     """(the estimate without the GPU-only terms, rank 0's measured peak under FakeTensorMode) of
     `cfg` on a bf16 job of `sizes` (grid dims and job fields)."""
     options = {"seq": 4096, "micro_batch": 1, "recompute": "none", "seq_parallel": True, **sizes}
-    grid = Layout(**{d: options.pop(d) for d in ("dp", "cp", "x", "y", "z") if d in options})
+    grid = Layout(**{d: options.pop(d) for d in ("dp", "cp", "x", "y", "z", "ep") if d in options})
     job = Job(grid, global_batch=options["micro_batch"] * grid.dp, precision="bf16", **options)
     terms = fourfold_memory(cfg, job, 80).terms
     return sum(v for k, v in terms.items() if k not in DEVICE_TERMS), measure_peak(cfg, job).peak_bytes
@@ -88,5 +88,19 @@ MIXTRAL_2_LAYERS = dataclasses.replace(load_config("mixtral-8x7b"), layers=2)
 
 @pytest.mark.parametrize("sizes", LARGE, ids=LARGE_IDS)  # the dense layer's grids
 def test_estimate_within_5_percent_of_fake_tensor_peak_of_mixtral(sizes):
+    estimate, measured = _fake_tensor_peak_and_estimate(MIXTRAL_2_LAYERS, sizes)
+    assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)
+
+
+# With expert parallelism: rank 0 holds experts/ep experts and runs them on the rows its expert group
+# sends it (top_k * T at the fake tensors' balanced routing, moe._exchanged), keeping their inputs, the
+# outputs as they came back and the weighted ones; the experts' optimizer state over the expert replicas.
+EP = [dict(dp=8, ep=8), dict(dp=4, y=2, ep=4), dict(dp=2, cp=2, y=2, ep=4), dict(dp=4, x=2, ep=2, micro_batch=2),
+      dict(dp=4, ep=4, recompute="full")]
+EP_IDS = ["dp8-ep8", "dp4y2-ep4", "dp2cp2y2-ep4-ring", "dp4x2-ep2-mb2", "dp4-ep4-full"]
+
+
+@pytest.mark.parametrize("sizes", EP, ids=EP_IDS)
+def test_estimate_within_5_percent_of_fake_tensor_peak_of_mixtral_with_expert_parallelism(sizes):
     estimate, measured = _fake_tensor_peak_and_estimate(MIXTRAL_2_LAYERS, sizes)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)

@@ -1,29 +1,33 @@
-"""The planner on today's runtime features: mixtures of experts (no expert parallelism) and tied
-embeddings over pipeline stages. Pure arithmetic, no processes."""
+"""The planner on today's runtime features: mixtures of experts (with and without expert
+parallelism) and tied embeddings over pipeline stages. Pure arithmetic, no processes."""
 
+import json
+import math
 from dataclasses import replace
 
 import pytest
 
+from fourfold.cli.main import main
 from fourfold.models.config import load_config
 from fourfold.plan import routing
 from fourfold.plan.memory import estimate_memory
-from fourfold.plan.perf import Calibration, comm_seconds, constants, step_time
-from fourfold.plan.search import predict, search
-from fourfold.spec.counts import parameter_count
+from fourfold.plan.perf import Calibration, comm_seconds, constants, expert_exchange_bytes, step_time
+from fourfold.plan.search import check, predict, search
+from fourfold.spec.counts import layer_params, parameter_count
 from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.spec.rules import problems
-from fourfold.spec.volumes import tied_copy_sends
+from fourfold.spec.rules import JobError, problems
+from fourfold.spec.volumes import Collective, ledger_bytes, model_collectives, tied_copy_sends
 
 MIXTRAL = load_config("mixtral-8x7b")
 GPT20 = load_config("gpt-20b")
 H100 = make_cluster("dgx-h100")
 
 
-def job(*, dp=1, pp=1, cp=1, x=1, y=1, z=1, micro_batch=1, seq=4096, global_batch=1024, recompute="none") -> Job:
-    return Job(Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z), micro_batch=micro_batch, seq=seq,
+def job(*, dp=1, pp=1, cp=1, x=1, y=1, z=1, ep=1, micro_batch=1, seq=4096, global_batch=1024,
+        recompute="none") -> Job:
+    return Job(Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z, ep=ep), micro_batch=micro_batch, seq=seq,
                global_batch=global_batch, recompute=recompute, seq_parallel=True, precision="bf16")
 
 
@@ -39,7 +43,7 @@ def test_the_mixtral_preset_is_the_published_config():
 @pytest.mark.parametrize("framework", ["fourfold", "megatron"])
 def test_plan_and_estimate_run_for_mixtral(framework):
     ranking = search(MIXTRAL, 64, H100, job(), framework=framework, top=3)
-    assert ranking and all(r["pp"] == 1 for r in ranking)  # the rules refuse pp > 1 with experts
+    assert ranking and all(r["ep"] == 1 for r in ranking) == (framework == "megatron")
     best = ranking[0]
     assert best["fits"] and best["step_seconds"] > 0
     again = predict(MIXTRAL, best["job"], H100, framework=framework)
@@ -110,3 +114,120 @@ def test_a_tied_pipelines_step_includes_the_tables_traffic(framework):
     no_pipeline = step_time(GPT20, replace(s, layout=Layout(**{**s.layout.sizes, "pp": 1, "dp": 32})), H100,
                             framework=framework)
     assert no_pipeline.tied_embedding == 0
+
+
+# Expert parallelism (`Layout.ep`): a rank holds experts/ep experts and exchanges its tokens' rows.
+EXPERTS6 = replace(MIXTRAL, experts=6, layers=4)  # 2 * T choices do not divide over 6 experts: an uneven routing
+
+
+def _runtime_exchange(cfg, tokens: int, ep: int) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """(rows each expert of expert-group rank 0 runs, (rows it sends to, rows it receives from the
+    other ranks)) as `ParallelMoE._exchanged` computes them on fake tensors: choice i (of top_k *
+    tokens) to expert i % experts, every rank routing alike; written out again from that rule."""
+    choices = cfg.top_k * tokens
+    per = [len(range(e, choices, cfg.experts)) for e in range(cfg.experts)]
+    local = cfg.experts // ep
+    send = [sum(per[s * local:(s + 1) * local]) for s in range(ep)]
+    received = [per[:local]] * ep  # [source][expert]: rank 0's experts
+    here = [sum(r) for r in received]
+    routed = tuple(sum(r[j] for r in received) for j in range(local))
+    return routed, (sum(send) - send[0], sum(here) - here[0])
+
+
+EP_GRIDS = [(MIXTRAL, dict(dp=8, ep=8), "none"), (MIXTRAL, dict(dp=8, y=2, ep=4, micro_batch=2), "selective"),
+            (MIXTRAL, dict(dp=4, cp=2, x=2, ep=2), "none"), (MIXTRAL, dict(dp=16, z=2, ep=8, micro_batch=2), "full"),
+            (EXPERTS6, dict(dp=6, x=2, ep=3), "none"), (EXPERTS6, dict(dp=4, pp=2, ep=2), "none")]
+
+
+@pytest.mark.parametrize("case", EP_GRIDS, ids=["dp8-ep8", "dp8y2-ep4-selective", "dp4cp2x2-ep2", "dp16z2-ep8-full",
+                                                "6-experts-dp6x2-ep3", "6-experts-dp4pp2-ep2"])
+def test_expert_exchange_volumes_are_the_runtimes_at_the_balanced_routing(case):
+    """The bytes the planner prices for the expert group (counts, rows out and back, and their
+    gradients) are `spec.volumes`' (the runtime's ledger is tested against them) at the routing the
+    runtime takes on fake tensors, for the rank the planner prices (rank 0, the busiest)."""
+    cfg, sizes, recompute = case
+    sizes = dict(sizes)
+    mb = sizes.pop("micro_batch", 1)
+    s = job(**sizes, micro_batch=mb, recompute=recompute, global_batch=4 * mb * sizes["dp"])
+    assert not problems(cfg, s, gpu=True)
+    batch, seq = mb // s.z, s.seq // s.cp
+    routed, exchanged = _runtime_exchange(cfg, batch * seq, s.layout.ep)
+    assert routing.local_routing(cfg.block, batch * seq, s.layout.ep) == routed
+    assert routing.exchanged_rows(cfg.block, batch * seq, s.layout.ep) == exchanged
+    layers = cfg.layers // s.pp
+    volume_sizes = dict(s.layout.sizes, ep=s.layout.ep)
+    expected = model_collectives(cfg, volume_sizes, batch, seq, seq_parallel=True, recompute=recompute, layers=layers,
+                                 first=False, last=False, routing=[routed] * layers, exchanged=[exchanged] * layers)
+    per_micro_batch = {op: float(sent) for (group, op), sent in ledger_bytes(expected, volume_sizes, 2).items()
+                       if group == "ep"}
+    assert per_micro_batch["all_to_all_v"] > 0
+    priced = expert_exchange_bytes(cfg, s)
+    assert priced == {op: sent * s.microbatches for op, sent in per_micro_batch.items()}
+
+
+def test_expert_parallelism_holds_a_share_of_the_experts():
+    """Weights and gradients hold experts/ep of every layer's experts; the optimizer state is the
+    same (1/ep of the experts over 1/ep of the ranks); at a balanced routing the activations too
+    (a rank's experts receive top_k * T rows, as many as its tokens chose)."""
+    s1 = job(dp=16, y=4, z=2, micro_batch=4)
+    one = estimate_memory(MIXTRAL, s1, 80)
+    matrices, _ = layer_params(MIXTRAL)
+    experts = MIXTRAL.experts * 3 * MIXTRAL.hidden * MIXTRAL.ffn
+    assert routing.expert_params(MIXTRAL.block) == experts and experts < matrices
+    for ep in (2, 4, 8):
+        s = replace(s1, layout=replace(s1.layout, ep=ep))
+        m = estimate_memory(MIXTRAL, s, 80)
+        dropped = MIXTRAL.layers * experts / (s.x * s.y * s.z) * (1 - 1 / ep)
+        assert one.terms["weights"] - m.terms["weights"] == pytest.approx(2 * dropped)
+        assert one.terms["gradients"] - m.terms["gradients"] == pytest.approx(4 * dropped)
+        assert m.terms["optimizer"] == pytest.approx(one.terms["optimizer"])
+        assert m.terms["activations"] == pytest.approx(one.terms["activations"])
+        assert m.replicas == 16 // ep  # the checkpoint's writers: the expert replicas, as the trainer's
+
+
+def test_expert_parallel_all_to_all_inside_a_node_and_across_nodes():
+    """An all-to-all's time is the bytes a rank sends to the others over the link they take: NVLink
+    when the ep group sits in a node, the NICs for the share bound for other nodes when it does
+    not; the expert weights' gradients are reduced over their replicas only."""
+    k = constants(Calibration(), H100)
+    intra = H100.intra_node_gbs * k.intra_node_efficiency * 1e9
+    inter = H100.inter_node_gbs * k.inter_node_efficiency * 1e9
+    sent = Collective("ep", "all_to_all_v", 2**20)
+    inside = job(dp=64, ep=8)  # ep: 8 consecutive dp ranks, one node
+    assert comm_seconds([sent], inside, H100, 2, k) == pytest.approx(2 * 2**20 / intra + 7 * k.latency_us * 1e-6)
+    across = job(dp=8, x=8, ep=8)  # 8 dp ranks 8 apart: one per node
+    assert comm_seconds([sent], across, H100, 2, k) == pytest.approx(2 * 2**20 / min(inter, intra)
+                                                                     + 7 * k.latency_us * 1e-6)
+    half = job(dp=16, x=4, ep=4)  # 4 dp ranks 4 apart: two on each of two nodes
+    off = 2 / 3  # of the 3 others, 2 on the other node
+    assert comm_seconds([sent], half, H100, 2, k) == pytest.approx(
+        max(off * 2 * 2**20 / min(inter, intra), (1 - off) * 2 * 2**20 / intra) + 3 * k.latency_us * 1e-6)
+    # the step: the exchange costs more across nodes; ep = dp*cp leaves the experts' gradients unreduced
+    t_inside, t_dense = step_time(MIXTRAL, job(dp=64, ep=8), H100), step_time(MIXTRAL, job(dp=64), H100)
+    assert t_inside.exposed_comm > t_dense.exposed_comm == 0
+    assert t_inside.dp_comm < t_dense.dp_comm
+    t_across = step_time(MIXTRAL, job(dp=8, x=8, ep=8), H100)
+    one_node = make_cluster("dgx-h100", gpus_per_node=64)  # the same grid with every group on NVLink
+    assert t_across.exposed_comm > step_time(MIXTRAL, job(dp=8, x=8, ep=8), one_node).exposed_comm
+    # the experts' GEMMs: one expert on 8x the rows instead of 8 (balanced: as many FLOPs, larger GEMMs)
+    assert t_across.compute == pytest.approx(step_time(MIXTRAL, job(dp=8, x=8), H100).compute, rel=0.02)
+
+
+def test_search_tries_expert_parallelism_for_mixtures_only():
+    ranking = search(MIXTRAL, 64, H100, job(), micro_batches=(2,), top=None)
+    eps = {r["ep"] for r in ranking}
+    assert eps == {1, 2, 4, 8}
+    assert all(math.gcd(MIXTRAL.experts, r["dp"] * r["cp"]) % r["ep"] == 0 for r in ranking)
+    assert {r["ep"] for r in search(GPT20, 64, H100, job(seq=2048), top=3)} == {1}
+    with pytest.raises(JobError, match="no expert parallelism"):
+        check(MIXTRAL, job(dp=8, ep=8), framework="megatron")
+
+
+def test_estimate_takes_ep_and_hands_it_to_train(capsys):
+    code = main(["estimate", "--model", "mixtral-8x7b", "--dp", "64", "--ep", "8", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ep"] == 8 and "--ep 8" in out["commands"]["estimate"] and "--grid.ep 8" in out["commands"]["train"]
+    main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "3"])
+    table = capsys.readouterr().out
+    assert " ep" in table.splitlines()[2] and "--grid.ep" in table

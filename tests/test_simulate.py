@@ -91,3 +91,27 @@ def test_simulate_refuses_a_job_the_rules_reject(capsys):
     code = main(["simulate", "--model", "tiny-llama", "--grid", "y=3,dp=1", "--seq", "64"])
     assert code == 2
     assert "y=3" in capsys.readouterr().err
+
+
+def test_simulated_expert_parallel_rank_exchanges_what_the_planner_prices():
+    """A Mixtral rank with expert parallelism (2 of its layers, dp8 y2 ep4): the expert group's
+    exchange bytes in the ledger are the planner's (fake tensors route at its balanced routing), the
+    step peak is within 5% of the estimate's terms the fake tensors see, and the checkpoint save
+    offers what the estimate stages (the expert replicas share the weights' writing)."""
+    import dataclasses
+
+    from fourfold.plan.perf import expert_exchange_bytes
+    from fourfold.tools.measure import GPU_ONLY_TERMS
+
+    cfg = dataclasses.replace(load_config("mixtral-8x7b"), layers=2)
+    job = Job(Layout(dp=8, y=2, ep=4), global_batch=16, micro_batch=1, seq=4096, seq_parallel=True, precision="bf16")
+    sim = simulate(cfg, job, rank=0, steps=1)
+    ledger = {c["op"]: c["bytes"] for c in sim.collectives_per_step if c["group"] == "ep"}
+    priced = expert_exchange_bytes(cfg, job)
+    assert ledger["all_to_all_v"] == priced["all_to_all_v"] > 0  # two micro-batches, 4 exchanges a layer
+    assert ledger["all_to_all"] == int(priced["all_to_all"])  # the routing counts (int64)
+    estimate = estimate_memory(cfg, job, 80.0)
+    step_peak = max(v for k, v in sim.device_peak_bytes.items() if k.startswith("step"))
+    assert sum(v for k, v in estimate.terms.items() if k not in GPU_ONLY_TERMS) == pytest.approx(step_peak, rel=0.05)
+    assert sim.save["bytes_written"] == pytest.approx(estimate.checkpoint_host_bytes, rel=0.01)
+    assert {c["group"] for c in sim.collectives_per_step} >= {"ep", "edp"}  # experts' gradients over their replicas

@@ -64,6 +64,8 @@ def add_machine(p: argparse.ArgumentParser, cluster: str | None) -> None:
 def add_config(p: argparse.ArgumentParser) -> None:
     for dim in DIMS:
         p.add_argument(f"--{dim}", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism: a mixture's experts split over ep of the "
+                                                     "dp*cp ranks (no ranks added; the config's grid.ep)")
     p.add_argument("--virtual", type=int, default=1, help="pipeline stages per pp rank (interleaved 1F1B when > 1)")
     p.add_argument("--tp", type=int, help="Megatron's 1D tensor parallelism: y=TP (x = z = 1)")
     p.add_argument("--order", default=None, help="placement order, innermost first")
@@ -103,7 +105,7 @@ def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
                              f"go with {' '.join(given)}: give either --tp or --x/--y/--z")
         sizes.update(x=1, y=args.tp, z=1)
     order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
-    job = _job(args, Layout(**sizes, order=order), args.virtual)
+    job = _job(args, Layout(**sizes, order=order, ep=args.ep), args.virtual)
     return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, args.framework), cal
 
 
@@ -118,7 +120,7 @@ def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
     estimate += ["--seq", job.seq, "--global-batch", job.global_batch, "--micro-batch", job.micro_batch,
                  "--recompute", job.recompute, "--seq-parallel" if job.seq_parallel else "--no-seq-parallel",
                  "--precision", job.precision, "--framework", args.framework, *(["--no-80-rule"] * args.no_80_rule),
-                 *(v for d in DIMS for v in (f"--{d}", getattr(job.layout, d))), "--virtual", job.virtual,
+                 *(v for d in (*DIMS, "ep") for v in (f"--{d}", getattr(job.layout, d))), "--virtual", job.virtual,
                  "--order", ",".join(job.layout.order), *(["--keep-gathered-inputs"] * job.keep_gathered_inputs)]
     model = "--model.hf" if Path(args.model).is_dir() else "--model.preset"
     hardware = [v for key, value in (("gpu", args.gpu), ("cluster", args.cluster)) if value
@@ -149,8 +151,14 @@ def _print_measured(r: dict) -> None:
         print(f"  {t['gib']:8.3f} GiB  {t['tensor']}")
 
 
+def grid_text(r: dict) -> str:
+    """A result's grid as the table shows it (ep only when a mixture's experts are split)."""
+    ep = f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""
+    return f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}{ep}"
+
+
 def row(r: dict, tie: bool = False) -> str:
-    grid = f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}"
+    grid = grid_text(r)
     kept = "yes" if r["keep_gathered_inputs"] else "no"
     fits = ("yes*" if r["tight"] else "yes") if r["fits"] else "NO "
     memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} "
@@ -188,7 +196,7 @@ def passed_over(found: list[dict]) -> str:
     if first["tight"] or not faster:
         return rule
     r = faster[0]
-    return (f"{rule}; passed over: dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']} "
+    return (f"{rule}; passed over: {grid_text(r)} "
             f"mb{r['micro_batch']} {r['recompute']}, {r['step_seconds']:.3f} s but {r['memory_gib']:.1f} of "
             f"{r['memory_limit_gib']:.1f} GiB (the estimate's error or fragmentation can push it over)")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fourfold.models.config import ModelConfig
-from fourfold.plan.routing import replicated_params, routed_tokens
+from fourfold.plan.routing import expert_params, replicated_params, routed_tokens
 from fourfold.spec.blockspec import block_plan, mlp_chunks
 from fourfold.spec.counts import layer_params
 from fourfold.spec.job import Job, most_layers_on_a_rank
@@ -101,14 +101,22 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     d = blk.head_dim
     matrices, vectors = layer_params(cfg)
     replicated = replicated_params(blk)  # a mixture's router and shared gate: split over x only
+    experts = expert_params(blk)  # a mixture's experts: split over x, y, z and over the ep ranks
+    ep, replicas = s.layout.ep, s.dp * c
     layers_here = most_layers_on_a_rank(L, s)
-    params = layers_here * ((matrices - replicated) / (x * y * z) + (vectors + replicated) / x)
+    expert_held = layers_here * experts / (x * y * z * ep)
+    params = layers_here * ((matrices - replicated - experts) / (x * y * z) + (vectors + replicated) / x)
     embed = h * v / (x * y * z)
     # Tied with pp > 1, the last stage holds a copy of the table that is no parameter: its weights and
     # an fp32 gradient, (e + 4) bytes an element, less than the first stage's table with its optimizer
     # state (e + 4 + 12 / (dp*cp)): max(first, last) is the first's, counted here as the embedding.
     head = 0 if cfg.tied else embed
     params += max(embed, head) if p > 1 else embed + head + h / x  # first or last stage; both when p = 1
+    # ZeRO-1: the dense parameters' optimizer state over the dp*cp ranks, the experts' over their
+    # dp*cp/ep replicas (the same bytes per rank as without expert parallelism: 1/ep of the experts
+    # over 1/ep of the ranks)
+    sharded = params / replicas + expert_held / (replicas // ep)
+    params += expert_held
     # Activations saved for backward by one layer on this rank, as measured by autograd's saved
     # tensors (tests/test_planner_measured.py holds the whole step's peak to these terms).
     e = s.element_bytes
@@ -140,19 +148,23 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "activation output": T * ffn_local,
         "down input": saved_input(plan.down),
     }
-    if blk.moe:  # the experts on top_k * T tokens in all (whatever the routing, without expert parallelism)
+    if blk.moe:  # the experts on top_k * T tokens in all (whatever the routing, without expert parallelism;
+        # with it, the rows this rank's experts received from the ep group: top_k * T at a balanced routing)
         routed = routed_tokens(blk, T) / T
+        chosen = blk.top_k * T * h / x  # this rank's own choices' rows: top_k * T whatever the routing
         saved.update({
             "mlp input": T * h / x,  # the stream (gathered over y first with sequence parallelism), the router's input
             "gate/up output": routed * T * up_rows,
             "activation output": routed * T * ffn_local,
             "down input": routed * saved_input(plan.down),
-            "expert outputs": routed * T * h / x,  # kept by their product with the routing weights
+            # kept by their product with the routing weights (with expert parallelism: as they came back)
+            "expert outputs": chosen,
             # Measured under fake tensors (tests/test_planner_measured.py), missing before: each expert's
-            # copy of its tokens (flat[token], its gate/up GEMM's input) and the weighted outputs
-            # (index_add keeps its source for backward).
+            # copy of its tokens (flat[token], or with expert parallelism the concatenation of the rows the
+            # ep ranks sent it: its gate/up GEMM's input) and the weighted outputs (index_add keeps its
+            # source for backward).
             "expert inputs": routed * T * h / x,
-            "weighted expert outputs": routed * T * h / x,
+            "weighted expert outputs": chosen,
             "router logits and probabilities": T * blk.experts * (e + max(e, 4)) / e,  # softmax in fp32 at least
         })
         if plan.shared_up is not None:  # a dense MLP of shared_ffn on every token, and its gate's output
@@ -204,10 +216,11 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     optimizer_step = e * largest_bucket * (1 + 1 / (s.dp * c)) if s.dp * c > 1 else 0.0
     dynamic = max(forward, backward, optimizer_step)
     groups = sum(1 for n in (s.dp, s.pp, s.cp, x, y, z) if n > 1) + (1 if s.dp * s.cp > max(s.dp, s.cp) else 0)
+    groups += 2 if 1 < ep < replicas else 0  # expert parallelism's ep and edp groups (else one is dp*cp's)
     terms = {
         "weights": e * params,
         "gradients": 4 * params,  # fp32 accumulators, one flat buffer per bucket, reduced in place
-        "optimizer": 12 * params / (s.dp * c),  # fp32 master + Adam m, v; ZeRO-1 over dp*cp
+        "optimizer": 12 * sharded,  # fp32 master + Adam m, v; ZeRO-1 over dp*cp (experts: dp*cp/ep)
         # The peak of the step is the largest phase's: the terms below add up to it.
         "activations": activations,
         "logits": logits,
@@ -219,7 +232,8 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "cuda_context": CUDA_CONTEXT_BYTES,
         "fragmentation": FRAGMENTATION * dynamic,
     }
-    return Memory(terms, memory_gib * GIB, replicas=s.dp * s.cp)
+    # The trainer's checkpoint replicas: the dp*cp ranks, or with expert parallelism the expert replicas
+    return Memory(terms, memory_gib * GIB, replicas=replicas // ep)
 
 
 def estimate_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True,

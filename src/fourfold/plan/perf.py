@@ -2,6 +2,8 @@
 
 Communication volumes come from `fourfold.spec.volumes`, the functions the runtime's ledger is
 tested against; each collective runs at the bandwidth its group gets under the placement order.
+A mixture's expert-parallel exchanges (all-to-alls over the ep group) are priced by the share of
+each rank's rows that leaves its node (`_all_to_all_figures`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fourfold.models.config import ModelConfig
-from fourfold.plan.routing import balanced_routing, expert_tokens, replicated_params, routed_tokens
+from fourfold.plan.routing import (
+    exchanged_rows,
+    expert_params,
+    expert_tokens,
+    local_routing,
+    replicated_params,
+    routed_tokens,
+)
 from fourfold.spec.blockspec import LINEAR_KINDS, attention_chunks, block_plan
 from fourfold.spec.counts import flops_per_token as model_flops_per_token
 from fourfold.spec.counts import layer_params
@@ -156,12 +165,37 @@ def group_bandwidth(layout: Layout, cluster: Cluster, dims: tuple[str, ...], cal
     return _bandwidth(layout, cluster, dims, k.intra_node_efficiency, k.inter_node_efficiency)
 
 
+EXPERT_GROUPS = ("ep", "edp")  # expert parallelism's groups (`Grid.expert_group`): not dims of the layout
+
+
+def group_ranks(layout: Layout, group: str | tuple[str, ...]) -> tuple[int, ...]:
+    """Global ranks of rank 0's group: of dims, or an expert group (consecutive members of the dp*cp
+    group for "ep", every ep-th for "edp"; `Layout`'s docstring). Every rank's group is placed alike."""
+    dims = tuple(group.split("_")) if isinstance(group, str) else group
+    if dims in (("ep",), ("edp",)):
+        data = layout.group_ranks(("dp", "cp"), 0)
+        return tuple(data[: layout.ep] if dims == ("ep",) else data[:: layout.ep])
+    return tuple(layout.group_ranks(dims, 0))
+
+
+def group_size(layout: Layout, group: str | tuple[str, ...]) -> int:
+    dims = tuple(group.split("_")) if isinstance(group, str) else group
+    if dims in (("ep",), ("edp",)):
+        return layout.ep if dims == ("ep",) else layout.dp * layout.cp // layout.ep
+    return layout.size(dims)
+
+
 @functools.lru_cache(maxsize=65536)  # the search asks the same question for many candidates
 def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...], intra_efficiency: float,
                inter_efficiency: float) -> float:
-    inner = min(dims, key=layout.order.index)
-    stride = layout.stride(inner)
-    span = stride * layout.size(dims) if len(dims) == 1 else max(layout.stride(d) * layout.size(d) for d in dims)
+    if dims in (("ep",), ("edp",)):  # not a dim: from its ranks (nearest members' distance, the span)
+        ranks = group_ranks(layout, dims)
+        stride = min((b - a for a, b in zip(ranks, ranks[1:])), default=1)
+        span = ranks[-1] - ranks[0] + stride
+    else:
+        inner = min(dims, key=layout.order.index)
+        stride = layout.stride(inner)
+        span = stride * layout.size(dims) if len(dims) == 1 else max(layout.stride(d) * layout.size(d) for d in dims)
     intra = cluster.intra_node_gbs * intra_efficiency
     if span <= cluster.gpus_per_node:
         gbs = intra
@@ -177,23 +211,34 @@ def comm_seconds(collectives: list[Collective], s: Job, cluster: Cluster, elemen
     return _totals_seconds(_totals(collectives), s, cluster, element_size, cal)
 
 
-def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, bool, int, int], ...]:
-    """(group, op, wide, elements, count): collectives of a kind summed (the volume is linear)."""
-    totals: dict[tuple[str, str, bool], list[int]] = {}
+def _totals(collectives: list[Collective]) -> tuple[tuple[str, str, Collective, int, int], ...]:
+    """(group, op, width, elements, count): collectives of a kind summed (the volume is linear);
+    `width`: a collective of one element whose `element_bytes` gives the kind's element size."""
+    totals: dict[tuple[str, str, bool, bool], list[int]] = {}
     for c in collectives:
-        entry = totals.setdefault((c.group, c.op, c.wide), [0, 0])
+        entry = totals.setdefault((c.group, c.op, c.wide, c.integer), [0, 0])
         entry[0] += c.numel
         entry[1] += 1
-    return tuple((*kind, numel, count) for kind, (numel, count) in totals.items())
+    return tuple((group, op, _width(wide, integer), numel, count)
+                 for (group, op, wide, integer), (numel, count) in totals.items())
+
+
+@functools.lru_cache(maxsize=None)
+def _width(wide: bool, integer: bool) -> Collective:
+    return Collective("", "", 1, wide=wide, integer=integer)
+
+
+A2A_OPS = ("all_to_all", "all_to_all_v")
 
 
 def _totals_seconds(totals, s: Job, cluster: Cluster, element_size: int, cal: Constants) -> float:
     seconds = 0.0
     latency = cal.latency_us * 1e-6
-    for group, op, wide, numel, count in totals:
-        g, bandwidth = _group_figures(s.layout, cluster, group, cal.intra_node_efficiency, cal.inter_node_efficiency)
+    for group, op, width, numel, count in totals:
+        figures = _all_to_all_figures if op in A2A_OPS else _group_figures
+        g, bandwidth = figures(s.layout, cluster, group, cal.intra_node_efficiency, cal.inter_node_efficiency)
         steps = 1 if op == "send" else 2 * (g - 1) if op == "all_reduce" else (g - 1)
-        seconds += (_per_byte(op, g) * numel * (max(element_size, 4) if wide else element_size) / bandwidth
+        seconds += (_per_byte(op, g) * numel * width.element_bytes(element_size) / bandwidth
                     + count * steps * latency)
     return seconds
 
@@ -201,15 +246,40 @@ def _totals_seconds(totals, s: Job, cluster: Cluster, element_size: int, cal: Co
 @functools.lru_cache(maxsize=262144)
 def _group_figures(layout, cluster: Cluster, group: str, intra_efficiency: float,
                    inter_efficiency: float) -> tuple[int, float]:
-    """(size, bytes/s per GPU) of a group named like a ledger entry ("x", "dp_cp")."""
+    """(size, bytes/s per GPU) of a group named like a ledger entry ("x", "dp_cp", "ep")."""
     dims = tuple(group.split("_"))
-    return layout.size(dims), _bandwidth(layout, cluster, dims, intra_efficiency, inter_efficiency)
+    return group_size(layout, dims), _bandwidth(layout, cluster, dims, intra_efficiency, inter_efficiency)
+
+
+@functools.lru_cache(maxsize=65536)
+def _all_to_all_figures(layout, cluster: Cluster, group: str, intra_efficiency: float,
+                        inter_efficiency: float) -> tuple[int, float]:
+    """(size, bytes/s per GPU of the bytes a rank sends to the others) of an all-to-all over `group`.
+    Not a ring: each rank sends to every other member directly (NCCL's all-to-all is g-1 concurrent
+    sends and receives; nccl-tests' bus bandwidth of it is (g-1)/g of the algorithm bandwidth, the
+    share of a rank's message that leaves it). Of what a rank sends to the others, the share bound
+    for members on other nodes, (g - m)/(g - 1) with m members on its node, goes through the node's
+    NICs, and every rank of the node sends at once (every rank is in an expert group), so each
+    gets its own NIC bandwidth; the rest rides NVLink, concurrently: the slower of the two paces it
+    (DeepSpeed-MoE, Rajbhandari et al. 2022, and Megatron-Core's MoE guide: the exchange across nodes
+    is bound by the inter-node links)."""
+    ranks = group_ranks(layout, group)
+    g = len(ranks)
+    intra = cluster.intra_node_gbs * intra_efficiency * 1e9
+    inter = min(cluster.inter_node_gbs * inter_efficiency * 1e9, intra)
+    if g == 1:
+        return 1, intra
+    node = ranks[0] // cluster.gpus_per_node
+    on_node = sum(1 for r in ranks if r // cluster.gpus_per_node == node)
+    off = (g - on_node) / (g - 1)
+    return g, 1 / max(off / inter, (1 - off) / intra)
 
 
 def _within_replica(s: Job) -> tuple[tuple[str, int], ...]:
     """The grid sizes a layer's, the head's and the ring's collectives depend on (dp and pp set to
-    1: they only shape the groups of other collectives), as the caches below are keyed."""
-    return tuple((d, 1 if d in ("dp", "pp") else n) for d, n in s.layout.sizes.items())
+    1: they only shape the groups of other collectives; ep: a mixture's exchange), as the caches
+    below are keyed."""
+    return (*((d, 1 if d in ("dp", "pp") else n) for d, n in s.layout.sizes.items()), ("ep", s.layout.ep))
 
 
 @functools.lru_cache(maxsize=65536)  # independent of the placement order and of recompute
@@ -217,12 +287,36 @@ def _layer_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: in
                   keep_inputs: bool):
     """One layer's collectives, summed: (forward activations outside cp and z, backward ones, the z
     weight traffic)."""
-    routed = balanced_routing(block, batch * seq) if block.moe else ()  # a mixture: routing.py's assumption
-    passes = block_passes(block, dict(sizes), batch, seq, seq_parallel=seq_parallel, keep_inputs=keep_inputs,
-                          routed=routed)
+    grid = dict(sizes)
+    tokens, ep = batch * seq, grid["ep"]
+    # a mixture: routing.py's assumption, on expert-group rank 0 (the busiest)
+    routed = local_routing(block, tokens, ep) if block.moe else ()
+    exchanged = exchanged_rows(block, tokens, ep) if block.moe else (0, 0)
+    passes = block_passes(block, grid, batch, seq, seq_parallel=seq_parallel, keep_inputs=keep_inputs,
+                          routed=routed, exchanged=exchanged)
     return (_totals([c for c in passes.forward if c.group not in ("cp", "z")]),  # ring attention: separately
             _totals([c for c in passes.backward if c.group not in ("cp", "z")]),
             _totals([c for c in passes.all() if c.group == "z"]))
+
+
+def expert_exchange_bytes(cfg: ModelConfig, s: Job) -> dict[str, float]:
+    """Bytes rank 0 sends to the other ranks of its expert group in one step, by ledger op
+    ("all_to_all": the routing counts, "all_to_all_v": the rows and their gradients), as the step
+    time prices them: one layer's collectives (`_layer_totals`, at the routing of `routing.py`),
+    the forward's again under full recompute, times the layers of the most loaded pipeline rank
+    and the micro-batches. What the runtime's ledger records for ("ep", op)."""
+    if not cfg.block.moe or s.layout.ep == 1:
+        return {}
+    forward, backward, _ = _layer_totals(cfg.block, _within_replica(s), int(s.micro_batch / s.z), int(s.seq / s.cp),
+                                         s.seq_parallel, s.keep_gathered_inputs)
+    out: dict[str, float] = {}
+    for totals, times in ((forward, 2 if s.recompute == "full" else 1), (backward, 1)):
+        for group, op, width, numel, _ in totals:
+            if group == "ep":
+                sent = _per_byte(op, s.layout.ep) * numel * width.element_bytes(s.element_bytes)
+                out[op] = out.get(op, 0.0) + times * sent
+    layers = max(rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers))
+    return {op: sent * layers * s.microbatches for op, sent in out.items()}
 
 
 @functools.lru_cache(maxsize=65536)
@@ -244,7 +338,7 @@ def _overlapped(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int,
     layers = [(plan.qkv, tokens), (plan.out, tokens)]
     if block.moe:
         layers += [(plan.shared_up, tokens), (plan.shared_down, tokens)] if plan.shared_up is not None else []
-        layers += [(layer, n) for n in balanced_routing(block, tokens) for layer in (plan.up, plan.down)]
+        layers += [(layer, n) for n in local_routing(block, tokens, grid["ep"]) for layer in (plan.up, plan.down)]
     else:
         layers += [(plan.up, tokens), (plan.down, tokens)]
     out = []
@@ -291,9 +385,10 @@ def _plan(block, x: int, y: int):
 
 @functools.lru_cache(maxsize=65536)  # many grids share a replica's shapes (dp and pp do not change them)
 def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float, peak_tflops: float,
-                          cal: Constants) -> tuple[float, float]:
+                          cal: Constants, ep: int = 1) -> tuple[float, float]:
     """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
-    x = 1 for the megatron profile's 1D tensor parallelism."""
+    x = 1 for the megatron profile's 1D tensor parallelism; a mixture's experts/ep experts on the
+    rows the ep ranks send them."""
     T = seq / cp * batch
     peak = peak_tflops * 1e12
     d = block.head_dim
@@ -302,9 +397,10 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
     for layer in plan.linears:  # each rank's block of each GEMM (z only splits the stored weights)
         k_local = layer.in_features / (x if layer.in_dim == "x" else y)
         n_local = layer.out_features / (x if layer.out_dim == "x" else y)
-        # a mixture's experts: each on its share of the routed tokens, one after another (routing.py)
-        tokens, times = ((expert_tokens(block, T), block.experts) if block.moe and layer in (plan.up, plan.down)
-                         else (T, 1))
+        # a mixture's experts: each on its share of the routed tokens, one after another (routing.py);
+        # with expert parallelism, experts/ep of them, each on its share of the ep ranks' tokens
+        tokens, times = ((expert_tokens(block, T * ep), block.experts // ep)
+                         if block.moe and layer in (plan.up, plan.down) else (T, 1))
         forward += times * 2 * tokens * k_local * n_local / (peak * gemm_efficiency(tokens, k_local, n_local, cal))
     if block.moe:  # the router's GEMM on the stream's features of this x rank (the shared gate's is a GEMV)
         forward += 2 * T * block.hidden / x * block.experts / (
@@ -432,7 +528,7 @@ class _Compute:
 def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str,
              flash_attention: bool = True) -> _Compute:
     forward, dw = _layer_compute_cached(cfg.block, s.x if framework == "fourfold" else 1, s.y, s.seq, s.cp,
-                                        s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal)
+                                        s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep)
     T = s.seq / s.cp * s.micro_batch / s.z
     traffic = _elementwise_traffic(cfg, s, T, framework)
     if not flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
@@ -445,7 +541,9 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     head = 6 * T * cfg.hidden * vocab / (s.x * s.y if framework == "fourfold" else s.y)
     head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, vocab / s.y, cal)
     ranks = rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
-    optimizer = 16 * _params_per_rank(cfg, s, ranks, framework) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
+    dense, experts = _params_per_rank(cfg, s, ranks, framework)
+    # ZeRO-1: the dense parameters' shard of 1/(dp*cp), the experts' of 1/(dp*cp/ep)
+    optimizer = 16 * (dense + experts * s.layout.ep) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
     return _Compute(forward, dw, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
 
@@ -475,12 +573,16 @@ def _score_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str) -> f
     return 4 * s.element_bytes * heads * tokens * s.seq
 
 
-def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...], framework: str) -> float:
+def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...], framework: str) -> tuple[float, float]:
+    """(dense parameters, expert parameters) held by a rank of the most loaded pipeline stage: a
+    mixture's experts split over the ep ranks too (their gradients reduced over dp*cp/ep replicas)."""
     matrices, vectors = layer_params(cfg)
     tp = s.x * s.y * s.z if framework == "fourfold" else s.y
     replicated = replicated_params(cfg.block)  # a mixture's router and shared gate: over x only (fourfold)
+    experts = expert_params(cfg.block)
     held = replicated / (s.x if framework == "fourfold" else 1) - replicated / tp
-    return max(ranks) * ((matrices + vectors) / tp + held) + cfg.hidden * cfg.vocab / tp
+    dense = max(ranks) * ((matrices - experts + vectors) / tp + held) + cfg.hidden * cfg.vocab / tp
+    return dense, max(ranks) * experts / (tp * s.layout.ep)
 
 
 def compute_bound(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
@@ -527,8 +629,10 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     # rank's `virtual` stages (interleaving sends v times as often), over the pp group's link.
     if s.pp > 1:
         shard = T * cfg.hidden / (s.x * s.y if framework == "fourfold" else s.y)
-        micro_comm += comm_seconds([Collective("pp", "send", int(shard))] * 2 * s.virtual, s, cluster,
-                                   s.element_bytes, k)
+        sends = [Collective("pp", "send", int(shard))]
+        if cfg.experts and cfg.aux_loss and framework == "fourfold":  # a mixture's load-balancing sums beside it
+            sends.append(Collective("pp", "send", 2 * cfg.experts, wide=True))
+        micro_comm += comm_seconds(sends * 2 * s.virtual, s, cluster, s.element_bytes, k)
     m = s.microbatches
     compute, exposed = m * micro_compute, m * micro_comm
     # Interleaved 1F1B (Narayanan et al. 2021): the bubble is (p-1)/v micro-batch times.
@@ -566,9 +670,15 @@ def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Co
     g = s.dp * s.cp
     if g == 1:
         return 0.0
-    params_rank = _params_per_rank(cfg, s, c.ranks, framework)
-    bw = _bandwidth(s.layout, cluster, ("dp", "cp"), k.intra_node_efficiency, k.inter_node_efficiency)
-    reduce = float(bytes_sent("reduce_scatter", g, 4 * params_rank)) / bw
-    gather = float(bytes_sent("all_gather", g, s.element_bytes * params_rank)) / bw
+    dense, experts = _params_per_rank(cfg, s, c.ranks, framework)
+    reduce = gather = 0.0
+    # the dense parameters over dp*cp; with expert parallelism the experts' over their replicas (edp)
+    for params, group in ((dense, ("dp", "cp")), (experts, ("edp",) if s.layout.ep > 1 else ("dp", "cp"))):
+        size = group_size(s.layout, group)
+        if size == 1 or params == 0:
+            continue
+        bw = _bandwidth(s.layout, cluster, group, k.intra_node_efficiency, k.inter_node_efficiency)
+        reduce += float(bytes_sent("reduce_scatter", size, 4 * params)) / bw
+        gather += float(bytes_sent("all_gather", size, s.element_bytes * params)) / bw
     return (_exposed(reduce, micro_compute * 2 / 3, k.dp_overlap)
             + _exposed(gather, micro_compute / 3, k.param_gather_overlap))

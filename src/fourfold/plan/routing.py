@@ -1,10 +1,20 @@
-"""A mixture of experts as the planner prices it: the routing it assumes, and the parameters the
-runtime holds replicated (`fourfold.parallel.tensor.moe`).
+"""A mixture of experts as the planner prices it: the routing it assumes, the parameters the
+runtime holds replicated, and expert parallelism's split of the experts and exchange of tokens
+(`fourfold.parallel.tensor.moe`).
 
-fourfold has no expert parallelism: every rank runs every expert on its own tokens, each expert's
-weights split over x, y and z as the dense MLP's. Whatever the routing, the tokens a rank's
+Each expert's weights are split over x, y and z as the dense MLP's. Without expert parallelism
+(ep = 1) every rank runs every expert on its own tokens: whatever the routing, the tokens a rank's
 experts see add up to top_k * T, so FLOPs, saved activations and collective volumes do not depend
 on it; only the shape of each expert's GEMMs does (top_k * T / experts tokens each when balanced).
+
+With expert parallelism (`Layout.ep`, ep consecutive ranks of the dp*cp group) a rank holds
+experts/ep of the experts (`ParallelMoE.first` on): each of its T tokens' top_k choices is sent to
+the rank holding its expert (an uneven all-to-all of rows of hidden/x features, after one of the
+E routing counts), the experts run on every row the ep group sent them, and the outputs come back
+by the reverse exchange. At a balanced routing a rank's experts receive top_k * T rows in all, as
+many as it sends; a rank sends (ep - 1)/ep of its rows to the others. The runtime's fake-tensor
+path routes choice i to expert i % experts on every rank (`moe.balanced_choice`), which
+`local_routing` and `exchanged_rows` reproduce row for row.
 """
 
 from __future__ import annotations
@@ -13,8 +23,10 @@ from fourfold.spec.blockspec import BlockConfig
 
 # Tokens of each expert relative to a balanced routing. 1.0: balanced, exact for every sum above
 # without expert parallelism (an assumption only for the per-expert GEMM shapes; no measurement of
-# a trained router's spread is shipped). Above 1, every expert is priced at the busiest one's count:
-# an upper bound of compute, activations and volumes, for a pessimistic plan.
+# a trained router's spread is shipped). With expert parallelism it also sets the rows the busiest
+# rank receives (its experts' GEMMs, their saved activations and its exchange's volume: every rank
+# waits for it). Above 1, every expert is priced at the busiest one's count: an upper bound of
+# compute, activations and volumes, for a pessimistic plan.
 ROUTING_IMBALANCE = 1.0
 
 
@@ -24,7 +36,8 @@ def expert_tokens(block: BlockConfig, tokens: float) -> float:
 
 
 def routed_tokens(block: BlockConfig, tokens: float) -> float:
-    """Tokens all experts see together (top_k * tokens at a balanced routing)."""
+    """Tokens all experts see together (top_k * tokens at a balanced routing). With expert
+    parallelism, of `tokens` on each of the ep ranks: the rows one rank's experts receive."""
     return expert_tokens(block, tokens) * block.experts
 
 
@@ -37,6 +50,25 @@ def balanced_routing(block: BlockConfig, tokens: int) -> tuple[int, ...]:
     return (round(expert_tokens(block, tokens)),) * block.experts
 
 
+def local_routing(block: BlockConfig, tokens: int, ep: int, rank: int = 0) -> tuple[int, ...]:
+    """Rows each expert of expert-group rank `rank` runs when each of the ep ranks routes its
+    `tokens` as `balanced_routing` does (`ParallelMoE.routed`): ep times each of its experts' count.
+    Rank 0 holds the experts that get a choice more when the choices do not divide evenly: the
+    busiest rank, the one the planner prices."""
+    per, local = balanced_routing(block, tokens), block.experts // ep
+    return tuple(ep * n for n in per[rank * local : (rank + 1) * local])
+
+
+def exchanged_rows(block: BlockConfig, tokens: int, ep: int, rank: int = 0) -> tuple[int, int]:
+    """(rows sent to the other ranks of the expert group, rows received from them) by rank `rank`
+    at that routing (`ParallelMoE.exchanged`); (0, 0) without expert parallelism."""
+    if ep == 1:
+        return (0, 0)
+    per, local = balanced_routing(block, tokens), block.experts // ep
+    mine = sum(per[rank * local : (rank + 1) * local])  # its own choices of its own experts
+    return sum(per) - mine, (ep - 1) * mine
+
+
 def replicated_params(block: BlockConfig) -> int:
     """Parameters of a mixture's layer held split over x only (replicated over y and z): the router
     (experts x hidden) and the shared expert's gate (hidden). `spec.counts.layer_params` counts them
@@ -44,3 +76,12 @@ def replicated_params(block: BlockConfig) -> int:
     if not block.moe:
         return 0
     return block.experts * block.hidden + (block.hidden if block.shared_ffn else 0)
+
+
+def expert_params(block: BlockConfig) -> int:
+    """Parameters of a mixture's layer in its routed experts (every expert's MLP matrices, split
+    over x, y and z, and over the ep ranks with expert parallelism; their optimizer state over the
+    dp*cp/ep expert replicas). `spec.counts.layer_params` counts them among the matrices."""
+    if not block.moe:
+        return 0
+    return block.experts * (3 if block.gated else 2) * block.hidden * block.ffn

@@ -20,7 +20,8 @@ from fourfold.spec.rules import JobError, Problem, problems
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
 ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp", "dp", "pp"),
           ("x", "y", "cp", "z", "dp", "pp")]
-COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp")]  # every group the perf model times
+# every group the perf model times (ep, edp: a mixture's expert groups, `perf.group_ranks`)
+COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",)]
 # A candidate that fits but leaves less than this fraction of the card free is "tight": the estimate's
 # error, allocator fragmentation or a longer batch can push it over. Shown, and ranked after the others.
 HEADROOM = 0.05
@@ -33,6 +34,9 @@ def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
     if framework == "megatron" and (job.x != 1 or job.z != 1):
         found.append(Problem("the megatron profile has 1D tensor parallelism",
                              "give --tp (y) and leave x = z = 1"))
+    if framework == "megatron" and job.layout.ep > 1:
+        found.append(Problem("the megatron profile (the formulas of arXiv 2411.06465) has no expert parallelism",
+                             "leave --ep 1, or use --framework fourfold"))
     if found:
         raise JobError(found)
 
@@ -54,7 +58,7 @@ def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule
     g = job.layout
     return {
         "job": job, "framework": framework, "dp": g.dp, "pp": g.pp, "cp": g.cp, "x": g.x, "y": g.y, "z": g.z,
-        "virtual": job.virtual, "order": ",".join(g.order), "micro_batch": job.micro_batch,
+        "ep": g.ep, "virtual": job.virtual, "order": ",".join(g.order), "micro_batch": job.micro_batch,
         "recompute": job.recompute, "seq_parallel": job.seq_parallel, "keep_gathered_inputs": job.keep_gathered_inputs,
         "memory_gib": mem.gib, "memory_limit_gib": mem.limit_bytes / 2**30, "fits": mem.fits,
         "tight": mem.fits and mem.total > (1 - HEADROOM) * cluster.gpu.memory_gib * GIB,
@@ -109,7 +113,9 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False,
            framework: str = "fourfold", top: int | None = None) -> Ranking:
     """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, order and
-    recompute option of `base`, ranked (`rank`); each result's `job` is the job itself. `top`: only
+    recompute option of `base`, and for a mixture of experts (fourfold's profile) each expert
+    parallelism ep dividing both the experts and dp*cp, ranked (`rank`); each result's `job` is
+    the job itself. `top`: only
     the first `top` results (and every tie of the first) are wanted, exactly as a full search ranks
     them: jobs are evaluated in the order of a lower bound of their step time (`compute_bound`),
     and the search stops where that bound passes every time it keeps."""
@@ -122,13 +128,14 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     for dp, pp, cp, x, y, z in factorisations(gpus):
         if framework == "megatron" and (x != 1 or z != 1):
             continue
-        layout = Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z)
-        for mb in micro_batches:
-            if base.global_batch % (dp * mb) or mb % z:
-                continue  # two of the rules, asked first: most of a large GPU count's grids fail them
-            job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0])
-            if not problems(cfg, job, gpu=True):
-                queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
+        for ep in expert_parallel_sizes(cfg, dp * cp, framework):
+            layout = Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z, ep=ep)
+            for mb in micro_batches:
+                if base.global_batch % (dp * mb) or mb % z:
+                    continue  # two of the rules, asked first: most of a large GPU count's grids fail them
+                job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0])
+                if not problems(cfg, job, gpu=True):
+                    queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
     considered = len(queue)
     heapq.heapify(queue)
     results, kept = [], []
@@ -165,6 +172,15 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     return Ranking(rank(results, cal), considered)
 
 
+def expert_parallel_sizes(cfg: ModelConfig, replicas: int, framework: str = "fourfold") -> list[int]:
+    """The ep the search tries on a grid of `replicas` = dp*cp ranks: every divisor of gcd(experts,
+    dp*cp) for a mixture of experts on fourfold's profile (the rules' condition), else 1."""
+    if not cfg.block.moe or framework != "fourfold":
+        return [1]
+    n = math.gcd(cfg.experts, replicas)
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _cutoff(kept: list[float], top: int, cal: Calibration) -> float:
     """The step time past which no job can enter the first `top` results or the first's ties
     (`kept`: the times of the candidates that fit with headroom, sorted)."""
@@ -174,10 +190,10 @@ def _cutoff(kept: list[float], top: int, cal: Calibration) -> float:
 def rank(results: list[dict], cal: Calibration) -> list[dict]:
     """Best first: those that fit with headroom, then the tight ones, then those that do not fit.
     When others' step times are within the model's cross-validated error of the fastest's, they
-    and the fastest (`tie` True) lead, simplest first: the least model parallelism (tp*cp*pp), then the largest
-    micro-batch, as the measured runs rank them (docs/planner.md, "Calibration"); then by step time
-    (equal to four digits: less context parallelism, then the smaller model-parallel group, then
-    less memory)."""
+    and the fastest (`tie` True) lead, simplest first: the least model parallelism (tp*cp*pp), then the least
+    expert parallelism, then the largest micro-batch, as the measured runs rank them (docs/planner.md,
+    "Calibration"); then by step time (equal to four digits: less context parallelism, then the smaller
+    model-parallel group, then less memory)."""
     def by_time(r: dict) -> tuple:
         return (rounded_seconds(r["step_seconds"]), r["cp"], _model_parallel(r), r["memory_gib"])
 
@@ -189,7 +205,7 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     if sum(r["tie"] for r in results) == 1:  # the fastest alone: nothing to tell apart
         next(r for r in results if r["tie"])["tie"] = False
     return sorted(results, key=lambda r: (not r["fits"], r["tight"], not r["tie"],
-                                          (_model_parallel(r), -r["micro_batch"]) if r["tie"] else (),
+                                          (_model_parallel(r), r.get("ep", 1), -r["micro_batch"]) if r["tie"] else (),
                                           *by_time(r)))
 
 

@@ -142,5 +142,7 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
                     opt.step()
                     del loss
                 counter.enter("checkpoint save and load")
-                checkpoint.dry_run(model, opt, grid.group(("dp", "cp")))  # a save and a load use the live tensors
+                # a save and a load use the live tensors; the trainer's replicas (expert replicas with ep > 1)
+                replicas = grid.expert_group("edp") if job.layout.ep > 1 else grid.group(("dp", "cp"))
+                checkpoint.dry_run(model, opt, replicas)
         return Measurement(counter.peak, counter.phase_peaks, counter.largest_at_peak(top))

@@ -104,6 +104,12 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
         backward(out)
 
 
+def checkpoint_replicas(grid: Grid):
+    """The ranks that share a checkpoint's writing, as the trainer takes them: the dp*cp ranks, or
+    with expert parallelism the expert replicas (the ranks holding the same experts)."""
+    return grid.expert_group("edp") if grid.layout.ep > 1 else grid.group(("dp", "cp"))
+
+
 def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Simulation:
     """Run rank `rank` of `job` alone (see the module's doc); `steps` timed steps follow two
     counted ones (the second has the optimizer state of every later step)."""
@@ -120,6 +126,9 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
             grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
             for dims in TRAINER_GROUPS:
                 grid.group(dims)
+            if job.layout.ep > 1:  # a mixture's token exchange and expert replicas (Grid.expert_group)
+                for kind in ("ep", "edp"):
+                    grid.expert_group(kind)
         tokens = (job.microbatches * (job.micro_batch // job.z), job.seq // job.cp)
         with FakeTensorMode(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             with _timed(startup, "model"):
@@ -141,7 +150,7 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
                     counter.enter(f"step {n}")
                     step()
                 counter.enter("checkpoint save")
-                save, load = checkpoint.dry_run(model.module, opt, grid.group(("dp", "cp")))  # as the trainer
+                save, load = checkpoint.dry_run(model.module, opt, checkpoint_replicas(grid))  # as the trainer
                 counter.enter("checkpoint load")
             grid.ledger.reset()
             seconds = []
