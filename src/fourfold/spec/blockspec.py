@@ -66,6 +66,9 @@ class BlockConfig:
     rope_scaling: RopeScaling | None = None
     head_size: int = 0  # an explicit head dim (config.json's head_dim); 0: hidden / heads
     eps: float = 1e-5
+    # Qwen3: queries and keys RMS-normalised over each head's features before RoPE, by a [head_dim]
+    # weight each (attn.q_norm, attn.k_norm), held whole wherever heads are
+    qk_norm: bool = False
     # Mixture of experts (experts > 0): each token's MLP is the weighted sum of its top_k experts,
     # SwiGLU MLPs of `ffn` features; the router's softmax weights of the chosen ones, renormalised
     # to sum to 1 with `norm_topk`; plus a shared expert of `shared_ffn` features under a sigmoid gate.

@@ -10,7 +10,8 @@ if TYPE_CHECKING:
 
 
 def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
-    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama.
+    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama (plus
+    Qwen3's two [head_dim] q/k norm weights).
     A mixture's MLP: every expert's 3hF (with `active`, the top_k a token runs through), the
     router's E h, and a shared expert's 3hF_s with its gate's h."""
     b = cfg.block
@@ -24,6 +25,7 @@ def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
     vectors = (2 if b.norm == "rms" else 4) * cfg.hidden
     vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
     vectors += cfg.hidden if b.out_bias else 0
+    vectors += 2 * d if b.qk_norm else 0
     vectors += ((2 if b.gated else 1) * cfg.ffn + cfg.hidden) if b.mlp_bias else 0
     return matrices, vectors
 

@@ -25,7 +25,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions, Overlapper
 from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
 from fourfold.parallel.tensor.moe import ParallelMoE
-from fourfold.parallel.tensor.norm import ParallelNorm, compiled
+from fourfold.parallel.tensor.norm import HeadNorm, ParallelNorm, compiled
 from fourfold.spec.blockspec import BlockConfig, BlockPlan, LinearPlan, RopeScaling, block_plan
 
 
@@ -175,6 +175,10 @@ class ParallelAttention(nn.Module):
         self.rotate = compiled(rotate) if opts.compile else rotate
         self.qkv = _linear(grid, plan.qkv, prefix, opts, seed=seed, std=std, overlap=overlap)
         self.out = _linear(grid, plan.out, prefix, opts, seed=seed, std=out_std, overlap=overlap)
+        if self.cfg.qk_norm:  # Qwen3's: each head's queries and keys RMS-normalised before RoPE
+            self.q_norm, self.k_norm = (
+                HeadNorm(grid, self.cfg.head_dim, self.cfg.eps, own_heads=self.own_heads, dtype=opts.dtype,
+                         name=f"{prefix}.attn.{n}", compile=opts.compile) for n in ("q_norm", "k_norm"))
 
     def core(self, qkv: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]. With
@@ -183,8 +187,10 @@ class ParallelAttention(nn.Module):
         b, s, _ = qkv.shape
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = q.view(b, s, self.heads, d).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, d).transpose(1, 2)
+        q, k = q.view(b, s, self.heads, d), k.view(b, s, self.kv_heads, d)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
         if self.cfg.rope:
             # dynamic scaling depends on the whole sequence's length, of which this cp rank holds a part

@@ -157,3 +157,39 @@ class ParallelNorm(ParallelModule):
                 t = pick(p).detach()
                 out[f"{self.name}.{suffix}"] = comm.all_gather(t, self.grid.group("x"))
         return out
+
+
+class HeadNorm(ParallelModule):
+    """RMSNorm over each head's features (Qwen3's q_norm and k_norm: [..., head_dim] by a [head_dim]
+    weight), fp32 statistics as `ParallelNorm`'s. A rank holds whole heads, so the statistics need no
+    collective; the weight is held whole on every rank. Its gradient is summed over the ranks that hold
+    other heads (x*y on the non-redundant path, y on the published one, where the x ranks compute the
+    same heads) and other tokens (z; dp and cp by the gradient sync). Sequence parallelism does not
+    change it: attention runs after the QKV projection has gathered the tokens over y."""
+
+    def __init__(self, grid: Grid, head_dim: int, eps: float, *, own_heads: bool, dtype: torch.dtype, name: str,
+                 compile: bool = False):
+        super().__init__()
+        self.grid, self.head_dim, self.eps, self.name, self.compile = grid, head_dim, eps, name, compile
+        self.grad_sum = ("x", "y", "z") if own_heads else ("y", "z")
+        # no reduction of the statistics: a group of this rank alone (its collectives cost and record nothing)
+        self.alone = Group(f"{name}.alone", None, (grid.rank,), 0, grid.ledger)
+        self.weight = nn.Parameter(torch.empty(head_dim, dtype=dtype))
+        self.initialise()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _Normalise.apply(h, self.weight, None, self.alone, self.eps, self.head_dim, False, self.compile)
+
+    def load(self, read, put) -> None:
+        put(self.weight, read(f"{self.name}.weight", slice(0, self.head_dim), None))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        piece = vector_piece(f"{self.name}.weight", self.head_dim, 0, self.head_dim)
+        return {self.weight: ParamLayout(self.grad_sum, ("x", "y", "z"), (piece,))}
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        return {f"{self.name}.weight": pick(self.weight).detach()}
