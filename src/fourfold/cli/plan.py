@@ -183,8 +183,8 @@ def error_note(cal: Calibration) -> str:
         return ("step times: the model's error is unknown with these constants (no cross-validation: "
                 "`fourfold calibrate` measures it)")
     return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error); {TIE} within it of the fastest: "
-            f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the largest "
-            f"micro-batch); measure them before choosing")
+            f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the least ep, then "
+            f"the largest micro-batch); measure them before choosing")
 
 
 def passed_over(found: list[dict]) -> str:
