@@ -1,6 +1,7 @@
 """One rank of a large job on this machine: the grid's groups on a fake world of thousands of
 ranks, and `fourfold simulate` against the other measurement of the same runtime (measure_peak)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.plan.memory import estimate_memory
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
+from fourfold.spec.volumes import ledger_bytes, pipeline_sends
 from fourfold.tools.measure import measure_peak
 from fourfold.tools.simulate import TRAINER_GROUPS, simulate
 
@@ -79,6 +81,20 @@ def test_simulate_cli_reports_a_later_pipeline_stage(capsys):
     assert out["world"] == 32 and out["coords"]["pp"] == 1 and out["coords"]["dp"] == 3
     assert out["layers"] == 2 and len(out["step_seconds"]) == 1
     assert set(out["startup_seconds"]) == {"process group", "grid and groups", "model", "optimizer"}
+
+
+@pytest.mark.parametrize("rank", [0, 4])  # the first stage's rank and the last's
+def test_simulated_pipeline_sends_are_the_volumes(rank):
+    """A tied model over two stages: each stage's activations and gradients, and the tied table's
+    copy and its gradient, sent as `spec.volumes.pipeline_sends` counts them."""
+    cfg = dataclasses.replace(load_config("tiny-llama"), tied=True)
+    job = Job(Layout(dp=2, pp=2, x=2), global_batch=8, micro_batch=2, seq=64, seq_parallel=True, precision="bf16")
+    sim = simulate(cfg, job, rank=rank, steps=1)
+    stage = Layout(dp=2, pp=2, x=2).coords(rank)["pp"]
+    expected = pipeline_sends(cfg, job.layout.sizes, job.micro_batch, job.seq, job.microbatches, [stage], 2,
+                              seq_parallel=True)
+    sent = {c["op"]: c["bytes"] for c in sim.collectives_per_step if c["group"] == "pp"}
+    assert sent == {"send": int(ledger_bytes(expected, job.layout.sizes, 2)[("pp", "send")])}
 
 
 def test_simulate_names_a_rank_outside_the_job(capsys):

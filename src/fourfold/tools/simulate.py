@@ -27,6 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fourfold import checkpoint
 from fourfold.models.config import ModelConfig
+from fourfold.parallel import comm
+from fourfold.parallel.comm import at_least_fp32
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.optimizer import AdamW
@@ -78,11 +80,19 @@ def _timed(seconds: dict[str, float], phase: str):
 
 
 def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float) -> None:
-    """This rank's stages through one step in 1F1B order, without the sends (a fake process group
-    cannot answer the schedule's start-up vote): a stage keeps up to pp - stage micro-batches in
-    flight before its first backward, as 1F1B does; a rank's virtual stages are run one after the
-    other (their shapes chain: ids or the stream in, the stream or the logits out)."""
-    grid, first = pipeline.grid, pipeline.models[0]
+    """This rank's stages through one step in 1F1B order, without the schedule (a fake process
+    group cannot answer its start-up vote): a stage keeps up to pp - stage micro-batches in flight
+    before its first backward, as 1F1B does; a rank's virtual stages are run one after the other
+    (their shapes chain: ids or the stream in, the stream or the logits out). The schedule's sends
+    (each stage's output forward, its input's gradient backward, a mixture's load-balancing sums
+    beside them) are recorded in the ledger as `_LedgerStage` records them; a tied embedding's
+    table and its copy's gradient are sent as the pipeline sends them."""
+    grid, first, pp = pipeline.grid, pipeline.models[0], pipeline.pp
+    n_stages = pp.size * len(pipeline.models)
+    sends = sum((i < n_stages - 1) + (i > 0) for i in pipeline.indices)  # per micro-batch
+    stream = torch.empty(pipeline.stream_shape, dtype=first.opts.dtype)
+    sums = torch.empty(2, first.cfg.experts, dtype=at_least_fp32(first.opts.dtype)) if pipeline.routing else None
+    pipeline._set_copy()
     for model in pipeline.models:
         model.overlap.new_pass()
     in_flight, depth = [], min(job.microbatches, job.pp - pipeline.indices[0])
@@ -91,6 +101,10 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
         out.backward(None if out.dim() == 0 else torch.empty_like(out))
 
     for chunk in ids.chunk(job.microbatches):
+        for _ in range(sends):
+            pp._record("send", stream)
+            if sums is not None:
+                pp._record("send", sums)
         h = chunk if pipeline.has_first else torch.empty(pipeline.stream_shape, dtype=first.opts.dtype,
                                                          requires_grad=True)
         for model in pipeline.models:
@@ -102,6 +116,8 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
             backward(in_flight.pop(0))
     for out in in_flight:
         backward(out)
+    if pipeline.tied and pipeline.has_last:
+        comm.send(pipeline.models[-1].lm_head.copy_grad, 0, pp)
 
 
 def checkpoint_replicas(grid: Grid):
