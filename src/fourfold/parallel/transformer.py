@@ -68,10 +68,11 @@ class Transformer(nn.Module):
     between stages.
 
     Serial parameter names (what `params.full_weights` and `params.load` use): embed, positions (GPT-2),
-    layers.{i}.attn.{q,k,v,o}, layers.{i}.mlp.{gate,up,down | fc,down}, layers.{i}.{attn,mlp}_norm.weight
-    (and .bias), norm.weight (.bias), lm_head (untied), biases as NAME.bias; a mixture of experts'
-    layers.{i}.mlp.router, layers.{i}.mlp.experts.{e}.{gate,up,down}, and a shared expert's
-    layers.{i}.mlp.shared.{gate,up,down} with layers.{i}.mlp.shared_gate.
+    layers.{i}.attn.{q,k,v,o} (Qwen3: and layers.{i}.attn.{q,k}_norm.weight),
+    layers.{i}.mlp.{gate,up,down | fc,down}, layers.{i}.{attn,mlp}_norm.weight (and .bias), norm.weight
+    (.bias), lm_head (untied), biases as NAME.bias; a mixture of experts' layers.{i}.mlp.router,
+    layers.{i}.mlp.experts.{e}.{gate,up,down}, and a shared expert's layers.{i}.mlp.shared.{gate,up,down}
+    with layers.{i}.mlp.shared_gate.
     """
 
     def __init__(self, grid: Grid, cfg: ModelConfig, opts: TensorOptions = TensorOptions(), *, seed: int = 0,
