@@ -15,7 +15,7 @@ from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives, pipeline_sends
 
 
-def run_moe(paths, ids, sizes, seq_parallel, recompute):
+def run_moe(paths, ids, sizes, seq_parallel, recompute, capacity_factor=0.0):
     """Each model's loss (its router loss included) on the batch `ids` [batch, seq + 1], this
     rank's logits (ranks at x = y = 0), the full gradients (rank 0) and its routing, in float64; the bytes
     each collective sent are the volume functions' at the routing the model took."""
@@ -27,8 +27,8 @@ def run_moe(paths, ids, sizes, seq_parallel, recompute):
     out = {}
     for name, path in paths.items():
         cfg = load_config(path)
-        model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel),
-                            recompute=recompute)
+        opts = TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel, capacity_factor=capacity_factor)
+        model = Transformer(grid, cfg, opts, recompute=recompute)
         load_hf(model, path)
         head = model.logits(inputs)
         full = comm.all_gather(comm.all_gather(head.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)

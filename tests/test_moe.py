@@ -29,6 +29,7 @@ from fourfold.spec.rules import problems
 from moe_on_grids import run_moe, run_moe_pipeline
 from serial_reference import cp_shard, relative_error, saved_random_model
 from test_models import _rms_norm_in_input_dtype
+from test_trainer import _train
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
@@ -79,7 +80,7 @@ def _load_balancing_in_input_dtype(gate_logits, num_experts, top_k, attention_ma
     return torch.sum(counts / rows * (probs / rows)) * num_experts
 
 
-def _reference(name, path, microbatches=(IDS,), layers=2):
+def _reference(name, path, microbatches=(IDS,), layers=2, router=_router_in_input_dtype):
     """transformers' loss, logits and gradients: the token losses' mean over every micro-batch plus
     the mean of each micro-batch's load-balancing loss times its coefficient (as fourfold, and
     transformers under gradient accumulation, add them up)."""
@@ -94,8 +95,8 @@ def _reference(name, path, microbatches=(IDS,), layers=2):
                 patch.setattr(module, "load_balancing_loss_func", _load_balancing_in_input_dtype)
             patch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", _rms_norm_in_input_dtype)
             patch.setattr(modeling_qwen2_moe.Qwen2MoeRMSNorm, "forward", _rms_norm_in_input_dtype)
-            patch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", _router_in_input_dtype)
-            patch.setattr(modeling_qwen2_moe.Qwen2MoeTopKRouter, "forward", _router_in_input_dtype)
+            patch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", router)
+            patch.setattr(modeling_qwen2_moe.Qwen2MoeTopKRouter, "forward", router)
             out = model(input_ids=ids[:, :-1])
         # the float64 copy is transformers' formula: its own (float32) gives the same to float32 rounding
         module = modeling_mixtral if "mixtral" in name else modeling_qwen2_moe
@@ -153,6 +154,60 @@ def test_mixtures_equal_transformers(ranks, references, grid):
             errors[(name, param)] = [relative_error(hf_grads[param], g)]
     bad = {key: found for key, found in errors.items() if not all(e < 1e-10 for e in found)}  # NaN fails too
     assert not bad, (grid, bad)
+
+
+def _capacity_router(groups, factor):
+    """transformers' router (in the input's dtype) with an expert capacity in each of `groups`
+    blocks of rows (a rank's tokens): each expert keeps its ceil(factor * top_k * rows / experts)
+    most heavily weighted choices, ties by token order; a dropped choice's weight is zeroed (its
+    expert's output then adds nothing, and no gradient reaches it)."""
+
+    def forward(self, hidden_states):
+        logits, values, indices = _router_in_input_dtype(self, hidden_states)
+        experts, kept = logits.shape[-1], torch.zeros_like(indices, dtype=torch.bool)
+        for block in torch.arange(len(indices)).chunk(groups):
+            capacity = math.ceil(factor * len(block) * indices.shape[1] / experts)
+            for e in range(experts):
+                choices = [(-values[t, j].item(), t.item(), j) for t in block for j in range(indices.shape[1])
+                           if indices[t, j] == e]
+                for _, t, j in sorted(choices)[:capacity]:
+                    kept[t, j] = True
+        return logits, values * kept, indices
+
+    return forward
+
+
+CAPACITY_GRIDS = {"serial": dict(), "dp2x2-ep2": dict(dp=2, x=2, ep=2), "dp2z2y2-ep2-sp": dict(dp=2, z=2, y=2, ep=2)}
+
+
+@pytest.mark.parametrize("grid", CAPACITY_GRIDS)
+def test_an_expert_capacity_drops_the_lightest_choices_on_every_grid(ranks, tmp_path_factory, grid):
+    """With model.capacity_factor 0.5 each expert takes at most half its balanced share of a rank's
+    choices, the heaviest: equal to transformers with the dropped choices' weights zeroed, over each
+    rank's tokens (loss, logits, every gradient), and fewer tokens reach the experts than dropless."""
+    sizes = CAPACITY_GRIDS[grid]
+    layout = Layout(**sizes)
+    names = ["mixtral", "qwen2_moe"]
+    groups = layout.dp * layout.z
+    refs = {name: _reference(name, tmp_path_factory.mktemp(name), router=_capacity_router(groups, 0.5))
+            for name in names}
+    results = ranks.run(run_moe, layout.world_size, {n: r.path for n, r in refs.items()}, IDS, sizes,
+                        "y" in sizes, "none", 0.5)
+    for name, ref in refs.items():
+        grads, errors = {}, [abs(out[name][0] - ref.loss) / ref.loss for _, out in results]
+        for c, out in results:
+            grads.update(out[name][2] or {})
+            if out[name][1] is not None:
+                expected = ref.logits.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+                errors.append(relative_error(out[name][1], expected))
+        hf_grads = to_hf_tensors(ModelConfig.from_hf(MODELS[name]), grads)
+        errors += [relative_error(hf_grads[param], g) for param, g in ref.grads.items()]
+        assert all(e < 1e-10 for e in errors), (name, max(errors))
+        # a rank's experts took at most capacity rows from each rank of their expert group, in all E * capacity
+        experts, top_k = 4, MODELS[name]["num_experts_per_tok"]
+        capacity = math.ceil(0.5 * top_k * BATCH * SEQ // groups / experts)
+        routed = [sum(layer) for _, out in results for layer in out[name][3]]
+        assert max(routed) <= experts * capacity < top_k * BATCH * SEQ // groups, routed
 
 
 PIPELINES = {  # name: (sizes, micro-batches, schedule, virtual stages, layers)
@@ -217,7 +272,7 @@ def test_counts_are_transformers(references):
 
 
 @pytest.fixture(scope="module")
-def mixtral_run(tmp_path_factory):
+def mixtral_run(ranks, tmp_path_factory):
     """A small Mixtral saved by transformers (with its load-balancing loss), its tokenizer and a
     corpus, trained by `fourfold train --model.hf` for 50 steps on dp4 with expert parallelism ep4
     (each rank one expert of four) in float64, checkpoints at steps 25 and 50."""
@@ -233,8 +288,9 @@ def mixtral_run(tmp_path_factory):
                "--log.progress", "false", "--log.every", "1", "--train.steps", "50", "--batch.global_batch", "8",
                "--batch.micro_batch", "2", "--batch.seq", "32", "--optimizer.lr", "0.01", "--optimizer.warmup", "2",
                "--checkpoint.every", "25", "--train.precision", "float64"]
-    run = SimpleNamespace(folder=folder, options=options, train=lambda *extra: _fourfold_train(*options, *extra))
-    run.train("--grid.dp", "4", "--grid.ep", "4", "--log.run_dir", str(folder / "ep4"))
+    run = SimpleNamespace(folder=folder, options=options, train=lambda *extra: _fourfold_train(*options, *extra),
+                          train_here=lambda *extra: ranks.run(_train, 4, [*options, *extra]))  # the rank pool's
+    run.train_here("--grid.dp", "4", "--grid.ep", "4", "--log.run_dir", str(folder / "ep4"))
     return run
 
 
@@ -269,15 +325,14 @@ def test_expert_parallel_training_learns_and_resumes_bitwise_after_a_kill(mixtra
 
 
 # (dp2 with micro-batches of 4: the load-balancing loss is a micro-batch's, so its tokens stay the same)
-@pytest.mark.parametrize("grid", [["--grid.dp", "4"],
-                                  ["--grid.dp", "2", "--grid.x", "2", "--grid.ep", "2", "--batch.micro_batch", "4"]],
-                         ids=["dp4-ep1", "dp2x2-ep2"])
+@pytest.mark.parametrize("grid", [["--grid.dp", "2", "--grid.x", "2", "--grid.ep", "2", "--batch.micro_batch", "4"],
+                                  ["--grid.dp", "4"]], ids=["dp2x2-ep2", "dp4-ep1"])
 def test_an_expert_parallel_checkpoint_continues_on_another_ep(mixtral_run, grid, tmp_path):
-    """The step-25 checkpoint of dp4 ep4 continues without expert parallelism, and on ep2 with x2,
+    """The step-25 checkpoint of dp4 ep4 continues on ep2 with x2, and without expert parallelism,
     with the same losses over 25 steps (float64: in float32 the sums' order sets the runs apart
     by 4e-5 in three steps)."""
     start = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000025"
-    mixtral_run.train(*grid, "--log.run_dir", str(tmp_path), "--checkpoint.load", str(start))
+    mixtral_run.train_here(*grid, "--log.run_dir", str(tmp_path), "--checkpoint.load", str(start))
     expected = _step_losses(mixtral_run.folder / "ep4")
     got = _step_losses(tmp_path)
     assert list(got) == list(range(25, 50))
@@ -344,3 +399,10 @@ def test_expert_parallel_grids_that_cannot_work_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="ep=3 must divide dp\\*cp=4 .*choose ep from 1, 2, 4"):
         Layout(dp=2, cp=2, ep=3)
     assert str(Layout(dp=4, ep=2)).startswith("dp=4,ep=2") and Layout.parse("dp=4,ep=2") == Layout(dp=4, ep=2)
+
+
+def test_a_negative_capacity_factor_is_refused_by_name():
+    from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
+
+    with pytest.raises(ConfigError, match="model.capacity_factor=-1.0 must be >= 0"):
+        validate(load_train_config(None, ["--model.capacity_factor", "-1"]), 1)

@@ -26,6 +26,10 @@ class ModelSection:
     hf: str = ""  # a Hugging Face checkpoint directory to start from (overrides preset)
     seed: int = 0  # the initial values' seed (any grid gives the same model)
     init_std: float = 0.02  # standard deviation of the initial weights
+    # A mixture's expert capacity: each expert takes at most ceil(factor * top_k * tokens / experts)
+    # of the tokens a rank routes per micro-batch, the most heavily weighted (Megatron's capacity
+    # factor, "probs" drop policy); 0: dropless (transformers' arithmetic)
+    capacity_factor: float = 0.0
 
 
 # [grid]: the sizes of the dims Layout declares, the placement order (innermost first, e.g.
@@ -378,6 +382,8 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         cfg.cluster()
     except ValueError as e:
         found.append(f"hardware: {e}")
+    if cfg.model.capacity_factor < 0:
+        found.append(f"model.capacity_factor={cfg.model.capacity_factor} must be >= 0 (0: dropless)")
     if cfg.train.eval_every < 0:
         found.append("train.eval_every must be >= 0 (0: never)")
     if cfg.train.eval_tokens < 0:

@@ -195,9 +195,10 @@ class Model:
     """This rank's part of the model, run the same way with or without pipeline stages."""
 
     def __init__(self, grid: Grid, job: Job, model_cfg: ModelConfig, *, dtype: torch.dtype, overlap: bool = True,
-                 seed: int = 0, std: float = 0.02, compile: bool = False):
+                 seed: int = 0, std: float = 0.02, compile: bool = False, capacity_factor: float = 0.0):
         opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=OverlapOptions(overlap, overlap, overlap),
-                             keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile)
+                             keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile,
+                             capacity_factor=capacity_factor)
         common = dict(seed=seed, std=std, recompute=job.recompute)
         self.grid, self.microbatches = grid, job.microbatches
         self.pipeline = None
@@ -519,6 +520,7 @@ class Trainer:
         self.job = cfg.job()
         self.model = Model(grid, self.job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
                            overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std,
+                           capacity_factor=cfg.model.capacity_factor,
                            compile=cfg.train.compile)
         self.sync = GradientSync(self.model.module, grid, shard=cfg.optimizer.zero1)
         o = cfg.optimizer

@@ -38,6 +38,7 @@ class TensorOptions:
     overlap: OverlapOptions = OverlapOptions()
     dtype: torch.dtype = torch.float32
     compile: bool = False  # norms, RoPE and activations under torch.compile (train.compile)
+    capacity_factor: float = 0.0  # a mixture's expert capacity (`moe.within_capacity`); 0: dropless
 
 
 def torch_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -254,7 +255,8 @@ class ParallelBlock(nn.Module):
             return ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap)
 
         self.mlp = (ParallelMoE(grid, plan, mlp, seed=seed, std=std, prefix=prefix, dtype=opts.dtype,
-                                seq_parallel=opts.seq_parallel) if cfg.moe else mlp(plan))
+                                seq_parallel=opts.seq_parallel, capacity_factor=opts.capacity_factor)
+                    if cfg.moe else mlp(plan))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), positions, documents)

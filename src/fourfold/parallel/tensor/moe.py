@@ -23,6 +23,7 @@ cast; Mixtral multiplies bf16 outputs by float32 weights).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -97,11 +98,12 @@ def balanced_choice(e: int, tokens: int, cfg, device: torch.device) -> tuple[tor
 
 class ParallelMoE(nn.Module):
     def __init__(self, grid: Grid, plan: BlockPlan, mlp, *, seed: int, std: float, prefix: str, dtype: torch.dtype,
-                 seq_parallel: bool):
-        """`mlp(plan)`: the runtime MLP of a block plan (ParallelMLP), for each expert and the shared one."""
+                 seq_parallel: bool, capacity_factor: float = 0.0):
+        """`mlp(plan)`: the runtime MLP of a block plan (ParallelMLP), for each expert and the shared one;
+        `capacity_factor`: see `within_capacity` (0: dropless)."""
         super().__init__()
         cfg = plan.cfg
-        self.grid, self.cfg, self.seq_parallel = grid, cfg, seq_parallel
+        self.grid, self.cfg, self.seq_parallel, self.capacity_factor = grid, cfg, seq_parallel, capacity_factor
         self.router = ReplicatedLinear(grid, cfg.hidden, cfg.experts, name=f"{prefix}.mlp.router", seed=seed, std=std,
                                        dtype=dtype)
         # Expert parallelism: this rank holds experts [first, first + experts/ep) of the mixture.
@@ -134,12 +136,16 @@ class ParallelMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         # d(weight) is a dot product over the hidden features, which x splits
         weights = regions.sum_gradients(weights.to(h.dtype), self.grid.group("x"))
+        fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
+        kept = None
+        if self.capacity_factor and not fake:  # (a balanced routing is within any capacity factor >= 1)
+            kept = within_capacity(chosen, weights.detach(), self.cfg.experts, self.capacity_factor)
+            chosen = torch.where(kept, chosen, self.cfg.experts)  # a dropped choice: no expert's
         if self.dispatch.size > 1:
             out = self._exchanged(flat, chosen, weights)
         else:
             out = torch.zeros_like(flat)
             self.routed = []
-            fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
             for e, expert in enumerate(self.experts):  # in expert order, as transformers adds them up
                 token, slot = balanced_choice(e, len(flat), self.cfg, flat.device) if fake else torch.where(chosen == e)
                 self.routed.append(len(token))
@@ -167,11 +173,11 @@ class ParallelMoE(nn.Module):
             choice_expert = torch.arange(n, device=flat.device) % experts
             send = [sum(per[s * local : (s + 1) * local]) for s in range(group.size)]
             received = [per[self.first : self.first + local]] * group.size  # every rank routes alike
-        else:
-            counts = torch.bincount(choice_expert, minlength=experts)
+        else:  # (a choice dropped over capacity names expert `experts`: counted apart, sorted last, not sent)
+            counts = torch.bincount(choice_expert, minlength=experts + 1)[:experts]
             send = counts.view(group.size, local).sum(1).tolist()
             received = comm.all_to_all(counts, group).view(group.size, local).tolist()  # [source][my expert]
-        order = torch.argsort(choice_expert, stable=True)  # the choices by expert, tokens ascending in each
+        order = torch.argsort(choice_expert, stable=True)[: sum(send)]  # the choices by expert, tokens ascending
         here = [sum(r) for r in received]  # rows from each rank of the group
         self.exchanged = (sum(send) - send[group.rank], sum(here) - here[group.rank])
         rows = regions.all_to_all_rows(flat[order // k], group, send, here)
@@ -197,6 +203,24 @@ class ParallelMoE(nn.Module):
         else:
             counts = torch.bincount(chosen.reshape(-1), minlength=self.cfg.experts).to(wide)
         return RouterStats(counts, probs.to(wide).sum(dim=0), len(logits))
+
+
+def within_capacity(chosen: torch.Tensor, weights: torch.Tensor, experts: int, factor: float) -> torch.Tensor:
+    """[tokens, top_k] bool: the choices each expert takes when it takes at most
+    ceil(factor * top_k * tokens / experts) of them, the most heavily weighted first (Megatron's
+    capacity with its "probs" drop policy; ties by token order). Counted over the tokens this rank
+    routes in a micro-batch (the x and y ranks of a tensor group route the same ones), so a grid
+    drops the same choices as any other of the same dp, cp and z. The load-balancing loss still
+    counts every choice (as Megatron's, from the routing before the drop)."""
+    capacity = math.ceil(factor * chosen.numel() / experts)
+    expert = chosen.reshape(-1)
+    heaviest = torch.argsort(-weights.reshape(-1), stable=True)
+    order = heaviest[torch.argsort(expert[heaviest], stable=True)]  # by expert, then weight, then token
+    first = torch.searchsorted(expert[order], torch.arange(experts, device=expert.device))  # each expert's start
+    place = torch.arange(len(order), device=expert.device) - first[expert[order]]  # its rank within its expert
+    kept = torch.empty_like(expert, dtype=torch.bool)
+    kept[order] = place < capacity
+    return kept.view_as(chosen)
 
 
 def router_loss(layers: list[ParallelMoE], grid: Grid, coef: float) -> torch.Tensor:
