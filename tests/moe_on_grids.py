@@ -15,15 +15,20 @@ from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives, pipeline_sends
 
 
+def _rank_batch(grid, ids):
+    """(coords, local sequences, inputs, targets) of this rank: its dp and z share of `ids`, its cp chunks."""
+    c, cp, layout = grid.coords, grid.group("cp"), grid.layout
+    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
+    return c, local, context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+
+
 def run_moe(paths, ids, sizes, seq_parallel, recompute, capacity_factor=0.0):
     """Each model's loss (its router loss included) on the batch `ids` [batch, seq + 1], this
     rank's logits (ranks at x = y = 0), the full gradients (rank 0) and its routing, in float64; the bytes
     each collective sent are the volume functions' at the routing the model took."""
     layout = Layout(**sizes)
     grid = Grid(layout)
-    c, cp = grid.coords, grid.group("cp")
-    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
-    inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+    c, local, inputs, targets = _rank_batch(grid, ids)
     out = {}
     for name, path in paths.items():
         cfg = load_config(path)
@@ -59,9 +64,7 @@ def run_moe_pipeline(paths, ids, sizes, microbatches, schedule, virtual=1):
 
     layout = Layout(**sizes)
     grid = Grid(layout)
-    c, cp = grid.coords, grid.group("cp")
-    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
-    inputs, targets = context.shard_sequence(local[:, :-1], cp), context.shard_sequence(local[:, 1:], cp)
+    c, local, inputs, targets = _rank_batch(grid, ids)
     out = {}
     for name, path in paths.items():
         cfg = load_config(path)
@@ -91,3 +94,25 @@ def save_checkpoint(path, root, sizes):
     model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64))
     load_hf(model, path)
     checkpoint.save(root, 1, model, None, {"model": dataclasses.asdict(cfg)}, keep=1)
+
+
+def assert_export_round_trip(ranks, path, tmp_path):
+    """The Hugging Face directory `path` imported on x2 z2, saved as a training checkpoint and exported
+    (`fourfold.checkpoint.export`): transformers loads the same weights and the same config from it."""
+    import json
+
+    import transformers
+
+    from fourfold.checkpoint.export import export
+    from fourfold.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads(open(f"{path}/config.json").read()))
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    ranks.run(save_checkpoint, 4, path, tmp_path / "run", dict(x=2, z=2))
+    export(tmp_path / "run", tmp_path / "hf")
+    original, exported = (transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float64).state_dict()
+                          for p in (path, tmp_path / "hf"))
+    assert original.keys() == exported.keys()
+    for key, value in original.items():
+        assert torch.equal(exported[key], value), key
+    assert ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())) == cfg

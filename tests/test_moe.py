@@ -246,20 +246,9 @@ def test_mixtures_through_pipeline_stages_equal_transformers(ranks, tmp_path_fac
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # export reads the checkpoint in one process
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_import_checkpoint_export_gives_transformers_the_same_weights(ranks, references, tmp_path, name):
-    from fourfold.checkpoint.export import export
-    from moe_on_grids import save_checkpoint
+    from moe_on_grids import assert_export_round_trip
 
-    path = references[name].path
-    cfg = ModelConfig.from_hf(json.loads(open(f"{path}/config.json").read()))
-    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
-    ranks.run(save_checkpoint, 4, path, tmp_path / "run", dict(x=2, z=2))
-    export(tmp_path / "run", tmp_path / "hf")
-    original, exported = (transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.float64).state_dict()
-                          for p in (path, tmp_path / "hf"))
-    assert original.keys() == exported.keys()
-    for key, value in original.items():
-        assert torch.equal(exported[key], value), key
-    assert ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())) == cfg
+    assert_export_round_trip(ranks, references[name].path, tmp_path)
 
 
 def test_counts_are_transformers(references):
