@@ -395,3 +395,13 @@ def test_a_negative_capacity_factor_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="model.capacity_factor=-1.0 must be >= 0"):
         validate(load_train_config(None, ["--model.capacity_factor", "-1"]), 1)
+
+
+def test_eval_takes_the_capacity_factor_and_refuses_a_negative_one(mixtral_run, capsys):
+    from fourfold.cli.main import main
+
+    step = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000025"
+    tokens = next((mixtral_run.folder / "cache").glob("*/tokens.npy"))
+    code = main(["eval", "--checkpoint", str(step), "--tokens", str(tokens), "--seq", "32", "--grid", "dp=4,ep=4",
+                 "--capacity-factor", "-1"])
+    assert code == 2 and "--capacity-factor -1.0 must be >= 0 (0: dropless)" in capsys.readouterr().err

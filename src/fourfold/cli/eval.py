@@ -39,6 +39,9 @@ def add_parser(commands) -> None:
                     help="causal, or document: each token attends to its own document only, documents ended by "
                          "the model tokenizer's end-of-document id (default: a training checkpoint's data.attention, "
                          "else causal)")
+    ev.add_argument("--capacity-factor", type=float, default=None,
+                    help="a mixture's expert capacity, as model.capacity_factor (default: a training checkpoint's, "
+                         "else 0: dropless)")
     ev.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"} as JSON')
     ev.add_argument("--device", choices=DEVICES, default="auto",
                     help="auto (default): CUDA when every rank has a GPU, CPU when there is none; or cpu, cuda")
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     init_process_group(device=args.device)
     grid = Grid(layout)
-    opts = TensorOptions(dtype=torch_dtype(args.precision, grid.device))
+    opts = TensorOptions(dtype=torch_dtype(args.precision, grid.device), capacity_factor=_capacity_factor(args))
     if layout.pp > 1:  # this rank's stages, the layers split evenly; scored forward only
         model = Pipeline(grid, model_cfg, opts, schedule="gpipe", microbatches=1, micro_batch=args.batch,
                          seq=args.seq // layout.cp)
@@ -118,6 +121,7 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
 
     if args.max_tokens < 0:
         raise ConfigError("--max-tokens must be >= 0 (0: the whole file)")
+    _capacity_factor(args)
     model = _eval_model_config(args)
     # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training,
     # one micro-batch through the pipeline stages
@@ -136,6 +140,20 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
         window_count(len(np.load(args.tokens, mmap_mode="r")), args.seq)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _capacity_factor(args: argparse.Namespace) -> float:
+    """--capacity-factor, else the training checkpoint's model.capacity_factor (the run scored its held-out
+    windows with it), else 0 (dropless, transformers' arithmetic)."""
+    if args.capacity_factor is not None:
+        if args.capacity_factor < 0:
+            raise ConfigError(f"--capacity-factor {args.capacity_factor} must be >= 0 (0: dropless)")
+        return args.capacity_factor
+    if not args.checkpoint:
+        return 0.0
+    from fourfold import checkpoint
+
+    return checkpoint.read_meta(args.checkpoint).get("config", {}).get("model", {}).get("capacity_factor", 0.0)
 
 
 def _end_of_document(args: argparse.Namespace) -> int | None:
