@@ -69,6 +69,11 @@ class BlockConfig:
     # Qwen3: queries and keys RMS-normalised over each head's features before RoPE, by a [head_dim]
     # weight each (attn.q_norm, attn.k_norm), held whole wherever heads are
     qk_norm: bool = False
+    # OLMoE: queries and keys RMS-normalised over all heads' features (q: heads * head_dim, k: kv_heads *
+    # head_dim) before the split into heads and RoPE, by a weight of that size each (attn.q_norm, attn.k_norm);
+    # a rank holds its heads' slice, and the per-token statistics are all-reduced over the ranks holding the
+    # other heads (`BlockPlan.head_group`)
+    qk_norm_all_heads: bool = False
     # Mixture of experts (experts > 0): each token's MLP is the weighted sum of its top_k experts,
     # SwiGLU MLPs of `ffn` features; the router's softmax weights of the chosen ones, renormalised
     # to sum to 1 with `norm_topk`; plus a shared expert of `shared_ffn` features under a sigmoid gate.
@@ -86,6 +91,8 @@ class BlockConfig:
             raise ValueError(f"norm {self.norm!r} must be one of {', '.join(NORMS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
+        if self.qk_norm and self.qk_norm_all_heads:
+            raise ValueError("qk_norm (per head) and qk_norm_all_heads (over all heads) exclude each other")
         if self.experts and not (0 < self.top_k <= self.experts and self.gated):
             raise ValueError(f"a mixture of {self.experts} SwiGLU experts needs 0 < top_k <= experts "
                              f"(top_k={self.top_k}, activation {self.activation!r})")
@@ -182,6 +189,9 @@ class BlockPlan:
     down: LinearPlan
     shared_up: LinearPlan | None = None  # a mixture's shared expert: mlp.shared.{gate,up,down}
     shared_down: LinearPlan | None = None
+    # the ranks holding the other heads of a token, over which statistics spanning every head (OLMoE's q/k
+    # norms) are summed: "x_y" on the non-redundant path (each rank its own heads), "y" on the published one
+    head_group: str = "y"
 
     @property
     def linears(self) -> tuple[LinearPlan, ...]:
@@ -241,5 +251,5 @@ def block_plan(cfg: BlockConfig, x: int, y: int, *, seq_parallel: bool, non_redu
         out=LinearPlan("attn.o", "y-in", cfg.heads * d, (RowSource("attn.o", 0, cfg.hidden),),
                        "scatter_tokens" if seq_parallel else "all_reduce", "features" if own_heads else "none",
                        cfg.out_bias),
-        up=up, down=down, shared_up=shared_up, shared_down=shared_down,
+        up=up, down=down, shared_up=shared_up, shared_down=shared_down, head_group="x_y" if own_heads else "y",
     )

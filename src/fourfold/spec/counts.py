@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
     """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama (plus
-    Qwen3's two [head_dim] q/k norm weights).
+    Qwen3's two [head_dim] q/k norm weights, or OLMoE's [heads * head_dim] and [kv_heads * head_dim] ones).
     A mixture's MLP: every expert's 3hF (with `active`, the top_k a token runs through), the
     router's E h, and a shared expert's 3hF_s with its gate's h."""
     b = cfg.block
@@ -26,6 +26,7 @@ def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
     vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
     vectors += cfg.hidden if b.out_bias else 0
     vectors += 2 * d if b.qk_norm else 0
+    vectors += (cfg.heads + cfg.kv_heads) * d if b.qk_norm_all_heads else 0
     vectors += ((2 if b.gated else 1) * cfg.ffn + cfg.hidden) if b.mlp_bias else 0
     return matrices, vectors
 

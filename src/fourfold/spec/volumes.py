@@ -75,8 +75,17 @@ class Passes:
         return self.forward + self.backward
 
 
+def group_size(sizes: dict, group: str) -> int:
+    """Ranks of a group named like a ledger entry: one dim ("x") or several ("x_y": the product)."""
+    n = 1
+    for dim in group.split("_"):
+        n *= sizes.get(dim, 1)
+    return n
+
+
 def _passes(sizes: dict, forward: list[Collective], backward: list[Collective]) -> Passes:
-    return Passes([c for c in forward if sizes.get(c.group, 1) > 1], [c for c in backward if sizes.get(c.group, 1) > 1])
+    return Passes([c for c in forward if group_size(sizes, c.group) > 1],
+                  [c for c in backward if group_size(sizes, c.group) > 1])
 
 
 def padded_block(sizes: dict, rows: int, cols: int) -> int:
@@ -107,6 +116,18 @@ def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, t
 def norm_passes(sizes: dict, kind: str, tokens: int) -> Passes:
     """Statistics all-reduced over x: RMSNorm one [tokens] sum, LayerNorm two; as many in backward."""
     stats = [Collective("x", "all_reduce", tokens)] * (1 if kind == "rms" else 2)
+    return _passes(sizes, stats, stats)
+
+
+def head_norm_passes(cfg: BlockConfig, sizes: dict, tokens: int, *, non_redundant: bool = True) -> Passes:
+    """OLMoE's q and k norms over all heads' features (`BlockConfig.qk_norm_all_heads`, `tensor.norm.AllHeadsNorm`)
+    on the attention's `tokens` (all of this cp rank's, gathered over y with sequence parallelism): each
+    all-reduces one per-token sum over the ranks holding the other heads (`BlockPlan.head_group`) in forward
+    and one in backward, in fp32 at least. Part of the attention core (selective recompute runs it again)."""
+    if not cfg.qk_norm_all_heads:
+        return Passes([], [])
+    group = block_plan(cfg, sizes["x"], sizes["y"], seq_parallel=False, non_redundant=non_redundant).head_group
+    stats = [Collective(group, "all_reduce", tokens, wide=True)] * 2  # q's and k's
     return _passes(sizes, stats, stats)
 
 
@@ -159,6 +180,7 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
             mlp += linear(plan.shared_up) + linear(plan.shared_down)
         mlp += _passes(sizes, [], [Collective("y", "all_gather", features)] if seq_parallel else [])  # own tokens
     return (norm_passes(sizes, cfg.norm, stream) + linear(plan.qkv)
+            + head_norm_passes(cfg, sizes, tokens, non_redundant=non_redundant)
             + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant) + linear(plan.out)
             + norm_passes(sizes, cfg.norm, stream) + mlp)
 
@@ -213,9 +235,10 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
                               exchanged=exchanged)
         if recompute == "full":  # the block's forward runs again during backward, its collectives too
             return Passes(passes.forward, passes.forward + passes.backward)
-        if recompute == "selective":  # the attention core, ring included, runs again in backward
-            ring = ring_attention_passes(cfg.block, sizes, batch, seq, non_redundant=non_redundant)
-            return Passes(passes.forward, ring.forward + passes.backward)
+        if recompute == "selective":  # the attention core, q/k norms and ring included, runs again in backward
+            core = (head_norm_passes(cfg.block, sizes, batch * seq, non_redundant=non_redundant)
+                    + ring_attention_passes(cfg.block, sizes, batch, seq, non_redundant=non_redundant))
+            return Passes(passes.forward, core.forward + passes.backward)
         return passes
 
     n = cfg.layers if layers is None else layers
@@ -263,6 +286,6 @@ def ledger_bytes(collectives: list[Collective], sizes: dict, element_size: int) 
     out: dict[tuple[str, str], Fraction] = {}
     for c in collectives:
         key = (c.group, c.op)
-        out[key] = out.get(key, Fraction(0)) + bytes_sent(c.op, sizes.get(c.group, 1),
+        out[key] = out.get(key, Fraction(0)) + bytes_sent(c.op, group_size(sizes, c.group),
                                                           c.numel * c.element_bytes(element_size))
     return out

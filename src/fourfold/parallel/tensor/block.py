@@ -25,7 +25,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions, Overlapper
 from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
 from fourfold.parallel.tensor.moe import ParallelMoE
-from fourfold.parallel.tensor.norm import HeadNorm, ParallelNorm, compiled
+from fourfold.parallel.tensor.norm import AllHeadsNorm, HeadNorm, ParallelNorm, compiled
 from fourfold.spec.blockspec import BlockConfig, BlockPlan, LinearPlan, RopeScaling, block_plan
 
 
@@ -180,6 +180,12 @@ class ParallelAttention(nn.Module):
             self.q_norm, self.k_norm = (
                 HeadNorm(grid, self.cfg.head_dim, self.cfg.eps, own_heads=self.own_heads, dtype=opts.dtype,
                          name=f"{prefix}.attn.{n}", compile=opts.compile) for n in ("q_norm", "k_norm"))
+        if self.cfg.qk_norm_all_heads:  # OLMoE's: over all heads' features, statistics summed over the head group
+            self.q_norm, self.k_norm = (
+                AllHeadsNorm(grid, heads * self.cfg.head_dim, plan.attention_chunks, self.cfg.eps,
+                             own_heads=self.own_heads, dtype=opts.dtype, name=f"{prefix}.attn.{n}",
+                             compile=opts.compile) for n, heads in (("q_norm", self.cfg.heads),
+                                                                    ("k_norm", self.cfg.kv_heads)))
 
     def core(self, qkv: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]. With
@@ -188,6 +194,8 @@ class ParallelAttention(nn.Module):
         b, s, _ = qkv.shape
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        if self.cfg.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(b, s, self.heads, d), k.view(b, s, self.kv_heads, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -5,7 +5,9 @@ model when x > 1); here the per-token sums are all-reduced over x ([tokens, 1]: 
 The arithmetic is fp32 whatever the input's dtype (as transformers and Megatron do: bf16 sums of
 squares over thousands of features lose most of their bits), and backward keeps only the input
 and the per-token statistics. With `compile` (train.compile) the elementwise work between the
-collectives runs under torch.compile; the arithmetic is the same.
+collectives runs under torch.compile; the arithmetic is the same. The same statistics serve the q/k
+norms: per head (Qwen3's `HeadNorm`, nothing to sum) and over all heads (OLMoE's `AllHeadsNorm`, summed over
+the ranks holding the other heads).
 """
 
 from __future__ import annotations
@@ -193,3 +195,50 @@ class HeadNorm(ParallelModule):
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         return {f"{self.name}.weight": pick(self.weight).detach()}
+
+
+class AllHeadsNorm(ParallelModule):
+    """RMSNorm over the features of all heads of a token (OLMoE's q_norm and k_norm: [..., heads * head_dim]
+    by a weight of that size, before the split into heads), fp32 statistics as `ParallelNorm`'s. A rank holds
+    chunk `chunk` of the heads (`BlockPlan.attention_chunks`), so, as `ParallelNorm` over x, the per-token sum
+    of squares is all-reduced over the ranks holding the other heads (`BlockPlan.head_group`: x*y on the
+    non-redundant path, y on the published one), and backward's projection likewise: one number per token
+    each way. Each rank holds its heads' slice of the weight; its gradient is summed over z (other tokens; dp
+    and cp by the gradient sync); the x ranks of the published path compute the same heads on the same tokens
+    (a replicated slice, not summed); sequence parallelism changes nothing (attention runs on the tokens the
+    QKV projection gathered over y)."""
+
+    def __init__(self, grid: Grid, features: int, chunks: int, eps: float, *, own_heads: bool, dtype: torch.dtype,
+                 name: str, compile: bool = False):
+        super().__init__()
+        self.grid, self.features, self.eps, self.name, self.compile = grid, features, eps, name, compile
+        self.own_heads, self.local = own_heads, features // chunks
+        c = grid.coords
+        # QKV's rows: y blocks of chunks/y chunks each, split over x on the non-redundant path
+        self.chunk = c["y"] * grid.size("x") + c["x"] if own_heads else c["y"]
+        group = grid.group(("x", "y")) if own_heads else grid.group("y")
+        # named as the block plan's `head_group` whatever the placement order (the volumes' name)
+        self.group = Group("x_y" if own_heads else "y", group.process_group, group.ranks, group.rank, grid.ledger)
+        self.weight = nn.Parameter(torch.empty(self.local, dtype=dtype))
+        self.initialise()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _Normalise.apply(h, self.weight, None, self.group, self.eps, self.features, False, self.compile)
+
+    def load(self, read, put) -> None:
+        put(self.weight, read(f"{self.name}.weight", slice(self.chunk * self.local, (self.chunk + 1) * self.local),
+                              None))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        piece = vector_piece(f"{self.name}.weight", self.features, self.chunk * self.local, self.local)
+        return {self.weight: ParamLayout(("z",), ("z",) if self.own_heads else ("x", "z"), (piece,))}
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        t = pick(self.weight).detach()
+        if self.own_heads:  # chunk y * x_size + x: over x within a y block, then the y blocks
+            t = comm.all_gather(t, self.grid.group("x"))
+        return {f"{self.name}.weight": comm.all_gather(t, self.grid.group("y"))}
