@@ -100,11 +100,11 @@ def _fourfold_losses(path, sizes):
     finally:  # the worker process runs other tests next
         transformer.vocab_parallel_cross_entropy = pipeline.vocab_parallel_cross_entropy = score
     # Gradient sums travel in fp32 whatever the dtype: the weight gradients reduce-scattered over z
-    # and ring attention's dK, dV accumulators (bf16 elsewhere).
+    # and ring attention's dK, dV accumulators; the norms' statistics over x (bf16 elsewhere).
     sent = grid.ledger.bytes()
     expected = ledger_bytes(model_collectives(load_config(path), job.layout.sizes, job.micro_batch // job.z,
                                               SEQ // job.cp, seq_parallel=job.seq_parallel), job.layout.sizes, 2)
-    for key in (("z", "reduce_scatter"), ("cp", "send")):
+    for key in (("z", "reduce_scatter"), ("cp", "send"), ("x", "all_reduce")):
         if key in expected:
             assert sent[key] == expected[key] * job.microbatches * STEPS, (key, sent[key], expected[key])
     if not scored:

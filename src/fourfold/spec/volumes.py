@@ -114,8 +114,9 @@ def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, t
 
 
 def norm_passes(sizes: dict, kind: str, tokens: int) -> Passes:
-    """Statistics all-reduced over x: RMSNorm one [tokens] sum, LayerNorm two; as many in backward."""
-    stats = [Collective("x", "all_reduce", tokens)] * (1 if kind == "rms" else 2)
+    """Statistics all-reduced over x: RMSNorm one [tokens] sum, LayerNorm two; as many in backward
+    (in fp32 at least, as `tensor.norm` computes them)."""
+    stats = [Collective("x", "all_reduce", tokens, wide=True)] * (1 if kind == "rms" else 2)
     return _passes(sizes, stats, stats)
 
 
