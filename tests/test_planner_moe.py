@@ -223,6 +223,18 @@ def test_search_tries_expert_parallelism_for_mixtures_only():
         check(MIXTRAL, job(dp=8, ep=8), framework="megatron")
 
 
+def test_a_mixtures_search_places_its_expert_groups_inside_a_node_where_that_is_faster():
+    """For a mixture the search also tries the data dims innermost (ep consecutive dp*cp ranks then
+    share a node); a dense model's search does not."""
+    ranking = search(MIXTRAL, 64, H100, job(), micro_batches=(2,), top=None)
+    inner = [r for r in ranking if r["order"].startswith("cp,dp")]
+    assert inner and any(r["ep"] > 1 for r in inner)
+    # where it wins: ep8 over dp*cp with z2 innermost would put each expert group on 8 nodes
+    best = {(r["dp"], r["z"], r["ep"], r["micro_batch"]): r for r in ranking}.get((32, 2, 8, 2))
+    assert best is not None and best["order"].startswith("cp,dp")
+    assert not any(r["order"].startswith("cp,dp") for r in search(GPT20, 64, H100, job(seq=2048), top=None))
+
+
 def test_estimate_takes_ep_and_hands_it_to_train(capsys):
     code = main(["estimate", "--model", "mixtral-8x7b", "--dp", "64", "--ep", "8", "--json"])
     assert code == 0

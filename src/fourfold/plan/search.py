@@ -20,6 +20,9 @@ from fourfold.spec.rules import JobError, Problem, problems
 # Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
 ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp", "dp", "pp"),
           ("x", "y", "cp", "z", "dp", "pp")]
+# A mixture's also: the data dims innermost, so that an expert group (ep consecutive dp*cp ranks)
+# exchanges its tokens inside a node while the tensor dims cross nodes.
+EXPERT_ORDERS = [("cp", "dp", "x", "y", "z", "pp")]
 # every group the perf model times (ep, edp: a mixture's expert groups, `perf.group_ranks`)
 COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",)]
 # A candidate that fits but leaves less than this fraction of the card free is "tight": the estimate's
@@ -119,7 +122,7 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     the first `top` results (and every tie of the first) are wanted, exactly as a full search ranks
     them: jobs are evaluated in the order of a lower bound of their step time (`compute_bound`),
     and the search stops where that bound passes every time it keeps."""
-    orders = ORDERS if framework == "fourfold" else [DEFAULT_ORDER]
+    orders = (ORDERS + EXPERT_ORDERS * bool(cfg.experts)) if framework == "fourfold" else [DEFAULT_ORDER]
     # (bound, arrival, memory, job): a heap. A job enters with its compute bound; when it first
     # reaches the top its memory is estimated and, if it fits, it goes back with its tighter
     # placement bound. A job's heavier recompute enters when a lighter one does not fit.
