@@ -14,7 +14,7 @@ from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.tensor.block import TensorOptions
-from fourfold.parallel.tensor.params import ParamLayout, Piece
+from fourfold.parallel.tensor.params import ParamLayout, Piece, Replicas
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
 
@@ -43,11 +43,11 @@ def _train_and_save(sizes, root):
         _backward(grid, model)
         opt.step()
     grid.ledger.reset()
-    replicas = grid.group(("dp", "cp"))
+    replicas = Replicas.of_grid(grid)
     checkpoint.save(root, 2, model, opt, {}, keep=1, replicas=replicas)
     # each replica offers only its parameters; together, every one
     offered = {r.name for r in checkpoint.local_rectangles(model, None, replicas=replicas)}
-    assert replicas.size == 1 or offered < {r.name for r in checkpoint.local_rectangles(model, None)}
+    assert replicas.dense.size == 1 or offered < {r.name for r in checkpoint.local_rectangles(model, None)}
     return grid.ledger.calls()  # fourfold's own collectives during the save
 
 
@@ -55,7 +55,7 @@ def _load_and_save(sizes, source, root):
     """Loaded the way the trainer loads (the dp*cp replicas each read a part and all-gather);
     returns the model elements this rank read and its share if the replicas split them evenly."""
     grid, model, opt = _model(sizes)
-    replicas, read, whole = grid.group(("dp", "cp")), [], checkpoint._read
+    replicas, read, whole = Replicas.of_grid(grid), [], checkpoint._read
     checkpoint._read = lambda path, rects: read.append(sum(r.data.numel() for r in rects)) or whole(path, rects)
     try:
         checkpoint.load_checkpoint(source, model, opt, replicas=replicas)
@@ -64,7 +64,7 @@ def _load_and_save(sizes, source, root):
     _backward(grid, model)
     opt._init_state(opt.sync.finish())  # the optimizer's state is read once its buckets are traced
     checkpoint.save(root, 2, model, opt, {}, keep=1)
-    return read[0], sum(-(-p.numel() // replicas.size) for p in model.parameters())
+    return read[0], sum(-(-p.numel() // replicas.dense.size) for p in model.parameters())
 
 
 def _read_whole(path):
@@ -132,7 +132,7 @@ def _train_and_save_async(sizes, root, asynchronous):
         opt.step()
     if asynchronous:
         saver = checkpoint.AsyncSaver()  # as the trainer saves: each dp replica writes its share of the model
-        path = saver.save(root, 2, model, opt, {}, keep=1, replicas=grid.group(("dp", "cp")))
+        path = saver.save(root, 2, model, opt, {}, keep=1, replicas=Replicas.of_grid(grid))
         with torch.no_grad():  # spoil the live state at once: the staged copy is what gets written
             for t in [*model.parameters(), *(state[kind] for state in opt.state for kind in AdamW.STATE)]:
                 t.fill_(float("nan"))

@@ -14,7 +14,7 @@ from fourfold.models.config import ModelConfig, load_config, preset_names
 from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
-from fourfold.parallel.tensor.params import full_weights, sum_replicated_grads
+from fourfold.parallel.tensor.params import Replicas, full_weights, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import GridError, Layout
@@ -168,7 +168,7 @@ def _load_shared(path, sizes):
     reader, hf.checkpoint_reader = hf.checkpoint_reader, counting
     try:
         shared = Transformer(grid, load_config(path), TensorOptions(dtype=torch.float64))
-        load_hf(shared, path, replicas=grid.group(("dp", "cp")))
+        load_hf(shared, path, replicas=Replicas.of_grid(grid))
         read_shared = sum(counted)
         counted.clear()
         plain = Transformer(grid, load_config(path), TensorOptions(dtype=torch.float64), seed=1)
@@ -223,7 +223,7 @@ def _missing(path, victim):
 
     grid = Grid(Layout(dp=2))
     with pytest.raises(CheckpointError, match=rf"has no tensor '{re.escape(victim)}' \(1 missing\)"):
-        load_hf(Transformer(grid, load_config(path)), path, replicas=grid.group("dp"))
+        load_hf(Transformer(grid, load_config(path)), path, replicas=Replicas.one_group(grid.group("dp")))
     return True
 
 

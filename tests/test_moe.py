@@ -315,17 +315,26 @@ def test_expert_parallel_training_learns_and_resumes_bitwise_after_a_kill(mixtra
 
 # (dp2 with micro-batches of 4: the load-balancing loss is a micro-batch's, so its tokens stay the same)
 @pytest.mark.parametrize("grid", [["--grid.dp", "2", "--grid.x", "2", "--grid.ep", "2", "--batch.micro_batch", "4"],
-                                  ["--grid.dp", "4"]], ids=["dp2x2-ep2", "dp4-ep1"])
+                                  ["--grid.dp", "4", "--grid.ep", "2"], ["--grid.dp", "4"]],
+                         ids=["dp2x2-ep2", "dp4-ep2", "dp4-ep1"])
 def test_an_expert_parallel_checkpoint_continues_on_another_ep(mixtral_run, grid, tmp_path):
-    """The step-25 checkpoint of dp4 ep4 continues on ep2 with x2, and without expert parallelism,
-    with the same losses over 25 steps (float64: in float32 the sums' order sets the runs apart
-    by 4e-5 in three steps)."""
+    """The step-25 checkpoint of dp4 ep4 continues on ep2 with x2, on ep2 with two replicas of each
+    expert (their gradients reduced and their optimizer state sharded over both), and without expert
+    parallelism, with the same losses over 25 steps (float64: in float32 the sums' order sets the
+    runs apart by 4e-5 in three steps); the step-50 checkpoint holds every tensor of the ep4 run's,
+    model and optimizer state, with the same values."""
+    from test_trainer import _read_whole
+
     start = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000025"
     mixtral_run.train_here(*grid, "--log.run_dir", str(tmp_path), "--checkpoint.load", str(start))
     expected = _step_losses(mixtral_run.folder / "ep4")
     got = _step_losses(tmp_path)
     assert list(got) == list(range(25, 50))
     assert got == pytest.approx({s: expected[s] for s in got}, rel=1e-9)
+    mine, theirs = (_read_whole(run / "checkpoints" / "step-00000050")
+                    for run in (tmp_path, mixtral_run.folder / "ep4"))
+    assert mine.keys() == theirs.keys() and any(k.startswith("optim/m/") and ".experts." in k for k in mine)
+    assert all(torch.allclose(mine[k], theirs[k], rtol=1e-7, atol=1e-9) for k in mine)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # export reads the checkpoint in one process
@@ -393,7 +402,7 @@ def test_expert_parallel_grids_that_cannot_work_are_refused_with_the_fix():
 def test_a_negative_capacity_factor_is_refused_by_name():
     from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
 
-    with pytest.raises(ConfigError, match="model.capacity_factor=-1.0 must be >= 0"):
+    with pytest.raises(ConfigError, match="model.capacity_factor=-1.0 must be a number >= 0"):
         validate(load_train_config(None, ["--model.capacity_factor", "-1"]), 1)
 
 
@@ -404,4 +413,4 @@ def test_eval_takes_the_capacity_factor_and_refuses_a_negative_one(mixtral_run, 
     tokens = next((mixtral_run.folder / "cache").glob("*/tokens.npy"))
     code = main(["eval", "--checkpoint", str(step), "--tokens", str(tokens), "--seq", "32", "--grid", "dp=4,ep=4",
                  "--capacity-factor", "-1"])
-    assert code == 2 and "--capacity-factor -1.0 must be >= 0 (0: dropless)" in capsys.readouterr().err
+    assert code == 2 and "--capacity-factor -1.0 must be a number >= 0 (0: dropless)" in capsys.readouterr().err

@@ -182,7 +182,7 @@ def test_expert_parallelism_holds_a_share_of_the_experts():
         assert one.terms["gradients"] - m.terms["gradients"] == pytest.approx(4 * dropped)
         assert m.terms["optimizer"] == pytest.approx(one.terms["optimizer"])
         assert m.terms["activations"] == pytest.approx(one.terms["activations"])
-        assert m.replicas == 16 // ep  # the checkpoint's writers: the expert replicas, as the trainer's
+        assert (m.replicas, m.expert_replicas) == (16, 16 // ep)  # the checkpoint's writers, as the trainer's
 
 
 def test_expert_parallel_all_to_all_inside_a_node_and_across_nodes():

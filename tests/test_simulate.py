@@ -113,7 +113,8 @@ def test_simulated_expert_parallel_rank_exchanges_what_the_planner_prices():
     """A Mixtral rank with expert parallelism (2 of its layers, dp8 y2 ep4): the expert group's
     exchange bytes in the ledger are the planner's (fake tensors route at its balanced routing), the
     step peak is within 5% of the estimate's terms the fake tensors see, and the checkpoint save
-    offers what the estimate stages (the expert replicas share the weights' writing)."""
+    offers what the estimate stages (the dp*cp ranks share the dense weights' writing, the expert
+    replicas the experts')."""
     import dataclasses
 
     from fourfold.plan.perf import expert_exchange_bytes
@@ -129,5 +130,7 @@ def test_simulated_expert_parallel_rank_exchanges_what_the_planner_prices():
     estimate = estimate_memory(cfg, job, 80.0)
     step_peak = max(v for k, v in sim.device_peak_bytes.items() if k.startswith("step"))
     assert sum(v for k, v in estimate.terms.items() if k not in GPU_ONLY_TERMS) == pytest.approx(step_peak, rel=0.05)
-    assert sim.save["bytes_written"] == pytest.approx(estimate.checkpoint_host_bytes, rel=0.01)
+    # replicas write whole parameters: a rank stages its share give or take one (the embedding's y part)
+    table = cfg.vocab // job.y * cfg.hidden * 2
+    assert abs(sim.save["bytes_written"] - estimate.checkpoint_host_bytes) <= table
     assert {c["group"] for c in sim.collectives_per_step} >= {"ep", "edp"}  # experts' gradients over their replicas

@@ -3,10 +3,10 @@
 Every tensor is stored under its serial name ("model/layers.0.attn.q", "optim/m/...") and full
 shape, written in pieces: each rank writes only the rectangles of it that it holds (its z piece of
 its (x, y) block, its ZeRO-1 slice of master/m/v: `fourfold.checkpoint.sharded_io`), straight from its own
-tensors; ranks holding the same parameters (the trainer's dp*cp replicas) split them, each
-offering whole ones (otherwise DCP writes identical rectangles once). Loading onto any grid reads,
-on each rank, only the rectangles it holds, into its own tensors (replicas: a share each, then
-an all-gather).
+tensors; ranks holding the same parameters (the trainer's dp*cp replicas; an expert's, under
+expert parallelism, its expert replicas: `params.Replicas`) split them, each offering whole ones
+(otherwise DCP writes identical rectangles once). Loading onto any grid reads, on each rank,
+only the rectangles it holds, into its own tensors (replicas: a share each, then an all-gather).
 
 A save goes to `.step-N.partial/` and is renamed to `step-N/` only after every rank finished
 and `meta.json` (step, data position, config, and the manifest of its files) is written; older
@@ -169,16 +169,17 @@ def verify_contents(path: str | Path, group=None) -> None:
 
 
 def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True,
-                     replicas: comm.Group | None = None) -> list[Rectangle]:
+                     replicas: params.Replicas | None = None) -> list[Rectangle]:
     """The serial rectangles this rank holds: of its parameters ("model/NAME", with `model`) and of
     its ZeRO-1 slices of the optimizer state ("optim/master|m|v/NAME", once it has state). Views of
-    the local tensors: nothing is copied or gathered. `replicas`: a group of ranks holding the
-    same parameters (dp*cp); each offers only those assigned to it (`params.assigned`), so none plans,
-    stages or sends a chunk DCP would drop as another replica's duplicate."""
+    the local tensors: nothing is copied or gathered. `replicas`: the ranks holding the same
+    parameters (dp*cp; an expert's replicas for its weights); each offers only those assigned to it
+    among its replicas (`params.assigned_by_group`), so none plans, stages or sends a chunk DCP would
+    drop as another replica's duplicate."""
     layouts = params.layouts(module)
     out = []
     if model:
-        owned = params.assigned([p.numel() for p in layouts], replicas)
+        owned = params.assigned_by_group([(p.numel(), layout.expert) for p, layout in layouts.items()], replicas)
         for i, (p, layout) in enumerate(layouts.items()):
             if i in owned:
                 out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
@@ -254,7 +255,7 @@ def wait_for_pruning() -> None:
 
 
 def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
-         files: dict[str, Path] | None = None, replicas: comm.Group | None = None) -> Path:
+         files: dict[str, Path] | None = None, replicas: params.Replicas | None = None) -> Path:
     """Write checkpoint `step` (collective: every rank calls it) and return its directory; `files`
     (name -> path, e.g. the tokenizer) are copied in so that the checkpoint stands alone;
     `replicas`: see `local_rectangles`."""
@@ -307,7 +308,7 @@ class AsyncSaver:
         return staged
 
     def save(self, root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta: dict, keep: int,
-             files: dict[str, Path] | None = None, replicas: comm.Group | None = None) -> Path:
+             files: dict[str, Path] | None = None, replicas: params.Replicas | None = None) -> Path:
         """Start writing checkpoint `step` (collective) and return its directory-to-be; `replicas`:
         see `local_rectangles` (a replica stages only its share of the model)."""
         self.wait()
@@ -350,12 +351,12 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 16) * 16  # every staged tensor starts at a multiple of any element size
 
 
-def _shared_rectangles(module: nn.Module, replicas: comm.Group) -> list[Rectangle]:
-    """This rank's 1/n of every local parameter, n the size of `replicas` (a contiguous flat range,
+def _shared_rectangles(module: nn.Module, replicas: params.Replicas) -> list[Rectangle]:
+    """This rank's 1/n of every local parameter, n the size of its replicas (a contiguous flat range,
     as a ZeRO-1 slice is cut): what it reads when the replicas share a load."""
     rects = []
     for p, layout in params.layouts(module).items():
-        lo, hi = _share(p.numel(), replicas)
+        lo, hi = _share(p.numel(), replicas.of(layout))
         rects += rectangles(layout, p.detach().reshape(-1)[lo:hi], lo=lo, prefix="model/")
     return rects
 
@@ -365,18 +366,19 @@ def _share(numel: int, replicas: comm.Group) -> tuple[int, int]:
     return min(replicas.rank * per, numel), min((replicas.rank + 1) * per, numel)
 
 
-def _read_shared(path: Path, module: nn.Module, replicas: comm.Group) -> None:
-    """Each rank of `replicas` reads its share of every local parameter, then the group
-    all-gathers the parameter whole."""
+def _read_shared(path: Path, module: nn.Module, replicas: params.Replicas) -> None:
+    """Each rank reads its share of every local parameter, then the parameter's replicas
+    all-gather it whole."""
     _read(path, _shared_rectangles(module, replicas))
-    for p in params.layouts(module):
-        flat, (lo, hi) = p.detach().reshape(-1), _share(p.numel(), replicas)
-        part = flat.new_zeros(-(-p.numel() // replicas.size))
+    for p, layout in params.layouts(module).items():
+        group = replicas.of(layout)
+        flat, (lo, hi) = p.detach().reshape(-1), _share(p.numel(), group)
+        part = flat.new_zeros(-(-p.numel() // group.size))
         part[: hi - lo] = flat[lo:hi]
-        flat.copy_(comm.all_gather(part, replicas)[: p.numel()])
+        flat.copy_(comm.all_gather(part, group)[: p.numel()])
 
 
-def dry_run(module: nn.Module, opt: AdamW, replicas: comm.Group | None = None) -> tuple[dict, dict]:
+def dry_run(module: nn.Module, opt: AdamW, replicas: params.Replicas | None = None) -> tuple[dict, dict]:
     """Plan this rank's part of a save and of a same-grid load of it, as `save` and
     `load_checkpoint` do (with the trainer's `replicas`), without files (`fourfold simulate`,
     `memory --measure`): the rectangles offered, the size of the plan DCP's coordinator gathers
@@ -392,7 +394,7 @@ def dry_run(module: nn.Module, opt: AdamW, replicas: comm.Group | None = None) -
     # the chunks of this rank's tensors, as its replicas together wrote them: what it reads back
     written = RectangleSavePlanner(local_rectangles(module, opt)).create_local_plan()
     _, metadata = create_default_global_save_plan([written])
-    shared = replicas is not None and replicas.size > 1
+    shared = replicas is not None and replicas.shared
     loader = RectangleLoadPlanner(_shared_rectangles(module, replicas) + local_rectangles(module, opt, model=False)
                                   if shared else local_rectangles(module, opt))
     loader.set_up_planner({}, metadata, is_coordinator=True)
@@ -425,17 +427,17 @@ def _read(path: Path, rects: list[Rectangle]) -> None:
 
 
 def load_checkpoint(path: str | Path, module: nn.Module, opt: AdamW | None = None,
-                    replicas: comm.Group | None = None) -> dict:
+                    replicas: params.Replicas | None = None) -> dict:
     """Set the model (and the optimizer's state, read at its first step, once its buckets are
     traced) from a checkpoint written on any grid: each rank reads only the rectangles it holds,
-    into its own tensors; returns the checkpoint's meta. `replicas`: a group of ranks that hold
-    the same model tensors (the trainer's dp*cp). Each of them reads 1/n of every tensor and they
-    all-gather the rest, so the files are read once per model-parallel part, not once per replica
+    into its own tensors; returns the checkpoint's meta. `replicas`: the ranks that hold the same
+    model tensors (the trainer's dp*cp; an expert's replicas). Each of them reads 1/n of every tensor
+    and they all-gather the rest, so the files are read once per model-parallel part, not once per replica
     (at 405B on 128 replicas: 0.8 TB read instead of 104 TB at every restart)."""
     path = Path(path)
     meta = read_meta(path)
     with torch.no_grad():
-        if replicas is None or replicas.size == 1:
+        if replicas is None or not replicas.shared:
             _read(path, local_rectangles(module, None))
         else:
             _read_shared(path, module, replicas)

@@ -20,8 +20,7 @@ from torch import nn
 from fourfold.checkpoint import META, CheckpointError, latest
 from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm
-from fourfold.parallel.comm import Group
-from fourfold.parallel.tensor.params import Read, assigned, copy_into, load, parallel_layers
+from fourfold.parallel.tensor.params import Read, Replicas, assigned_by_group, copy_into, layouts, load, parallel_layers
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
@@ -95,9 +94,9 @@ def _check_config(directory: Path, cfg: ModelConfig) -> None:
         raise CheckpointError(f"checkpoint {directory} does not match the model config: {'; '.join(diffs)}")
 
 
-def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Group | None = None) -> None:
+def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Replicas | None = None) -> None:
     """Fill a fourfold `Transformer` (on any grid) from a Hugging Face checkpoint directory.
-    `replicas`: a group of ranks holding the same parameters (the trainer's dp*cp). Each reads
+    `replicas`: the ranks holding the same parameters (the trainer's dp*cp; an expert's replicas). Each reads
     the layers assigned to it (whole ones, balanced by size) and the group sums each parameter
     into every rank (the others give zeros: exact), so the files are read once per
     model-parallel part, not once per replica."""
@@ -105,11 +104,13 @@ def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Group | No
     _check_config(directory, model.cfg)
     dtype = next(model.parameters()).dtype
     read = checkpoint_reader(directory, model.cfg, dtype)
-    if replicas is None or replicas.size == 1:
+    if replicas is None or not replicas.shared:
         load(model, read)
         return
-    layers = parallel_layers(model)
-    mine = assigned([sum(p.numel() for p in layer.parameters()) for layer in layers], replicas)
+    layers, expert = parallel_layers(model), layouts(model)
+    is_expert = [any(expert[p].expert for p in layer.parameters() if p in expert) for layer in layers]
+    mine = assigned_by_group([(sum(p.numel() for p in layer.parameters()), e) for layer, e in zip(layers, is_expert)],
+                             replicas)
     owners: dict[nn.Parameter, int] = {}  # a parameter's first layer (a tied weight has two) gives it
     for i, layer in enumerate(layers):
         if i in mine:
@@ -120,7 +121,7 @@ def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Group | No
         for p, i in owners.items():
             if i not in mine:
                 p.zero_()
-            comm.all_reduce(p.data, replicas)
+            comm.all_reduce(p.data, replicas.experts if is_expert[i] else replicas.dense)
 
 
 def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:

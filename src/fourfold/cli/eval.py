@@ -4,6 +4,7 @@ training checkpoint) on a token file or text, on any grid."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from fourfold.cli.options import add_grid_options, launcher_options_removed
@@ -146,8 +147,8 @@ def _capacity_factor(args: argparse.Namespace) -> float:
     """--capacity-factor, else the training checkpoint's model.capacity_factor (the run scored its held-out
     windows with it), else 0 (dropless, transformers' arithmetic)."""
     if args.capacity_factor is not None:
-        if args.capacity_factor < 0:
-            raise ConfigError(f"--capacity-factor {args.capacity_factor} must be >= 0 (0: dropless)")
+        if not (math.isfinite(args.capacity_factor) and args.capacity_factor >= 0):
+            raise ConfigError(f"--capacity-factor {args.capacity_factor} must be a number >= 0 (0: dropless)")
         return args.capacity_factor
     if not args.checkpoint:
         return 0.0

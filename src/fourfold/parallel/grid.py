@@ -166,9 +166,11 @@ class Grid:
             whole, alone = ("edp", "ep") if ep == 1 else ("ep", "edp")
             return {whole: Group(whole, data.process_group, data.ranks, data.rank, self.ledger),
                     alone: Group(alone, None, (self.rank,), 0, self.ledger)}
-        outer_first = tuple(d for d in self.layout.mesh_order if d in ("dp", "cp"))
+        # The dp*cp mesh dim the data group came from (a dim of its own when the other has size 1;
+        # else the flattened one, under the group's name, which DeviceMesh reuses: no new communicator)
+        big = tuple(d for d in self.layout.mesh_order if d in ("dp", "cp") and self.layout.size(d) > 1)
         with unset_fake_temporarily():
-            flat = self.mesh[outer_first]._flatten("dp_cp") if len(outer_first) > 1 else self.mesh[outer_first[0]]
+            flat = self.mesh[big[0]] if len(big) == 1 else self.mesh[big]._flatten(data.name)
             mesh = flat._unflatten(0, (data.size // ep, ep), ("edp", "ep"))
         out = {}
         for kind in ("ep", "edp"):

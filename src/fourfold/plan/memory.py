@@ -35,6 +35,8 @@ class Memory:
     terms: dict[str, float] = field(default_factory=dict)  # bytes
     limit_bytes: float = 0.0
     replicas: int = 1  # ranks holding the same weights (dp*cp): they share the writing of them
+    expert_replicas: int = 1  # with expert parallelism: the ranks holding the same experts (dp*cp/ep)
+    expert_weights: float = 0.0  # bytes of the "weights" term that are experts' (their replicas share them)
 
     @property
     def total(self) -> float:
@@ -55,7 +57,8 @@ class Memory:
         its optimizer share (what it writes). A save or load adds nothing on the GPU: both use
         the rank's own tensors."""
         weights = self.terms.get("weights", self.terms.get("weights_and_grads", 0.0) / 3)
-        return weights / self.replicas + self.terms["optimizer"]
+        dense = weights - self.expert_weights
+        return dense / self.replicas + self.expert_weights / self.expert_replicas + self.terms["optimizer"]
 
     def breakdown_gib(self) -> dict[str, float]:
         return {k: v / GIB for k, v in self.terms.items()}
@@ -232,8 +235,9 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "cuda_context": CUDA_CONTEXT_BYTES,
         "fragmentation": FRAGMENTATION * dynamic,
     }
-    # The trainer's checkpoint replicas: the dp*cp ranks, or with expert parallelism the expert replicas
-    return Memory(terms, memory_gib * GIB, replicas=replicas // ep)
+    # The trainer's checkpoint replicas (`params.Replicas`): the dp*cp ranks, an expert's its expert replicas
+    return Memory(terms, memory_gib * GIB, replicas=replicas, expert_replicas=replicas // ep,
+                  expert_weights=e * expert_held)
 
 
 def estimate_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True,

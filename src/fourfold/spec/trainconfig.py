@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import shutil
@@ -382,8 +383,8 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         cfg.cluster()
     except ValueError as e:
         found.append(f"hardware: {e}")
-    if cfg.model.capacity_factor < 0:
-        found.append(f"model.capacity_factor={cfg.model.capacity_factor} must be >= 0 (0: dropless)")
+    if not (math.isfinite(cfg.model.capacity_factor) and cfg.model.capacity_factor >= 0):
+        found.append(f"model.capacity_factor={cfg.model.capacity_factor} must be a number >= 0 (0: dropless)")
     if cfg.train.eval_every < 0:
         found.append("train.eval_every must be >= 0 (0: never)")
     if cfg.train.eval_tokens < 0:

@@ -31,6 +31,7 @@ from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+from fourfold.parallel.tensor.params import Replicas
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 from fourfold.spec.rules import JobError, Problem, problems
@@ -142,7 +143,6 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
                     opt.step()
                     del loss
                 counter.enter("checkpoint save and load")
-                # a save and a load use the live tensors; the trainer's replicas (expert replicas with ep > 1)
-                replicas = grid.expert_group("edp") if job.layout.ep > 1 else grid.group(("dp", "cp"))
-                checkpoint.dry_run(model, opt, replicas)
+                # a save and a load use the live tensors; the trainer's replicas
+                checkpoint.dry_run(model, opt, Replicas.of_grid(grid))
         return Measurement(counter.peak, counter.phase_peaks, counter.largest_at_peak(top))

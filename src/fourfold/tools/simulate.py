@@ -34,6 +34,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import torch_dtype
+from fourfold.parallel.tensor.params import Replicas
 from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
 from fourfold.spec.job import Job
 from fourfold.spec.rules import check
@@ -120,12 +121,6 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
         comm.send(pipeline.models[-1].lm_head.copy_grad, 0, pp)
 
 
-def checkpoint_replicas(grid: Grid):
-    """The ranks that share a checkpoint's writing, as the trainer takes them: the dp*cp ranks, or
-    with expert parallelism the expert replicas (the ranks holding the same experts)."""
-    return grid.expert_group("edp") if grid.layout.ep > 1 else grid.group(("dp", "cp"))
-
-
 def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Simulation:
     """Run rank `rank` of `job` alone (see the module's doc); `steps` timed steps follow two
     counted ones (the second has the optimizer state of every later step)."""
@@ -166,7 +161,7 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
                     counter.enter(f"step {n}")
                     step()
                 counter.enter("checkpoint save")
-                save, load = checkpoint.dry_run(model.module, opt, checkpoint_replicas(grid))  # as the trainer
+                save, load = checkpoint.dry_run(model.module, opt, Replicas.of_grid(grid))  # as the trainer
                 counter.enter("checkpoint load")
             grid.ledger.reset()
             seconds = []

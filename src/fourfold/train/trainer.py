@@ -39,6 +39,7 @@ from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.overlap import OverlapOptions
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions, document_ids, torch_dtype
+from fourfold.parallel.tensor.params import Replicas
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.counts import flops_per_token
 from fourfold.spec.job import Job
@@ -526,10 +527,9 @@ class Trainer:
         o = cfg.optimizer
         self.opt = AdamW(self.sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
                          clip_norm=o.clip or None)
-        # Ranks holding the same parameters: they share loads and saves. With expert parallelism the
-        # expert replicas (dp*cp/ep ranks), which hold the same experts and the same dense parameters;
-        # each of the ep groups then offers the dense ones, and DCP keeps one copy.
-        self.replicas = grid.expert_group("edp") if grid.layout.ep > 1 else grid.group(("dp", "cp"))
+        # Ranks holding the same parameters share their loads and saves: the dp*cp ranks, and for an
+        # expert's weights under expert parallelism its replicas
+        self.replicas = Replicas.of_grid(grid)
         self.start, self.position, saved_config = self._load()
         self.reporter = Reporter(cfg, self.start, flops_per_token(model_cfg, cfg.batch.seq),
                                  grid.layout.world_size, grid.device)

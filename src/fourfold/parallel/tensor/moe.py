@@ -190,7 +190,16 @@ class ParallelMoE(nn.Module):
                 outputs[s * local + j] = part
         back = regions.all_to_all_rows(torch.cat(outputs), group, here, send)
         scaled = back * weights.reshape(-1)[order, None]
-        return torch.zeros_like(flat).index_add(0, order // k, scaled)
+        # Each token's top_k rows back in choice order (a dropped choice's: zero), then added in expert
+        # order, one slot at a time: no index is written twice, so the sum is the same on every run
+        # (an index_add over repeated indices adds in any order on CUDA).
+        slots = flat.new_zeros(len(choice_expert), flat.shape[-1]).index_copy(0, order, scaled).view(len(flat), k, -1)
+        by_expert = torch.argsort(chosen, dim=-1, stable=True)[..., None].expand(-1, -1, flat.shape[-1])
+        slots = slots.gather(1, by_expert)
+        out = slots[:, 0]
+        for j in range(1, k):
+            out = out + slots[:, j]
+        return out
 
     def _stats(self, logits: torch.Tensor) -> RouterStats:
         """As `load_balancing_loss_func`: the softmax of the logits in their dtype, its top-k again,

@@ -147,6 +147,46 @@ def copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """The ranks holding the same parameters, which share a checkpoint's or a Hugging Face
+    directory's reading and writing: `dense`, the dp*cp group; `experts`, the ranks holding the
+    same experts under expert parallelism (`Grid.expert_group("edp")`; the dp*cp group without)."""
+
+    dense: comm.Group
+    experts: comm.Group
+
+    @classmethod
+    def of_grid(cls, grid: Grid) -> "Replicas":
+        return cls(grid.group(("dp", "cp")), grid.expert_group("edp"))
+
+    @classmethod
+    def one_group(cls, group: comm.Group) -> "Replicas":
+        """A model without expert parallelism whose replicas are `group`."""
+        return cls(group, group)
+
+    def of(self, layout: ParamLayout) -> comm.Group:
+        return self.experts if layout.expert else self.dense
+
+    @property
+    def shared(self) -> bool:
+        """Whether any parameter has another rank to share its reading with."""
+        return self.dense.size > 1 or self.experts.size > 1
+
+
+def assigned_by_group(items: list[tuple[int, bool]], replicas: "Replicas | None") -> set[int]:
+    """`assigned` of items (size, whether an expert's) over their own replicas: the dense ones over
+    the dp*cp ranks, the experts' over the expert replicas. Returns the indices of this rank's."""
+    if replicas is None:
+        return set(range(len(items)))
+    out = set()
+    for expert in (False, True):
+        index = [i for i, (_, e) in enumerate(items) if e == expert]
+        group = replicas.experts if expert else replicas.dense
+        out |= {index[j] for j in assigned([items[i][0] for i in index], group)}
+    return out
+
+
 def assigned(sizes: list[int], replicas: comm.Group | None) -> set[int]:
     """Which of some items (parameters, layers) of these `sizes` this rank of `replicas` reads or
     writes for the group (a checkpoint's, a Hugging Face directory's): each whole item to the
