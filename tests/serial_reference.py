@@ -115,3 +115,16 @@ def relative_error(got, ref):
     expert no token chose, counts absolutely)."""
     scale = ref.abs().max()
     return ((got - ref).abs().max() / (scale if scale > 0 else 1)).item()
+
+
+def saved_gradients(model, path) -> dict:
+    """A transformers model's gradients under its checkpoint's names and layout (experts one by one,
+    as transformers saves them): the model's parameters set to their gradients and saved to
+    `path`/grads, then read back."""
+    from safetensors.torch import load_file
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    model.save_pretrained(path / "grads")
+    return load_file(path / "grads" / "model.safetensors")

@@ -27,7 +27,7 @@ from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
 from moe_on_grids import run_moe, run_moe_pipeline
-from serial_reference import cp_shard, relative_error, saved_random_model
+from serial_reference import cp_shard, relative_error, saved_gradients, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 from test_trainer import _train
 
@@ -107,12 +107,8 @@ def _reference(name, path, microbatches=(IDS,), layers=2, router=_router_in_inpu
             IDS[:, 1:].numel()) + config.router_aux_loss_coef * out.aux_loss / len(microbatches)
         logits.append(out.logits.detach())
     loss.backward()
-    with torch.no_grad():  # the gradients in the checkpoint's layout (experts one by one), as transformers saves it
-        for p in model.parameters():
-            p.copy_(p.grad)
-    model.save_pretrained(path / "grads")
     return SimpleNamespace(path=str(path), loss=loss.item(), logits=torch.cat(logits),
-                           grads=load_file(path / "grads" / "model.safetensors"))
+                           grads=saved_gradients(model, path))
 
 
 def _global_microbatches(dp, microbatches):

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file
 from transformers.models.olmoe import modeling_olmoe
 
 from fourfold.checkpoint.hf import to_hf_tensors
@@ -23,7 +22,7 @@ from fourfold.spec.blockspec import block_plan
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import block_passes
 from moe_on_grids import run_moe
-from serial_reference import cp_shard, relative_error, saved_random_model
+from serial_reference import cp_shard, relative_error, saved_gradients, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 from test_moe import _load_balancing_in_input_dtype, _router_in_input_dtype
 
@@ -61,12 +60,8 @@ def reference(tmp_path_factory):
     loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1)) + config.router_aux_loss_coef * (
         out.aux_loss)
     loss.backward()
-    with torch.no_grad():  # (experts one by one, as transformers saves them)
-        for p in model.parameters():
-            p.copy_(p.grad)
-    model.save_pretrained(path / "grads")
     return SimpleNamespace(path=str(path), loss=loss.item(), logits=out.logits.detach(),
-                           grads=load_file(path / "grads" / "model.safetensors"))
+                           grads=saved_gradients(model, path))
 
 
 @pytest.mark.parametrize("grid", GRIDS)

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
@@ -23,7 +22,7 @@ from fourfold.models.config import METADATA, ModelConfig
 from fourfold.spec.blockspec import block_plan
 from fourfold.spec.layout import Layout
 from moe_on_grids import run_moe
-from serial_reference import cp_shard, relative_error, saved_random_model
+from serial_reference import cp_shard, relative_error, saved_gradients, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 from test_moe import _load_balancing_in_input_dtype, _router_in_input_dtype
 
@@ -62,12 +61,8 @@ def _reference(name, path):
     if name in MIXTURES:
         loss = loss + config.router_aux_loss_coef * out.aux_loss
     loss.backward()
-    with torch.no_grad():  # (experts one by one, as transformers saves them)
-        for p in model.parameters():
-            p.copy_(p.grad)
-    model.save_pretrained(path / "grads")
     return SimpleNamespace(path=str(path), loss=loss.item(), logits=out.logits.detach(),
-                           grads=load_file(path / "grads" / "model.safetensors"))
+                           grads=saved_gradients(model, path))
 
 
 @pytest.fixture(scope="module")
