@@ -157,13 +157,13 @@ class Pipeline:
         self._scale = 1.0
 
     def _loss(self, output, targets: torch.Tensor) -> torch.Tensor:
-        if not self.routing:
-            return vocab_parallel_cross_entropy(output, targets, self.grid, self.seq_parallel).sum() * self._scale
-        logits, (counts, probs) = output
+        logits, sums = output if self.routing else (output, None)
         loss = vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
+        if sums is None:
+            return loss
         # each micro-batch's load-balancing loss, averaged as the token losses are (as without pp)
-        cfg = self.models[-1].cfg
-        return loss + moe.balance_loss(counts, probs, self.rows, self.grid, cfg.aux_loss_coef) / self.microbatches
+        coef = self.models[-1].cfg.aux_loss_coef
+        return loss + moe.balance_loss(sums[0], sums[1], self.rows, self.grid, coef) / self.microbatches
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float,
              documents: torch.Tensor | None = None) -> torch.Tensor:

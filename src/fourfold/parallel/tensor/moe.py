@@ -137,7 +137,6 @@ class ParallelMoE(nn.Module):
         # d(weight) is a dot product over the hidden features, which x splits
         weights = regions.sum_gradients(weights.to(h.dtype), self.grid.group("x"))
         fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
-        kept = None
         if self.capacity_factor and not fake:  # (a balanced routing is within any capacity factor >= 1)
             kept = within_capacity(chosen, weights.detach(), self.cfg.experts, self.capacity_factor)
             chosen = torch.where(kept, chosen, self.cfg.experts)  # a dropped choice: no expert's
