@@ -153,6 +153,14 @@ def test_invalid_configurations_name_the_fix():
         check(SMALL, job(cp=2, seq=4097))
     with pytest.raises(ValueError, match="the megatron profile has 1D tensor parallelism"):
         check(SMALL, job(x=2), "megatron")
+    # Megatron-LM builds layers // pp on every stage (layers // (pp * virtual) per chunk); fourfold splits unevenly
+    check(SMALL, job(pp=3))
+    for uneven in (job(pp=3), replace(job(pp=4), virtual=3, schedule="interleaved-1f1b")):
+        with pytest.raises(ValueError, match=f"pp \\* virtual = {uneven.pp * uneven.virtual} does not divide the "
+                                             "model's 32 layers; choose --pp"):
+            check(SMALL, uneven, "megatron")
+    assert all(r["pp"] in (1, 2, 4, 8) for r in search(SMALL, 24, CLUSTER, job(seq=2048, global_batch=24),
+                                                       framework="megatron", include_unfit=True))
 
 
 def test_planner_does_not_import_torch():

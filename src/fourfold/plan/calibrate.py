@@ -22,12 +22,11 @@ import numpy as np
 
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile, model_flops_per_token, step_time
-from fourfold.plan.search import check, predict, rank
+from fourfold.plan.search import check, predict, profile_problems, rank
 from fourfold.spec.counts import layer_params
 from fourfold.spec.hardware import Cluster, make_cluster, overridden
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.spec.rules import problems
 from fourfold.spec.trainconfig import TrainConfig
 
 # The published calibration data (outside the repository: ../shared/calibration from its root).
@@ -50,8 +49,16 @@ SHIPPED = {
 CLUSTER_FILES = {"a100": ("megatron_llama31_8b_a100.csv", "megatron_gpt_a100_scaling.csv"),
                  "h100": ("megatron_core_gpt_h100.csv",)}
 MICRO_BATCHES = (1, 2, 4, 8)  # tried when a source does not say which one ran
-VIRTUALS = (2, 3, 4, 6, 8)  # interleaved stages per pipeline rank tried when a source does not say
+
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
+
+
+def interleavings(layers: int, pp: int) -> list[int]:
+    """The interleaved stages per pipeline rank tried when a source does not say: Megatron-LM takes
+    the layers of a virtual stage (--num-layers-per-virtual-pipeline-stage), so any v > 1 dividing
+    a rank's layers."""
+    per_rank = layers // pp
+    return [v for v in range(2, per_rank + 1) if per_rank % v == 0]
 
 
 @dataclass(frozen=True)
@@ -97,20 +104,24 @@ def make_run(cfg: ModelConfig, job: Job, cluster: Cluster, framework: str, secon
              flash_attention: bool = True) -> Run:
     """A `Run`, its job checked by the planner's rules (a `JobError` names each fix). Without the
     micro-batch, every one of MICRO_BATCHES that the rules accept and that fits in memory; without
-    the interleaved stages per rank (pp > 1), each of VIRTUALS the rules accept."""
-    jobs = [job]
+    the interleaved stages per rank (pp > 1), each of `interleavings` the rules (`profile_problems`)
+    accept, or the plain schedule where they accept none."""
+    micro_batches = (job.micro_batch,) if micro_batch_known else MICRO_BATCHES
+    jobs = [replace(job, micro_batch=mb) for mb in micro_batches]
+    valid = [j for j in jobs if not profile_problems(cfg, j, framework)]
     if not virtual_known and job.layout.pp > 1:
-        jobs = [replace(job, virtual=v, schedule="interleaved-1f1b") for v in VIRTUALS]
-    if not micro_batch_known:
-        tried = [replace(j, micro_batch=mb) for j in jobs for mb in MICRO_BATCHES]
-        valid = [j for j in tried if not problems(cfg, j, gpu=True)]
+        interleaved = [replace(j, virtual=v, schedule="interleaved-1f1b") for j in jobs
+                       for v in interleavings(cfg.layers, job.layout.pp)]
+        # the plain schedule only where no interleaving is valid
+        valid = [j for j in interleaved if not profile_problems(cfg, j, framework)] or valid
+    if micro_batch_known:
+        jobs = valid or jobs
+    else:
         # the run ran: when the memory model refuses every micro-batch (its rule is cautious), the smallest
         jobs = [j for j in valid if predict(cfg, j, cluster, framework=framework)["fits"]] or valid[:1]
         if not jobs:
             raise ValueError(f"no micro-batch of {MICRO_BATCHES} is valid for {job.layout} and global batch "
                              f"{job.global_batch}; give the run's micro_batch")
-    elif not virtual_known:
-        jobs = [j for j in jobs if not problems(cfg, j, gpu=True)] or [job]
     for j in jobs:
         check(cfg, j, framework)
     n = cfg.parameter_count()

@@ -55,9 +55,9 @@ class Profile:
 
 
 # The hardware profiles of the shipped runs' clusters, fitted with the defaults below.
-FITTED_A100 = Profile("dgx-a100", efficiency_max=0.8093, efficiency_half=92.40, intra_node_efficiency=1.0,
+FITTED_A100 = Profile("dgx-a100", efficiency_max=0.8105, efficiency_half=95.46, intra_node_efficiency=1.0,
                       inter_node_efficiency=0.3)
-FITTED_H100 = Profile("dgx-h100", efficiency_max=0.9056, efficiency_half=392.2, intra_node_efficiency=0.8433,
+FITTED_H100 = Profile("dgx-h100", efficiency_max=0.8569, efficiency_half=348.5, intra_node_efficiency=0.9196,
                       inter_node_efficiency=1.0)
 
 
@@ -69,14 +69,14 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    attention_half: float = 6241  # keys per attention block at which attention runs at half its GEMM rate
+    attention_half: float = 6206  # keys per attention block at which attention runs at half its GEMM rate
     ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 1.0  # fraction of the data-parallel reduce-scatter that hides behind the last backward
     param_gather_overlap: float = 0.0  # fraction of the parameter all-gather that hides behind the first forward
-    layer_overhead_us: float = 339.4  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    layer_overhead_us: float = 280.9  # fixed cost of a layer's forward and backward on a micro-batch (launches)
     micro_batch_overhead_us: float = 10000  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
-    cv_error: float | None = 0.0671  # cross-validated mean error of a step time (fraction), from the fit
+    cv_error: float | None = 0.0661  # cross-validated mean error of a step time (fraction), from the fit
     profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_H100)  # the clusters the fit was measured on
 
     @classmethod

@@ -31,16 +31,30 @@ HEADROOM = 0.05
 ROUNDING = 1e-3  # step times equal to four digits are equally fast (`rounded_seconds`)
 
 
-def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
-    """Raise JobError naming each fix when the runtime (or the profile) cannot run `job`."""
+def profile_problems(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> list[Problem]:
+    """What stops the runtime (or, for the megatron profile, Megatron-LM) from running `job`, each with its fix."""
     found = problems(cfg, job, gpu=True)
-    if framework == "megatron" and (job.x != 1 or job.z != 1):
+    if framework != "megatron":
+        return found
+    if job.x != 1 or job.z != 1:
         found.append(Problem("the megatron profile has 1D tensor parallelism",
                              "give --tp (y) and leave x = z = 1"))
-    if framework == "megatron" and job.layout.ep > 1:
+    if job.layout.ep > 1:
         found.append(Problem("the megatron profile (the formulas of arXiv 2411.06465) has no expert parallelism",
                              "leave --ep 1, or use --framework fourfold"))
-    if found:
+    if cfg.layers % (job.pp * job.virtual):
+        # Megatron-Core (to 0.9) builds num_layers // pp layers on every pipeline rank, and // virtual
+        # per chunk (transformer_block.get_num_layers_to_build): no uneven stages
+        found.append(Problem(f"Megatron-LM builds the same number of layers on every pipeline stage: pp * virtual = "
+                             f"{job.pp * job.virtual} does not divide the model's {cfg.layers} layers",
+                             "choose --pp (and --virtual) dividing the layers, or --framework fourfold "
+                             "(uneven stages)"))
+    return found
+
+
+def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
+    """Raise JobError naming each fix when the runtime (or the profile) cannot run `job`."""
+    if found := profile_problems(cfg, job, framework):
         raise JobError(found)
 
 
@@ -129,8 +143,8 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     queue = []
     arrival = itertools.count()
     for dp, pp, cp, x, y, z in factorisations(gpus):
-        if framework == "megatron" and (x != 1 or z != 1):
-            continue
+        if framework == "megatron" and (x != 1 or z != 1 or cfg.layers % pp):
+            continue  # 1D tensor parallelism, even stages (`profile_problems`)
         for ep in expert_parallel_sizes(cfg, dp * cp, framework):
             layout = Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z, ep=ep)
             for mb in micro_batches:
