@@ -51,7 +51,7 @@ def test_config_problems_are_reported_together(tmp_path, capsys):
 
 def test_the_ranks_run_the_job_the_planner_chose():
     """grid.auto hands the ranks the chosen job as overrides: every setting of it (kept gathered
-    inputs were forgotten once), so that the ranks' config makes the same job."""
+    inputs, and an interleaved schedule, were forgotten once), so that the ranks' config makes the same job."""
     import dataclasses
 
     from fourfold.cli.train import _resolved
@@ -59,8 +59,9 @@ def test_the_ranks_run_the_job_the_planner_chose():
     from fourfold.spec.trainconfig import load_train_config
 
     cfg = load_train_config(None, ["--grid.auto", "true"])
-    chosen = dataclasses.replace(cfg.job(), layout=Layout(dp=2, x=2, y=2, order=("y", "x", "z", "cp", "dp", "pp")),
-                                 micro_batch=2, recompute="selective", seq_parallel=True, keep_gathered_inputs=True)
+    layout = Layout(dp=2, pp=2, x=2, y=2, order=("y", "x", "z", "cp", "dp", "pp"))
+    chosen = dataclasses.replace(cfg.job(), layout=layout, micro_batch=2, recompute="selective", seq_parallel=True,
+                                 keep_gathered_inputs=True, virtual=2, schedule="interleaved-1f1b")
     cfg.use_job(chosen)
     assert cfg.job() == chosen
     argv = _resolved(["train", "--grid.auto", "true"], cfg)

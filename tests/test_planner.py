@@ -3,14 +3,16 @@
 import json
 import subprocess
 import sys
+import types
 from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from fourfold.models.config import load_config
-from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
+from fourfold.plan.memory import GIB, fourfold_memory, in_flight_microbatches, megatron_memory
 from fourfold.plan.perf import Calibration, compute_bound, placement_bound, step_time
 from fourfold.plan.search import ORDERS, check, rounded_seconds, search
 from fourfold.spec.hardware import make_cluster
@@ -72,7 +74,10 @@ def test_every_candidate_multiplies_out_and_divides(gpus, framework):
         assert SMALL.heads % r["y"] == 0 and SMALL.layers % r["pp"] == 0 and r["micro_batch"] % r["z"] == 0
         assert 64 % (r["dp"] * r["micro_batch"]) == 0
         if framework == "megatron":
-            assert r["x"] == r["z"] == 1
+            assert r["x"] == r["z"] == 1 and SMALL.layers % (r["pp"] * r["virtual"]) == 0  # even stages
+        assert (r["virtual"] > 1) == (r["job"].schedule == "interleaved-1f1b") and (r["pp"] > 1 or r["virtual"] == 1)
+    if gpus >= 16:  # pipelines exist: the search tries them interleaved too
+        assert any(r["virtual"] > 1 for r in found)
     # best first: those that fit; the ties of the fastest with headroom (within the model's error)
     # lead, simplest first; then the rest with headroom, then the tight ones, by step time to four digits
     fitting = [r for r in found if r["fits"]]
@@ -141,6 +146,23 @@ def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
     assert after["optimizer"] <= before["optimizer"] * (1 + 1e-12)
     if dim in ("x", "y", "z", "cp"):
         assert after["activations"] <= before["activations"] * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (2, 4, 2), (8, 2, 8), (4, 3, 4)])
+def test_in_flight_activations_are_those_of_torchs_interleaved_schedule(p, v, m):
+    """The first pipeline rank's most chunk forwards awaiting their backward, in the op list torch's
+    ScheduleInterleaved1F1B builds for it (the schedule the runtime runs), is what the estimate holds."""
+    me = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
+                               microbatches_per_round=m // max(1, m // p))  # as its constructor sets them
+    alive = held = 0
+    for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(me, 0):
+        if action is not None:
+            alive += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
+            held = max(held, alive)
+    s = replace(job(pp=p, micro_batch=1, global_batch=m), virtual=v, schedule="interleaved-1f1b")
+    assert in_flight_microbatches(s) * v == held  # in chunks of 1/v of the rank's layers
+    assert in_flight_microbatches(replace(s, virtual=1, schedule="1f1b")) == min(p, m)
+    assert in_flight_microbatches(replace(s, virtual=1, schedule="gpipe")) == m
 
 
 def test_invalid_configurations_name_the_fix():

@@ -152,9 +152,11 @@ def _print_measured(r: dict) -> None:
 
 
 def grid_text(r: dict) -> str:
-    """A result's grid as the table shows it (ep only when a mixture's experts are split)."""
+    """A result's grid as the table shows it (ep only when a mixture's experts are split, v only
+    when the pipeline is interleaved)."""
     ep = f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""
-    return f"dp{r['dp']} pp{r['pp']} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}{ep}"
+    v = f" v{r['virtual']}" if r.get("virtual", 1) > 1 else ""
+    return f"dp{r['dp']} pp{r['pp']}{v} cp{r['cp']} x{r['x']} y{r['y']} z{r['z']}{ep}"
 
 
 def row(r: dict, tie: bool = False) -> str:

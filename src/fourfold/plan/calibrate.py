@@ -22,7 +22,7 @@ import numpy as np
 
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile, model_flops_per_token, step_time
-from fourfold.plan.search import check, predict, profile_problems, rank
+from fourfold.plan.search import check, interleavings, predict, profile_problems, rank
 from fourfold.spec.counts import layer_params
 from fourfold.spec.hardware import Cluster, make_cluster, overridden
 from fourfold.spec.job import Job
@@ -52,13 +52,6 @@ MICRO_BATCHES = (1, 2, 4, 8)  # tried when a source does not say which one ran
 
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
 
-
-def interleavings(layers: int, pp: int) -> list[int]:
-    """The interleaved stages per pipeline rank tried when a source does not say: Megatron-LM takes
-    the layers of a virtual stage (--num-layers-per-virtual-pipeline-stage), so any v > 1 dividing
-    a rank's layers."""
-    per_rank = layers // pp
-    return [v for v in range(2, per_rank + 1) if per_rank % v == 0]
 
 
 @dataclass(frozen=True)

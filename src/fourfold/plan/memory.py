@@ -85,7 +85,9 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     terms = {
         "weights_and_grads": params * (2 + 4),
         "optimizer": params * 12 / (d * c),
-        "activations": p * stage * per_layer,  # 1F1B: p micro-batches of a stage's layers in flight
+        # 1F1B: p micro-batches of a stage's layers in flight; interleaved over v chunks (ours, as
+        # Korthikanti et al. 2022 count it): p (1 + (p - 1) / (p v))
+        "activations": (p + (p - 1) / s.virtual if s.virtual > 1 else p) * stage * per_layer,
         "first_stage_inputs": 8 * (seq / c) * b * h * p / t,
     }
     if p == 1:
@@ -187,8 +189,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         working = core
     else:
         per_layer_kept, working = per_layer, 0.0
-    in_flight = min(p, s.microbatches) if p > 1 else 1  # 1F1B: the first stage holds p micro-batches
-    activations = layers_here * per_layer_kept * in_flight
+    activations = layers_here * per_layer_kept * in_flight_microbatches(s)
     # The largest weight block of one matrix on this rank (before the z split): with z > 1 it is
     # gathered (bf16) while its layer runs, and its gradient block exists before the z reduce-scatter.
     layer_block = max(layer.in_features * layer.out_features for layer in plan.linears) / (x * y)
@@ -238,6 +239,19 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     # The trainer's checkpoint replicas (`params.Replicas`): the dp*cp ranks, an expert's its expert replicas
     return Memory(terms, memory_gib * GIB, replicas=replicas, expert_replicas=replicas // ep,
                   expert_weights=e * expert_held)
+
+
+def in_flight_microbatches(s: Job) -> float:
+    """Micro-batches whose saved tensors the first pipeline rank holds at once, in units of all its
+    layers: 1F1B runs p forwards before its first backward; interleaved 1F1B over v chunks a rank
+    ((v - 1) p + 2 (p - 1) chunk forwards of warm-up, then one, as torch's ScheduleInterleaved1F1B
+    and Megatron order them) holds (v + 1) p - 1 chunks of 1/v of its layers; GPipe every micro-batch."""
+    p, m, v = s.pp, s.microbatches, s.virtual
+    if p == 1 or s.schedule == "gpipe":
+        return m if p > 1 else 1
+    if v == 1:
+        return min(p, m)
+    return min((v + 1) * p - 1, m * v) / v
 
 
 def estimate_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True,

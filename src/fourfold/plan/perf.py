@@ -188,7 +188,11 @@ def group_size(layout: Layout, group: str | tuple[str, ...]) -> int:
 @functools.lru_cache(maxsize=65536)  # the search asks the same question for many candidates
 def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...], intra_efficiency: float,
                inter_efficiency: float) -> float:
-    if dims in (("ep",), ("edp",)):  # not a dim: from its ranks (nearest members' distance, the span)
+    if layout.ep == 1 and dims == ("edp",):  # without expert parallelism an expert's replicas are dp*cp
+        dims = ("dp", "cp")
+    if layout.ep == 1 and dims == ("ep",):  # each rank its own ep group
+        stride = span = 1
+    elif dims in (("ep",), ("edp",)):  # not a dim: from its ranks (nearest members' distance, the span)
         ranks = group_ranks(layout, dims)
         stride = min((b - a for a, b in zip(ranks, ranks[1:])), default=1)
         span = ranks[-1] - ranks[0] + stride

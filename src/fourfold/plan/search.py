@@ -28,6 +28,7 @@ COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp"), ("ep",), 
 # A candidate that fits but leaves less than this fraction of the card free is "tight": the estimate's
 # error, allocator fragmentation or a longer batch can push it over. Shown, and ranked after the others.
 HEADROOM = 0.05
+VIRTUALS = (2, 4)  # interleaved stages per pipeline rank the search tries (fourfold's profile)
 ROUNDING = 1e-3  # step times equal to four digits are equally fast (`rounded_seconds`)
 
 
@@ -150,9 +151,10 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
             for mb in micro_batches:
                 if base.global_batch % (dp * mb) or mb % z:
                     continue  # two of the rules, asked first: most of a large GPU count's grids fail them
-                job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0])
-                if not problems(cfg, job, gpu=True):
-                    queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
+                for pipeline in schedules(cfg, base, pp, framework):
+                    job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0], **pipeline)
+                    if not problems(cfg, job, gpu=True):
+                        queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
     considered = len(queue)
     heapq.heapify(queue)
     results, kept = [], []
@@ -187,6 +189,25 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
         if mem.fits and not best["tight"]:
             bisect.insort(kept, best["step_seconds"])
     return Ranking(rank(results, cal), considered)
+
+
+def schedules(cfg: ModelConfig, base: Job, pp: int, framework: str = "fourfold") -> list[dict]:
+    """The pipeline schedules the search tries on pp ranks: `base`'s own without interleaving, and
+    interleaved 1F1B (a smaller bubble for more sends and in-flight activations): fourfold's profile
+    over each of VIRTUALS stages a rank, the megatron profile over those of up to 8 that divide a
+    rank's layers (Megatron's chunks are even)."""
+    plain = dict(virtual=1, schedule="1f1b" if base.schedule == "interleaved-1f1b" else base.schedule)
+    if pp == 1:
+        return [plain]
+    virtuals = VIRTUALS if framework == "fourfold" else [v for v in interleavings(cfg.layers, pp) if v <= 8]
+    return [plain] + [dict(virtual=v, schedule="interleaved-1f1b") for v in virtuals]
+
+
+def interleavings(layers: int, pp: int) -> list[int]:
+    """Each v > 1 that divides a pipeline rank's layers: the interleavings Megatron-LM can run (it
+    takes the layers of a virtual stage, --num-layers-per-virtual-pipeline-stage)."""
+    per_rank = layers // pp
+    return [v for v in range(2, per_rank + 1) if per_rank % v == 0]
 
 
 def expert_parallel_sizes(cfg: ModelConfig, replicas: int, framework: str = "fourfold") -> list[int]:

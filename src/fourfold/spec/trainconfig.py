@@ -531,7 +531,8 @@ def job_settings(job: Job) -> dict[str, object]:
     out: dict[str, object] = {f"grid.{d}": getattr(job.layout, d) for d in (*DIMS, "ep")}
     out.update({"grid.order": ",".join(job.layout.order), "grid.auto": False, "batch.micro_batch": job.micro_batch,
                 "train.recompute": job.recompute, "train.seq_parallel": job.seq_parallel,
-                "train.keep_gathered_inputs": job.keep_gathered_inputs})
+                "train.keep_gathered_inputs": job.keep_gathered_inputs, "pipeline.schedule": job.schedule,
+                "pipeline.virtual": job.virtual})
     return out
 
 
