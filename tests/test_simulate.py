@@ -3,9 +3,11 @@ ranks, and `fourfold simulate` against the other measurement of the same runtime
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fourfold.cli.main import main
@@ -16,7 +18,7 @@ from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, pipeline_sends
 from fourfold.tools.measure import measure_peak
-from fourfold.tools.simulate import TRAINER_GROUPS, simulate
+from fourfold.tools.simulate import TRAINER_GROUPS, schedule_order, simulate
 
 
 def test_grid_on_a_fake_world_of_4096_ranks_builds_only_its_own_groups():
@@ -134,3 +136,19 @@ def test_simulated_expert_parallel_rank_exchanges_what_the_planner_prices():
     table = cfg.vocab // job.y * cfg.hidden * 2
     assert abs(sim.save["bytes_written"] - estimate.checkpoint_host_bytes) <= table
     assert {c["group"] for c in sim.collectives_per_step} >= {"ep", "edp"}  # experts' gradients over their replicas
+
+
+@pytest.mark.parametrize("pp, virtual, microbatches", [(2, 2, 4), (2, 3, 8), (3, 2, 3), (4, 4, 8), (4, 2, 16)])
+def test_a_simulated_rank_runs_its_stages_in_the_interleaved_schedules_order(pp, virtual, microbatches):
+    """simulate runs each rank's forwards and backwards in the order torch's ScheduleInterleaved1F1B (the
+    runtime's schedule) gives that rank, so the saved tensors alive at once are the schedule's."""
+    for rank in range(pp):
+        me = types.SimpleNamespace(n_local_stages=virtual, pp_group_size=pp, _n_microbatches=microbatches,
+                                   microbatches_per_round=microbatches // max(1, microbatches // pp))
+        torch_order = [(a.computation_type == _ComputationType.FULL_BACKWARD, a.microbatch_index, a.stage_index // pp)
+                       for a in ScheduleInterleaved1F1B._calculate_single_rank_operations(me, rank) if a is not None]
+        assert schedule_order(rank, pp, virtual, microbatches, "interleaved-1f1b") == torch_order
+    # 1F1B: pp - 1 - rank forwards before the first backward; GPipe: every forward first
+    assert schedule_order(0, 4, 1, 6, "1f1b")[:5] == [(False, 0, 0), (False, 1, 0), (False, 2, 0), (False, 3, 0),
+                                                      (True, 0, 0)]
+    assert [b for b, _, _ in schedule_order(0, 2, 1, 3, "gpipe")] == [False] * 3 + [True] * 3

@@ -80,43 +80,67 @@ def _timed(seconds: dict[str, float], phase: str):
     return clock()
 
 
+def schedule_order(rank: int, pp: int, virtual: int, microbatches: int, schedule: str) -> list[tuple[bool, int, int]]:
+    """(backward?, micro-batch, local stage) of pipeline rank `rank`, in the order its schedule runs
+    them, as torch's schedules order them: a warm-up of forwards (1F1B: pp - 1 - rank; interleaved
+    1F1B over `virtual` stages a rank: (virtual - 1) rounds of pp micro-batches and 2 (pp - 1 - rank);
+    GPipe: all), then one forward and one backward at a time, then the backwards left. Interleaved,
+    forwards go stage by stage a round at a time, backwards from the last stage back."""
+    total = microbatches * virtual
+    per_round = microbatches // max(1, microbatches // pp)
+    if schedule == "gpipe":
+        warmup = total
+    elif virtual == 1:
+        warmup = min(pp - 1 - rank, total)
+    else:
+        warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), total)
+
+    def op(k: int, backward: bool) -> tuple[bool, int, int]:
+        stage = (k // per_round) % virtual
+        micro = (k // (per_round * virtual)) * per_round + k % per_round
+        return backward, micro, virtual - 1 - stage if backward else stage
+
+    order = [op(k, False) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [op(warmup + k, False), op(k, True)]
+    return order + [op(k, True) for k in range(total - warmup, total)]
+
+
 def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float) -> None:
-    """This rank's stages through one step in 1F1B order, without the schedule (a fake process
-    group cannot answer its start-up vote): a stage keeps up to pp - stage micro-batches in flight
-    before its first backward, as 1F1B does; a rank's virtual stages are run one after the other
-    (their shapes chain: ids or the stream in, the stream or the logits out). The schedule's sends
-    (each stage's output forward, its input's gradient backward, a mixture's load-balancing sums
-    beside them) are recorded in the ledger as `_LedgerStage` records them; a tied embedding's
-    table and its copy's gradient are sent as the pipeline sends them."""
+    """This rank's stages through one step in its schedule's order (`schedule_order`), without the
+    schedule itself (a fake process group cannot answer its start-up vote): each stage runs on its
+    own input (the ids on the first, a stream as the previous stage would send it on the others)
+    and keeps its output until that micro-batch's backward through it, so the saved tensors alive
+    at once are the schedule's. The schedule's sends (each stage's output forward, its input's
+    gradient backward, a mixture's load-balancing sums beside them) are recorded in the ledger as
+    `_LedgerStage` records them; a tied embedding's table and its copy's gradient are sent as the
+    pipeline sends them."""
     grid, first, pp = pipeline.grid, pipeline.models[0], pipeline.pp
     n_stages = pp.size * len(pipeline.models)
-    sends = sum((i < n_stages - 1) + (i > 0) for i in pipeline.indices)  # per micro-batch
     stream = torch.empty(pipeline.stream_shape, dtype=first.opts.dtype)
     sums = torch.empty(2, first.cfg.experts, dtype=at_least_fp32(first.opts.dtype)) if pipeline.routing else None
     pipeline._set_copy()
     for model in pipeline.models:
         model.overlap.new_pass()
-    in_flight, depth = [], min(job.microbatches, job.pp - pipeline.indices[0])
-
-    def backward(out: torch.Tensor) -> None:
-        out.backward(None if out.dim() == 0 else torch.empty_like(out))
-
-    for chunk in ids.chunk(job.microbatches):
-        for _ in range(sends):
+    chunks = ids.chunk(job.microbatches)
+    waiting = {}  # (micro-batch, local stage) -> its output, until its backward
+    for backward, micro, local in schedule_order(pp.rank, pp.size, len(pipeline.models), job.microbatches,
+                                                 job.schedule):
+        if backward:
+            out = waiting.pop((micro, local))
+            out.backward(None if out.dim() == 0 else torch.empty_like(out))
+            continue
+        index = pipeline.indices[local]
+        for _ in range((index < n_stages - 1) + (index > 0)):
             pp._record("send", stream)
             if sums is not None:
                 pp._record("send", sums)
-        h = chunk if pipeline.has_first else torch.empty(pipeline.stream_shape, dtype=first.opts.dtype,
+        h = chunks[micro] if index == 0 else torch.empty(pipeline.stream_shape, dtype=first.opts.dtype,
                                                          requires_grad=True)
-        for model in pipeline.models:
-            h = model(h)
-        if pipeline.has_last:
-            h = vocab_parallel_cross_entropy(h, chunk, grid, job.seq_parallel).sum() * scale
-        in_flight.append(h)
-        if len(in_flight) == depth:
-            backward(in_flight.pop(0))
-    for out in in_flight:
-        backward(out)
+        out = pipeline.models[local](h)
+        if index == n_stages - 1:
+            out = vocab_parallel_cross_entropy(out, chunks[micro], grid, job.seq_parallel).sum() * scale
+        waiting[(micro, local)] = out
     if pipeline.tied and pipeline.has_last:
         comm.send(pipeline.models[-1].lm_head.copy_grad, 0, pp)
 
