@@ -22,8 +22,12 @@ from fourfold.plan.calibrate import (
     cluster_runs,
     cluster_table,
     comparison,
+    cross_validate,
+    fit,
     folds,
     leave_one_cluster_out,
+    model_scores,
+    plan_scores,
     predicted_seconds,
 )
 from fourfold.plan.perf import Calibration
@@ -39,6 +43,15 @@ def main() -> None:
     print(comparison(runs, cross))
     print("\nleave one cluster out:")
     print(cluster_table(leave_one_cluster_out(by_cluster)))
+    for held_out, runs_out in by_cluster.items():  # the ranking a user sees: `fourfold plan`'s order
+        if max(sum(r.group == g for r in runs_out) for g in {r.group for r in runs_out}) < 2:
+            continue  # no group of 2 or more runs to rank
+        others = [r for name, rs in by_cluster.items() if name != held_out for r in rs]
+        cv_error = model_scores(others, cross_validate(others)).error
+        fitted = fit(others)
+        planned = plan_scores(runs_out, [predicted_seconds(r, fitted) for r in runs_out], cv_error)
+        print(f"{held_out} held out, as `fourfold plan` orders it (ties within the other runs' cross-validated "
+              f"error, {cv_error:.1%}, simplest first): Spearman {planned.spearman:.3f}, top-1 {planned.top1:.0%}")
     print("\nfitted on every run (perf.Calibration's defaults):")
     for field in dataclasses.fields(Calibration):
         value = getattr(cal, field.name)
