@@ -247,8 +247,10 @@ def in_flight_microbatches(s: Job) -> float:
     ((v - 1) p + 2 (p - 1) chunk forwards of warm-up, then one, as torch's ScheduleInterleaved1F1B
     and Megatron order them) holds (v + 1) p - 1 chunks of 1/v of its layers; GPipe every micro-batch."""
     p, m, v = s.pp, s.microbatches, s.virtual
-    if p == 1 or s.schedule == "gpipe":
-        return m if p > 1 else 1
+    if p == 1:
+        return 1
+    if s.schedule == "gpipe":
+        return m
     if v == 1:
         return min(p, m)
     return min((v + 1) * p - 1, m * v) / v
