@@ -35,8 +35,7 @@ def plot_candidates(candidates: list[dict], path: str, title: str, top: int = 5)
     left.legend()
     shown = [c for c in candidates if c["fits"]][:top]
     bottom = [0.0] * len(shown)
-    labels = [f"dp{c['dp']} pp{c['pp']} cp{c['cp']}\nx{c['x']} y{c['y']} z{c['z']} mb{c['micro_batch']}"
-              + (f" ep{c['ep']}" if c.get("ep", 1) > 1 else "") for c in shown]
+    labels = [_label(c) for c in shown]
     for part in ("compute", "exposed_comm", "bubble", "dp_comm", "optimizer", "tied_embedding"):
         values = [c["time_breakdown_seconds"][part] for c in shown]
         right.bar(range(len(shown)), values, bottom=bottom, label=part)
@@ -48,3 +47,10 @@ def plot_candidates(candidates: list[dict], path: str, title: str, top: int = 5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _label(c: dict) -> str:
+    """A candidate's grid on two lines (v only when interleaved, ep only when experts are split)."""
+    v = f" v{c['virtual']}" if c.get("virtual", 1) > 1 else ""
+    ep = f" ep{c['ep']}" if c.get("ep", 1) > 1 else ""
+    return f"dp{c['dp']} pp{c['pp']}{v} cp{c['cp']}\nx{c['x']} y{c['y']} z{c['z']} mb{c['micro_batch']}{ep}"
