@@ -57,6 +57,13 @@ def test_megatron_pipeline_terms_by_hand_llama3_70b():
     assert not megatron_memory(cfg, job(y=1, seq=s), 80).fits
     assert megatron_memory(cfg, job(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s), 80,
                            rule80=False).limit_bytes == 80 * GIB
+    # interleaved over v chunks a stage: p + (p - 1) / v micro-batches of its layers (m > p), p when m = p
+    v = 2
+    interleaved = replace(job(dp=d, pp=p, cp=c, y=t, micro_batch=b, seq=s), virtual=v, schedule="interleaved-1f1b")
+    activations = L * (s / c) * b * h * (12 + 4 * 8 / 64 + 8 * F / h) / t / p  # a stage's layers, one micro-batch
+    assert megatron_memory(cfg, interleaved, 80).terms["activations"] == pytest.approx((p + (p - 1) / v) * activations)
+    alone = replace(interleaved, global_batch=d * b * p)  # m = p micro-batches: every forward first
+    assert megatron_memory(cfg, alone, 80).terms["activations"] == pytest.approx(p * activations)
 
 
 CLUSTER = make_cluster("dgx-h100")
@@ -181,8 +188,20 @@ def test_invalid_configurations_name_the_fix():
         with pytest.raises(ValueError, match=f"pp \\* virtual = {uneven.pp * uneven.virtual} does not divide the "
                                              "model's 32 layers; choose --pp"):
             check(SMALL, uneven, "megatron")
-    assert all(r["pp"] in (1, 2, 4, 8) for r in search(SMALL, 24, CLUSTER, job(seq=2048, global_batch=24),
-                                                       framework="megatron", include_unfit=True))
+    megatron = search(SMALL, 24, CLUSTER, job(seq=2048, global_batch=24), framework="megatron", include_unfit=True)
+    assert megatron and all(r["pp"] in (1, 2, 4, 8) for r in megatron)
+
+
+def test_a_search_keeps_the_users_own_pipeline_split():
+    """With stage_layers (grid.auto on a config that splits the layers) the search tries only the pp
+    whose stages that split fills, with the config's own schedule (no pp of 1 that the split cannot
+    fill, no interleaving it was not written for)."""
+    split = replace(job(seq=2048, global_batch=64), stage_layers=(3, 5, 4, 4, 4, 4, 5, 3))
+    found = search(SMALL, 16, CLUSTER, split, include_unfit=True)
+    assert found and all((r["pp"], r["virtual"]) == (8, 1) for r in found)
+    interleaved = replace(split, virtual=2, schedule="interleaved-1f1b")
+    found = search(SMALL, 16, CLUSTER, interleaved, include_unfit=True)
+    assert found and all((r["pp"], r["virtual"], r["job"].schedule) == (4, 2, "interleaved-1f1b") for r in found)
 
 
 def test_planner_does_not_import_torch():

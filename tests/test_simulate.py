@@ -99,6 +99,21 @@ def test_simulated_pipeline_sends_are_the_volumes(rank):
     assert sent == {"send": int(ledger_bytes(expected, job.layout.sizes, 2)[("pp", "send")])}
 
 
+def test_every_simulated_step_receives_the_tied_tables_gradient(monkeypatch):
+    """The first stage adds the last stage's copy's gradient to its table in every step, as a
+    pipeline step arms it (once only in the first step before: later steps' peaks missed it)."""
+    from fourfold.parallel import comm
+
+    received = []
+    recv = comm.recv
+    monkeypatch.setattr(comm, "recv", lambda tensor, peer, group: received.append(tensor.numel()) or
+                        recv(tensor, peer, group))
+    cfg = dataclasses.replace(load_config("tiny-llama"), tied=True)
+    job = Job(Layout(dp=2, pp=2, x=2), global_batch=8, micro_batch=2, seq=64, seq_parallel=True, precision="bf16")
+    simulate(cfg, job, rank=0, steps=2)  # two counted steps, two timed
+    assert received == [cfg.vocab // 2 * cfg.hidden] * 4  # the table's x-shard, once a step
+
+
 def test_simulate_names_a_rank_outside_the_job(capsys):
     code = main(["simulate", "--model", "tiny-llama", "--grid", "dp=2", "--rank", "2", "--seq", "64"])
     assert code == 2
@@ -141,7 +156,9 @@ def test_simulated_expert_parallel_rank_exchanges_what_the_planner_prices():
 @pytest.mark.parametrize("pp, virtual, microbatches", [(2, 2, 4), (2, 3, 8), (3, 2, 3), (4, 4, 8), (4, 2, 16)])
 def test_a_simulated_rank_runs_its_stages_in_the_interleaved_schedules_order(pp, virtual, microbatches):
     """simulate runs each rank's forwards and backwards in the order torch's ScheduleInterleaved1F1B (the
-    runtime's schedule) gives that rank, so the saved tensors alive at once are the schedule's."""
+    runtime's schedule) gives that rank, so the saved tensors alive at once are the schedule's. (The
+    schedule's own per-rank method, called with the attributes its constructor sets: torch is pinned,
+    and a change to its private API fails here loudly.)"""
     for rank in range(pp):
         me = types.SimpleNamespace(n_local_stages=virtual, pp_group_size=pp, _n_microbatches=microbatches,
                                    microbatches_per_round=microbatches // max(1, microbatches // pp))

@@ -186,7 +186,7 @@ def error_note(cal: Calibration) -> str:
                 "`fourfold calibrate` measures it)")
     return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error); {TIE} within it of the fastest: "
             f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the least ep, then "
-            f"the largest micro-batch); measure them before choosing")
+            f"the fewest virtual stages, then the largest micro-batch); measure them before choosing")
 
 
 def passed_over(found: list[dict]) -> str:

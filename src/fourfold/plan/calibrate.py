@@ -49,9 +49,7 @@ SHIPPED = {
 CLUSTER_FILES = {"a100": ("megatron_llama31_8b_a100.csv", "megatron_gpt_a100_scaling.csv"),
                  "h100": ("megatron_core_gpt_h100.csv",)}
 MICRO_BATCHES = (1, 2, 4, 8)  # tried when a source does not say which one ran
-
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
-
 
 
 @dataclass(frozen=True)

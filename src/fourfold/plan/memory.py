@@ -85,9 +85,9 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     terms = {
         "weights_and_grads": params * (2 + 4),
         "optimizer": params * 12 / (d * c),
-        # 1F1B: p micro-batches of a stage's layers in flight; interleaved over v chunks (ours, as
-        # Korthikanti et al. 2022 count it): p (1 + (p - 1) / (p v))
-        "activations": (p + (p - 1) / s.virtual if s.virtual > 1 else p) * stage * per_layer,
+        # 1F1B: p micro-batches of a stage's layers in flight; interleaved over v chunks (ours, as the
+        # schedule holds them: p (1 + (p - 1) / (p v)), Korthikanti et al. 2022, when m > p)
+        "activations": (in_flight_microbatches(s) if s.virtual > 1 else p) * stage * per_layer,
         "first_stage_inputs": 8 * (seq / c) * b * h * p / t,
     }
     if p == 1:

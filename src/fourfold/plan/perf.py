@@ -190,7 +190,9 @@ def _bandwidth(layout, cluster: Cluster, dims: tuple[str, ...], intra_efficiency
                inter_efficiency: float) -> float:
     if layout.ep == 1 and dims == ("edp",):  # without expert parallelism an expert's replicas are dp*cp
         dims = ("dp", "cp")
-    if layout.ep == 1 and dims == ("ep",):  # each rank its own ep group
+    if dims not in (("ep",), ("edp",)):  # dims of size 1 add no ranks: they must not set the placement
+        dims = tuple(d for d in dims if layout.size(d) > 1)
+    if not dims or (layout.ep == 1 and dims == ("ep",)):  # a group of one rank
         stride = span = 1
     elif dims in (("ep",), ("edp",)):  # not a dim: from its ranks (nearest members' distance, the span)
         ranks = group_ranks(layout, dims)

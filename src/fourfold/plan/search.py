@@ -130,8 +130,8 @@ class Ranking(list):
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False,
            framework: str = "fourfold", top: int | None = None) -> Ranking:
-    """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, order and
-    recompute option of `base`, and for a mixture of experts (fourfold's profile) each expert
+    """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, pipeline schedule
+    (`schedules`), order and recompute option of `base`, and for a mixture of experts (fourfold's profile) each expert
     parallelism ep dividing both the experts and dp*cp, ranked (`rank`); each result's `job` is
     the job itself. `top`: only
     the first `top` results (and every tie of the first) are wanted, exactly as a full search ranks
@@ -153,7 +153,7 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
                     continue  # two of the rules, asked first: most of a large GPU count's grids fail them
                 for pipeline in schedules(cfg, base, pp, framework):
                     job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0], **pipeline)
-                    if not problems(cfg, job, gpu=True):
+                    if not profile_problems(cfg, job, framework):
                         queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
     considered = len(queue)
     heapq.heapify(queue)
@@ -195,7 +195,11 @@ def schedules(cfg: ModelConfig, base: Job, pp: int, framework: str = "fourfold")
     """The pipeline schedules the search tries on pp ranks: `base`'s own without interleaving, and
     interleaved 1F1B (a smaller bubble for more sends and in-flight activations): fourfold's profile
     over each of VIRTUALS stages a rank, the megatron profile over those of up to 8 that divide a
-    rank's layers (Megatron's chunks are even)."""
+    rank's layers (Megatron's chunks are even). A base with its own split (`stage_layers`) keeps its
+    schedule, on the pp whose stages it splits."""
+    if base.stage_layers:
+        own = dict(virtual=base.virtual, schedule=base.schedule)
+        return [own] if pp * base.virtual == len(base.stage_layers) else []
     plain = dict(virtual=1, schedule="1f1b" if base.schedule == "interleaved-1f1b" else base.schedule)
     if pp == 1:
         return [plain]
@@ -229,7 +233,8 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     """Best first: those that fit with headroom, then the tight ones, then those that do not fit.
     When others' step times are within the model's cross-validated error of the fastest's, they
     and the fastest (`tie` True) lead, simplest first: the least model parallelism (tp*cp*pp), then the least
-    expert parallelism, then the largest micro-batch, as the measured runs rank them (docs/planner.md,
+    expert parallelism, then the fewest virtual stages, then the largest micro-batch, as the measured runs
+    rank them (docs/planner.md,
     "Calibration"); then by step time (equal to four digits: less context parallelism, then the smaller
     model-parallel group, then less memory)."""
     def by_time(r: dict) -> tuple:
@@ -243,7 +248,8 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     if sum(r["tie"] for r in results) == 1:  # the fastest alone: nothing to tell apart
         next(r for r in results if r["tie"])["tie"] = False
     return sorted(results, key=lambda r: (not r["fits"], r["tight"], not r["tie"],
-                                          (_model_parallel(r), r.get("ep", 1), -r["micro_batch"]) if r["tie"] else (),
+                                          (_model_parallel(r), r.get("ep", 1), r.get("virtual", 1), -r["micro_batch"])
+                                          if r["tie"] else (),
                                           *by_time(r)))
 
 

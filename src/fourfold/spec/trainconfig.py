@@ -291,7 +291,8 @@ def key_help() -> dict[str, str]:
                                "ranks added; ep divides dp*cp and the experts)",
                     "grid.order": "placement order, innermost first (default x,y,z,cp,dp,pp): the innermost "
                                   "dim's groups are consecutive ranks", "grid.auto": "take the planner's best job "
-                                  "for [hardware] (grid, micro-batch, recompute, sequence parallelism)"})
+                                  "for [hardware] (grid, micro-batch, recompute, sequence parallelism, kept "
+                                  "inputs, pipeline schedule and virtual stages)"})
     section, above = None, []
     for line in Path(__file__).read_text(encoding="utf-8").splitlines():
         if match := re.match(r"class (\w+)Section\b", line):

@@ -120,6 +120,7 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
     stream = torch.empty(pipeline.stream_shape, dtype=first.opts.dtype)
     sums = torch.empty(2, first.cfg.experts, dtype=at_least_fp32(first.opts.dtype)) if pipeline.routing else None
     pipeline._set_copy()
+    pipeline._forwards = 0  # as Pipeline.step starts a step: the tied table's copy counts its forwards again
     for model in pipeline.models:
         model.overlap.new_pass()
     chunks = ids.chunk(job.microbatches)
