@@ -75,3 +75,17 @@ def test_every_config_key_is_explained_in_the_help():
     meaning = key_help()
     assert [k for k in config_keys() if not meaning.get(k)] == []
     assert "--train.steps 100" in sections_help() and "optimizer steps of the whole run" in sections_help()
+
+
+def test_a_reader_that_stops_reading_is_no_error():
+    """`fourfold plan ... | head`: the command stops quietly when its reader closes the pipe."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "fourfold.cli", "plan", "--model", "llama-3.1-8b", "--gpus", "64",
+               "--global-batch", "256", "--json"]  # more than a pipe's buffer
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.read(100)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait() == 1 and err == ""  # 1: it did meet the closed pipe

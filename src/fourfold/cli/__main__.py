@@ -2,4 +2,4 @@
 
 from fourfold.cli.main import main
 
-main()
+raise SystemExit(main())

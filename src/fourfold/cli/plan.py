@@ -163,7 +163,7 @@ def row(r: dict, tie: bool = False) -> str:
     grid = grid_text(r)
     kept = "yes" if r["keep_gathered_inputs"] else "no"
     fits = ("yes*" if r["tight"] else "yes") if r["fits"] else "NO "
-    memory = (f"{grid:<28} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} "
+    memory = (f"{grid:<32} mb{r['micro_batch']:<2} {r['recompute']:<9} {kept:<4} "
               f"{r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f} {fits:<4}")
     if "step_seconds" not in r:  # `fourfold memory`
         return f"{memory}  {r['order']}"
@@ -171,7 +171,7 @@ def row(r: dict, tie: bool = False) -> str:
             f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
 
 
-MEMORY_HEADER = f"{'grid':<28} {'mb':<3} {'recompute':<9} {'keep':<4} {'GiB/limit':>15} {'fits':<4}"
+MEMORY_HEADER = f"{'grid':<32} {'mb':<3} {'recompute':<9} {'keep':<4} {'GiB/limit':>15} {'fits':<4}"
 HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':>6}  order"
 
 
@@ -283,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
 
             plot_candidates(found, args.plot, f"{args.model} on {args.gpus} GPUs")
         return 0
+    except BrokenPipeError:
+        raise  # the reader stopped reading (`| head`): `main` ends quietly
     except (ValueError, GridError, OSError) as err:
         message = err if args.command == "calibrate" else with_flags(str(err), FLAGS)
         print(f"fourfold: error: {message}", file=sys.stderr)
