@@ -1,5 +1,6 @@
 """The planner: the seed paper's formulas, search invariants, CLI output; no processes needed."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,12 +13,13 @@ from hypothesis import strategies as st
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from fourfold.models.config import load_config
-from fourfold.plan.memory import GIB, fourfold_memory, in_flight_microbatches, megatron_memory
+from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
 from fourfold.plan.perf import Calibration, compute_bound, placement_bound, step_time
 from fourfold.plan.search import ORDERS, check, rounded_seconds, search
 from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
+from fourfold.spec.schedule import held_layers
 
 LLAMA7 = load_config("llama-2-7b")
 
@@ -156,20 +158,38 @@ def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
 
 
 @pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (2, 4, 2), (8, 2, 8), (4, 3, 4)])
-def test_in_flight_activations_are_those_of_torchs_interleaved_schedule(p, v, m):
-    """The first pipeline rank's most chunk forwards awaiting their backward, in the op list torch's
-    ScheduleInterleaved1F1B builds for it (the schedule the runtime runs), is what the estimate holds."""
+def test_held_activations_are_those_of_torchs_interleaved_schedule(p, v, m):
+    """The most chunk forwards a pipeline rank runs before their backwards, in the op lists torch's
+    ScheduleInterleaved1F1B (the runtime's schedule) builds, times a chunk's layers, is what the
+    estimate holds. (The schedule's own per-rank method, called with the attributes its constructor
+    sets: torch is pinned, and a change to its private API fails here loudly.)"""
     me = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
-                               microbatches_per_round=m // max(1, m // p))  # as its constructor sets them
-    alive = held = 0
-    for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(me, 0):
-        if action is not None:
-            alive += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
-            held = max(held, alive)
-    s = replace(job(pp=p, micro_batch=1, global_batch=m), virtual=v, schedule="interleaved-1f1b")
-    assert in_flight_microbatches(s) * v == held  # in chunks of 1/v of the rank's layers
-    assert in_flight_microbatches(replace(s, virtual=1, schedule="1f1b")) == min(p, m)
-    assert in_flight_microbatches(replace(s, virtual=1, schedule="gpipe")) == m
+                               microbatches_per_round=m // max(1, m // p))
+    most = 0
+    for rank in range(p):
+        alive = 0
+        for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(me, rank):
+            if action is not None:
+                alive += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
+                most = max(most, alive)
+    chunk = 2  # layers a stage
+    assert held_layers(chunk * p * v, p, v, m, "interleaved-1f1b") == most * chunk
+    assert held_layers(chunk * p, p, 1, m, "1f1b") == min(p, m) * chunk  # 1F1B: p micro-batches on the first rank
+    assert held_layers(chunk * p, p, 1, m, "gpipe") == m * chunk  # GPipe: every micro-batch
+
+
+def test_a_large_first_chunk_is_held_as_often_as_the_schedule_holds_it():
+    """A user's split with one large stage on the first rank: interleaved over 2 stages a rank, the
+    first rank's steady state runs its first stage's forwards while its second stage's backwards
+    free a layer each, so at its peak it holds the first stage for all 4 micro-batches (4 x 7 + 1 =
+    29 layers), more than its 8 layers times its average in-flight micro-batches (2.5: 20)."""
+    assert held_layers(10, 2, 2, 4, "interleaved-1f1b", (7, 1, 1, 1)) == 29
+    s = replace(job(pp=2, micro_batch=1, global_batch=4), virtual=2, schedule="interleaved-1f1b",
+                stage_layers=(7, 1, 1, 1))
+    small = dataclasses.replace(SMALL, layers=10)
+    one_layer = fourfold_memory(small, replace(s, layout=Layout(), virtual=1, schedule="1f1b", stage_layers=()), 80)
+    per_layer = one_layer.terms["activations"] / 10  # no pipeline: one micro-batch of every layer
+    assert fourfold_memory(small, s, 80).terms["activations"] == pytest.approx(29 * per_layer)
 
 
 def test_invalid_configurations_name_the_fix():

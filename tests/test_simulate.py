@@ -16,9 +16,10 @@ from fourfold.parallel.grid import Grid
 from fourfold.plan.memory import estimate_memory
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
+from fourfold.spec.schedule import schedule_order
 from fourfold.spec.volumes import ledger_bytes, pipeline_sends
 from fourfold.tools.measure import measure_peak
-from fourfold.tools.simulate import TRAINER_GROUPS, schedule_order, simulate
+from fourfold.tools.simulate import TRAINER_GROUPS, simulate
 
 
 def test_grid_on_a_fake_world_of_4096_ranks_builds_only_its_own_groups():

@@ -19,6 +19,7 @@ from fourfold.spec.blockspec import block_plan, mlp_chunks
 from fourfold.spec.counts import layer_params
 from fourfold.spec.job import Job, most_layers_on_a_rank
 from fourfold.spec.rules import padded_vocab
+from fourfold.spec.schedule import held_layers
 
 GIB = 2**30
 FRAMEWORKS = ("fourfold", "megatron")
@@ -86,8 +87,9 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
         "weights_and_grads": params * (2 + 4),
         "optimizer": params * 12 / (d * c),
         # 1F1B: p micro-batches of a stage's layers in flight; interleaved over v chunks (ours, as the
-        # schedule holds them: p (1 + (p - 1) / (p v)), Korthikanti et al. 2022, when m > p)
-        "activations": (in_flight_microbatches(s) if s.virtual > 1 else p) * stage * per_layer,
+        # schedule holds them: p (1 + (p - 1) / (p v)) of a stage's layers, Korthikanti et al. 2022, when m > p)
+        "activations": (held_layers(L, p, s.virtual, s.microbatches, s.schedule) if s.virtual > 1 else p * stage)
+                       * per_layer,
         "first_stage_inputs": 8 * (seq / c) * b * h * p / t,
     }
     if p == 1:
@@ -189,7 +191,9 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         working = core
     else:
         per_layer_kept, working = per_layer, 0.0
-    activations = layers_here * per_layer_kept * in_flight_microbatches(s)
+    # the most layers' saved tensors a pipeline rank holds at once, micro-batches in flight counted
+    activations = per_layer_kept * (held_layers(L, p, s.virtual, s.microbatches, s.schedule, s.stage_layers)
+                                    if p > 1 else layers_here)
     # The largest weight block of one matrix on this rank (before the z split): with z > 1 it is
     # gathered (bf16) while its layer runs, and its gradient block exists before the z reduce-scatter.
     layer_block = max(layer.in_features * layer.out_features for layer in plan.linears) / (x * y)
@@ -239,21 +243,6 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     # The trainer's checkpoint replicas (`params.Replicas`): the dp*cp ranks, an expert's its expert replicas
     return Memory(terms, memory_gib * GIB, replicas=replicas, expert_replicas=replicas // ep,
                   expert_weights=e * expert_held)
-
-
-def in_flight_microbatches(s: Job) -> float:
-    """Micro-batches whose saved tensors the first pipeline rank holds at once, in units of all its
-    layers: 1F1B runs p forwards before its first backward; interleaved 1F1B over v chunks a rank
-    ((v - 1) p + 2 (p - 1) chunk forwards of warm-up, then one, as torch's ScheduleInterleaved1F1B
-    and Megatron order them) holds (v + 1) p - 1 chunks of 1/v of its layers; GPipe every micro-batch."""
-    p, m, v = s.pp, s.microbatches, s.virtual
-    if p == 1:
-        return 1
-    if s.schedule == "gpipe":
-        return m
-    if v == 1:
-        return min(p, m)
-    return min((v + 1) * p - 1, m * v) / v
 
 
 def estimate_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True,

@@ -38,6 +38,7 @@ from fourfold.parallel.tensor.params import Replicas
 from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
 from fourfold.spec.job import Job
 from fourfold.spec.rules import check
+from fourfold.spec.schedule import schedule_order
 from fourfold.tools.fake import fake_world
 from fourfold.tools.measure import LiveBytes
 from fourfold.train.trainer import Model
@@ -78,32 +79,6 @@ def _timed(seconds: dict[str, float], phase: str):
         seconds[phase] = time.perf_counter() - start
 
     return clock()
-
-
-def schedule_order(rank: int, pp: int, virtual: int, microbatches: int, schedule: str) -> list[tuple[bool, int, int]]:
-    """(backward?, micro-batch, local stage) of pipeline rank `rank`, in the order its schedule runs
-    them, as torch's schedules order them: a warm-up of forwards (1F1B: pp - 1 - rank; interleaved
-    1F1B over `virtual` stages a rank: (virtual - 1) rounds of pp micro-batches and 2 (pp - 1 - rank);
-    GPipe: all), then one forward and one backward at a time, then the backwards left. Interleaved,
-    forwards go stage by stage a round at a time, backwards from the last stage back."""
-    total = microbatches * virtual
-    per_round = microbatches // max(1, microbatches // pp)
-    if schedule == "gpipe":
-        warmup = total
-    elif virtual == 1:
-        warmup = min(pp - 1 - rank, total)
-    else:
-        warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), total)
-
-    def op(k: int, backward: bool) -> tuple[bool, int, int]:
-        stage = (k // per_round) % virtual
-        micro = (k // (per_round * virtual)) * per_round + k % per_round
-        return backward, micro, virtual - 1 - stage if backward else stage
-
-    order = [op(k, False) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [op(warmup + k, False), op(k, True)]
-    return order + [op(k, True) for k in range(total - warmup, total)]
 
 
 def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float) -> None:
