@@ -215,7 +215,9 @@ def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_large
     assert most_layers_on_a_rank(126, Job(Layout(pp=8), virtual=2, schedule="interleaved-1f1b")) == 16
     model = load_config("llama-3.1-405b")
     assert problems(model, job, gpu=True) == []
-    assert predict(model, job, make_cluster("dgx-h100"), framework="megatron")["fits"]
+    assert predict(model, job, make_cluster("dgx-h100"))["fits"]
+    with pytest.raises(JobError, match="Megatron-LM builds the same number of layers on every pipeline stage"):
+        predict(model, job, make_cluster("dgx-h100"), framework="megatron")  # Megatron cannot split 126 over 16
     # the estimate follows the most loaded stage: 8 layers, as 128 layers on 16 stages would give
     as_128 = estimate_memory(dataclasses.replace(model, layers=128), job, 80, framework="megatron")
     assert estimate_memory(model, job, 80, framework="megatron").terms == as_128.terms
