@@ -61,6 +61,44 @@ def test_a_changed_byte_is_found_by_the_ranks_before_any_reads(ranks, tmp_path):
         ranks.run(_verify, 2, step)
 
 
+def _resume_source(run_dir):
+    from fourfold.spec.trainconfig import load_train_config
+    from fourfold.train.trainer import _agreed_source
+
+    return _agreed_source(load_train_config(None, ["--log.run_dir", str(run_dir)]), None)
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _save_steps(root, steps):
+    model = Transformer(Grid(Layout(x=2)), load_config("tiny-llama"))
+    for step in steps:
+        checkpoint.save(root, step, model, None, {}, keep=len(steps))
+
+
+def test_a_resume_passes_over_its_own_checkpoint_whose_bytes_changed(ranks, tmp_path):
+    """Sizes right, contents not: the ranks find it together and take the next older intact
+    checkpoint of the run's own, saying why (as for a missing file); with none left, they stop
+    naming every damage."""
+    root = tmp_path / "run" / "checkpoints"
+    ranks.run(_save_steps, 2, root, [1, 2, 3])
+    newest, middle, oldest = reversed(checkpoint.step_dirs(root))
+    _flip_a_byte(newest / "__1_0.distcp")
+    (middle / "__0_0.distcp").unlink()  # passed over by the sizes
+    crc = "the CRC-32 of __1_0.distcp is not the one written"
+    expected = (oldest, [(newest, crc), (middle, "__0_0.distcp is missing")])
+    assert ranks.run(_resume_source, 2, tmp_path / "run") == [expected, expected]
+    _flip_a_byte(oldest / ".metadata")
+    with pytest.raises(AssertionError, match=f"every checkpoint in .* is damaged \\(step-00000003: {crc}; "
+                                             "step-00000002: __0_0.distcp is missing; step-00000001: the CRC-32 of "
+                                             ".metadata is not the one written\\): move them aside"):
+        ranks.run(_resume_source, 2, tmp_path / "run")
+
+
 def test_newest_intact_passes_over_damaged_checkpoints_and_says_why(tmp_path):
     def step(n, meta):
         path = tmp_path / f"step-{n:08d}"

@@ -138,12 +138,15 @@ def step_dirs(root: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if STEP.fullmatch(p.name)) if root.is_dir() else []
 
 
-def newest_intact(root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """(the newest checkpoint under `root` that `damage` finds nothing in, or None; the newer ones it
-    passed over, with their damage). A step-N directory without meta.json counts: a save in
-    progress is a hidden .step-N.partial, so one is missing its meta.json only by damage."""
+def newest_intact(root: str | Path, older_than: Path | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint under `root` (older than `older_than`, when given) that `damage` finds
+    nothing in, or None; the newer ones it passed over, with their damage). A step-N directory
+    without meta.json counts: a save in progress is a hidden .step-N.partial, so one is missing its
+    meta.json only by damage."""
     skipped = []
     for path in reversed(step_dirs(root)):
+        if older_than is not None and path.name >= Path(older_than).name:
+            continue
         what = damage(path)
         if not what:
             return path, skipped
@@ -151,10 +154,10 @@ def newest_intact(root: str | Path) -> tuple[Path | None, list[tuple[Path, str]]
     return None, skipped
 
 
-def verify_contents(path: str | Path, group=None) -> None:
-    """Collective: the files of checkpoint `path` against the CRC-32s of its manifest, each rank of
-    `group` reading 1/world of them; raises CheckpointError naming the files that differ, on every
-    rank, before any rank reads the checkpoint (`damage` has checked the sizes)."""
+def contents_damage(path: str | Path, group=None) -> str:
+    """Collective: what differs in checkpoint `path` from the CRC-32s of its manifest, in a phrase
+    ("" when nothing), the same on every rank of `group`, each rank reading 1/world of the files
+    (`damage` has checked the sizes)."""
     path = Path(path)
     files = sorted(json.loads((path / META).read_text()).get("files", {}).items())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -162,10 +165,18 @@ def verify_contents(path: str | Path, group=None) -> None:
     everyone = [None] * world
     dist.all_gather_object(everyone, bad, group=group)
     bad = sorted(name for names in everyone for name in names)
-    if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise CheckpointError(f"checkpoint {path} is damaged (the CRC-32 of {', '.join(bad[:3])}{more} is not the one "
-                              f"written): move it aside (out of step-*) to resume from the previous checkpoint")
+    if not bad:
+        return ""
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return f"the CRC-32 of {', '.join(bad[:3])}{more} is not the one written"
+
+
+def verify_contents(path: str | Path, group=None) -> None:
+    """Collective: raises CheckpointError on every rank, before any rank reads the checkpoint, when
+    `contents_damage` finds files that differ, naming them."""
+    if what := contents_damage(path, group):
+        raise CheckpointError(f"checkpoint {path} is damaged ({what}): move it aside (out of step-*) to resume from "
+                              f"the previous checkpoint")
 
 
 def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True,

@@ -418,21 +418,35 @@ def _maybe_kill(cfg: TrainConfig, step: int) -> None:
 
 def _agreed_source(cfg: TrainConfig, group) -> tuple[Path | None, list[tuple[Path, str]]]:
     """`checkpoint_source` as rank 0 finds it (the rule the check before launch applied), on every
-    rank, its contents then verified by all of them together (`checkpoint.verify_contents`): every
-    rank loads the same step, and none reads a checkpoint before it is verified."""
+    rank, its contents then verified by all of them together (`checkpoint.contents_damage`): every
+    rank loads the same step, and none reads a checkpoint before it is verified. A checkpoint of
+    the run's own whose contents differ from its manifest is passed over like one missing a file
+    (the next older intact one is taken); checkpoint.load's is refused, naming the files."""
+    source, skipped = _on_rank_0(lambda: checkpoint_source(cfg), group)
+    while source is not None and (what := checkpoint.contents_damage(source, group)):
+        if source.parent != cfg.checkpoint_dir:
+            checkpoint.verify_contents(source, group)  # raises, naming the files, on every rank
+        skipped.append((source, what))
+        source, older = _on_rank_0(lambda: checkpoint.newest_intact(cfg.checkpoint_dir, older_than=source), group)
+        skipped += older
+    if source is None and skipped:
+        raise ConfigError(f"every checkpoint in {cfg.checkpoint_dir} is damaged ({_damages(skipped)}): move them "
+                          f"aside (out of step-*) to start anew, or give another --log.run_dir")
+    return source, skipped
+
+
+def _on_rank_0(find, group):
+    """What `find()` returns on rank 0, on every rank of `group` (a ConfigError it raises: raised on every rank)."""
     found = [None]
     if dist.get_rank() == 0:
         try:
-            found = [checkpoint_source(cfg)]
-        except ConfigError as e:  # (a file changed since the check before launch): raised on every rank
+            found = [find()]
+        except ConfigError as e:  # (a file changed since the check before launch)
             found = [e]
     dist.broadcast_object_list(found, src=0, group=group)
     if isinstance(found[0], ConfigError):
         raise found[0]
-    source, skipped = found[0]
-    if source is not None:
-        checkpoint.verify_contents(source, group)
-    return source, skipped
+    return found[0]
 
 
 def _grid_text(sizes: dict) -> str:
