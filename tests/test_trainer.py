@@ -510,18 +510,22 @@ DAMAGES = {  # how the latest checkpoint is damaged, and what the check before l
 }
 
 
-@pytest.mark.parametrize("how", list(DAMAGES))
-def test_a_damaged_latest_checkpoint_is_passed_over_on_resume_and_refused_as_checkpoint_load(
-        data, reference, tmp_path, how, monkeypatch, capsys):
-    """The latest checkpoint damaged three ways: `checkpoint.load` of it is refused before any rank
-    starts, naming what is missing and the intact one; the run's own resume continues from the
-    intact step-3 instead, says so in one line, and trains the uninterrupted run's losses."""
-    from fourfold.cli.main import main
-
+def _damaged_copy(reference, tmp_path, how):
+    """The reference run's checkpoints with the latest one damaged `how`: (latest, the intact step 3)."""
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
     damaged, intact = tmp_path / "checkpoints" / "step-00000006", tmp_path / "checkpoints" / "step-00000003"
-    damage, found = DAMAGES[how]
-    damage(damaged)
+    DAMAGES[how][0](damaged)
+    return damaged, intact
+
+
+@pytest.mark.parametrize("how", list(DAMAGES))
+def test_a_damaged_checkpoint_load_is_refused_before_any_rank_starts(data, reference, tmp_path, how, monkeypatch,
+                                                                      capsys):
+    """The latest checkpoint damaged three ways: `checkpoint.load` of it is refused before any rank
+    starts, naming what is missing and the intact one."""
+    from fourfold.cli.main import main
+
+    damaged, intact = _damaged_copy(reference, tmp_path, how)
 
     def launched(*args, **kwargs):
         raise AssertionError("torchrun was started")
@@ -531,9 +535,16 @@ def test_a_damaged_latest_checkpoint_is_passed_over_on_resume_and_refused_as_che
     for named in (damaged, tmp_path / "checkpoints"):  # the step-N directory, or the run's directory (its latest)
         assert main(["train", *options, "--checkpoint.load", str(named)]) == 2
         err = capsys.readouterr().err
+        found = DAMAGES[how][1]
         assert re.search(f"fourfold: error: checkpoint.load: the checkpoint {damaged} is damaged \\({found}\\): "
                          f"copy it again, or --checkpoint.load {intact}, the newest intact one", err), err
 
+
+def test_a_resume_passes_over_a_damaged_latest_checkpoint(data, reference, tmp_path):
+    """The run's own resume continues from the intact step-3 instead of a latest checkpoint missing a
+    shard, says so in one line, and trains the uninterrupted run's losses. (Each kind of damage is
+    found by `checkpoint.damage`, and a changed byte by the ranks: tests/test_checkpoint_verify.py.)"""
+    damaged, intact = _damaged_copy(reference, tmp_path, "missing shard")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "train", "--nproc-per-node", "4",
                            *_options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2")],
@@ -541,7 +552,8 @@ def test_a_damaged_latest_checkpoint_is_passed_over_on_resume_and_refused_as_che
     assert done.returncode == 0, done.stderr[-3000:]
     said = [line for line in done.stdout.splitlines() if "step-00000006 (" in line]
     assert len(said) == 1 and re.fullmatch(f"start: resumed {intact} at step 3; the newest intact checkpoint, passing "
-                                           f"over 1 damaged: step-00000006 \\({found}\\)", said[0]), done.stdout
+                                           f"over 1 damaged: step-00000006 \\({DAMAGES['missing shard'][1]}\\)",
+                                           said[0]), done.stdout
     assert "Traceback" not in done.stderr
     expected, _ = _losses(reference)
     got, _ = _losses(tmp_path)
