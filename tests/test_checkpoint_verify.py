@@ -1,6 +1,6 @@
 """A checkpoint's manifest (every file's size and CRC-32, from the rank that wrote it), the check of
 the sizes before launch (`checkpoint.damage`, `newest_intact`) and of the contents by the ranks
-before they read (`checkpoint.verify_contents`). The trainer's resume past a damaged checkpoint:
+before they read (`checkpoint.contents_damage`). The trainer's resume past a damaged checkpoint:
 tests/test_trainer.py."""
 
 import json
@@ -26,7 +26,13 @@ def _save(root, notes, background):
 
 
 def _verify(path):
-    checkpoint.verify_contents(path)
+    return checkpoint.contents_damage(path)
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
@@ -51,27 +57,17 @@ def test_a_changed_byte_is_found_by_the_ranks_before_any_reads(ranks, tmp_path):
     notes.write_text("copied in")
     ranks.run(_save, 2, tmp_path / "run", notes, False)
     step = checkpoint.latest(tmp_path / "run")
-    ranks.run(_verify, 2, step)
-    shard = bytearray((step / "__1_0.distcp").read_bytes())
-    shard[len(shard) // 2] ^= 1
-    (step / "__1_0.distcp").write_bytes(bytes(shard))
+    assert ranks.run(_verify, 2, step) == ["", ""]
+    _flip_a_byte(step / "__1_0.distcp")
     assert checkpoint.damage(step) == ""
-    with pytest.raises(AssertionError, match=r"checkpoint .*step-00000001 is damaged \(the CRC-32 of __1_0.distcp is "
-                                             r"not the one written\): move it aside"):
-        ranks.run(_verify, 2, step)
+    assert ranks.run(_verify, 2, step) == ["the CRC-32 of __1_0.distcp is not the one written"] * 2
 
 
-def _resume_source(run_dir):
+def _source(run_dir, *options):
     from fourfold.spec.trainconfig import load_train_config
     from fourfold.train.trainer import _agreed_source
 
-    return _agreed_source(load_train_config(None, ["--log.run_dir", str(run_dir)]), None)
-
-
-def _flip_a_byte(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 1
-    path.write_bytes(bytes(data))
+    return _agreed_source(load_train_config(None, ["--log.run_dir", str(run_dir), *options]), None)
 
 
 def _save_steps(root, steps):
@@ -91,12 +87,16 @@ def test_a_resume_passes_over_its_own_checkpoint_whose_bytes_changed(ranks, tmp_
     (middle / "__0_0.distcp").unlink()  # passed over by the sizes
     crc = "the CRC-32 of __1_0.distcp is not the one written"
     expected = (oldest, [(newest, crc), (middle, "__0_0.distcp is missing")])
-    assert ranks.run(_resume_source, 2, tmp_path / "run") == [expected, expected]
+    assert ranks.run(_source, 2, tmp_path / "run") == [expected, expected]
+    # another run's checkpoint.load of it: refused, naming the files (there is no other one to take)
+    with pytest.raises(AssertionError, match=f"checkpoint.load: the checkpoint .*step-00000003 is damaged \\({crc}\\): "
+                                             "copy it again"):
+        ranks.run(_source, 2, tmp_path / "other", "--checkpoint.load", str(newest))
     _flip_a_byte(oldest / ".metadata")
     with pytest.raises(AssertionError, match=f"every checkpoint in .* is damaged \\(step-00000003: {crc}; "
                                              "step-00000002: __0_0.distcp is missing; step-00000001: the CRC-32 of "
                                              ".metadata is not the one written\\): move them aside"):
-        ranks.run(_resume_source, 2, tmp_path / "run")
+        ranks.run(_source, 2, tmp_path / "run")
 
 
 def test_newest_intact_passes_over_damaged_checkpoints_and_says_why(tmp_path):

@@ -19,7 +19,7 @@ that wrote the file, right after writing it (read back from its page cache: CRC-
 0, a few dozen bytes per rank. A checkpoint is verified in two halves: `damage` (one process, before
 launch) checks that every file is there with its size, a stat per file, so that a missing shard,
 a missing `.metadata` or a file cut short is found in seconds even for 16,384 files of terabytes;
-`verify_contents` (every rank, before any reads) checks the CRC-32s, each rank reading 1/world of
+`contents_damage` (every rank, before any reads) checks the CRC-32s, each rank reading 1/world of
 the files, so that the whole checkpoint is read once across the job rather than by one process.
 """
 
@@ -169,14 +169,6 @@ def contents_damage(path: str | Path, group=None) -> str:
         return ""
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     return f"the CRC-32 of {', '.join(bad[:3])}{more} is not the one written"
-
-
-def verify_contents(path: str | Path, group=None) -> None:
-    """Collective: raises CheckpointError on every rank, before any rank reads the checkpoint, when
-    `contents_damage` finds files that differ, naming them."""
-    if what := contents_damage(path, group):
-        raise CheckpointError(f"checkpoint {path} is damaged ({what}): move it aside (out of step-*) to resume from "
-                              f"the previous checkpoint")
 
 
 def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True,
