@@ -212,6 +212,14 @@ def test_invalid_configurations_name_the_fix():
     assert megatron and all(r["pp"] in (1, 2, 4, 8) for r in megatron)
 
 
+def test_a_search_tries_the_interleavings_it_is_given():
+    base = job(seq=2048, global_batch=64)
+    plain = search(SMALL, 16, CLUSTER, base, include_unfit=True, virtuals=(1,))
+    assert plain and all(r["virtual"] == 1 for r in plain) and any(r["pp"] > 1 for r in plain)
+    four = search(SMALL, 16, CLUSTER, base, include_unfit=True, virtuals=(4,))
+    assert four and all(r["virtual"] == (4 if r["pp"] > 1 else 1) for r in four) and any(r["pp"] > 1 for r in four)
+
+
 def test_a_search_keeps_the_users_own_pipeline_split():
     """With stage_layers (grid.auto on a config that splits the layers) the search tries only the pp
     whose stages that split fills, with the config's own schedule (no pp of 1 that the split cannot

@@ -246,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
         # a plot and --all need every candidate.
         top = None if args.plot or args.all else args.top if args.json else args.top or 10
         found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
-                       rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework, top=top)
+                       rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework, top=top,
+                       virtuals=tuple(args.virtual) if args.virtual else None)
         if not found.considered:  # not a question of memory: say what the rules refuse, with its fix
             simplest = problems(cfg, _job(args, Layout(dp=args.gpus)), gpu=True)
             raise ValueError("\n  ".join([f"the rules refuse every configuration of {args.gpus} GPUs; "
@@ -337,6 +338,9 @@ def add_commands(commands) -> None:
     plan.add_argument("--all", action="store_true", help="also list candidates that do not fit")
     plan.add_argument("--top", type=int, default=0, help="how many to print (table default 10, JSON default all)")
     plan.add_argument("--plot", help="write a PNG: throughput against memory, and the top time breakdowns")
+    plan.add_argument("--virtual", type=positive, action="append",
+                      help="stages per pipeline rank to try (repeatable; default: 1, 2 and 4 for fourfold, Megatron's "
+                           "even ones for megatron; --virtual 1: no interleaving)")
     calibrate = commands.add_parser("calibrate", help="fit the step-time model's constants to measured runs",
                                     description="Fit the step-time model's constants to measured runs (`fourfold "
                                                 "train` run directories and CSV files in the calibration format, "

@@ -129,14 +129,14 @@ class Ranking(list):
 
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False,
-           framework: str = "fourfold", top: int | None = None) -> Ranking:
+           framework: str = "fourfold", top: int | None = None, virtuals: tuple[int, ...] | None = None) -> Ranking:
     """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, pipeline schedule
-    (`schedules`), order and recompute option of `base`, and for a mixture of experts (fourfold's profile) each expert
-    parallelism ep dividing both the experts and dp*cp, ranked (`rank`); each result's `job` is
-    the job itself. `top`: only
-    the first `top` results (and every tie of the first) are wanted, exactly as a full search ranks
-    them: jobs are evaluated in the order of a lower bound of their step time (`compute_bound`),
-    and the search stops where that bound passes every time it keeps."""
+    (`schedules`; `virtuals`: the stages per pipeline rank to try instead of its own), order and
+    recompute option of `base`, and for a mixture of experts (fourfold's profile) each expert
+    parallelism ep dividing both the experts and dp*cp, ranked (`rank`); each result's `job` is the
+    job itself. `top`: only the first `top` results (and every tie of the first) are wanted, exactly
+    as a full search ranks them: jobs are evaluated in the order of a lower bound of their step time
+    (`compute_bound`), and the search stops where that bound passes every time it keeps."""
     orders = (ORDERS + EXPERT_ORDERS * bool(cfg.experts)) if framework == "fourfold" else [DEFAULT_ORDER]
     # (bound, arrival, memory, job): a heap. A job enters with its compute bound; when it first
     # reaches the top its memory is estimated and, if it fits, it goes back with its tighter
@@ -151,7 +151,7 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
             for mb in micro_batches:
                 if base.global_batch % (dp * mb) or mb % z:
                     continue  # two of the rules, asked first: most of a large GPU count's grids fail them
-                for pipeline in schedules(cfg, base, pp, framework):
+                for pipeline in schedules(cfg, base, pp, framework, virtuals):
                     job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0], **pipeline)
                     if not profile_problems(cfg, job, framework):
                         queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
@@ -191,20 +191,23 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     return Ranking(rank(results, cal), considered)
 
 
-def schedules(cfg: ModelConfig, base: Job, pp: int, framework: str = "fourfold") -> list[dict]:
+def schedules(cfg: ModelConfig, base: Job, pp: int, framework: str = "fourfold",
+              virtuals: tuple[int, ...] | None = None) -> list[dict]:
     """The pipeline schedules the search tries on pp ranks: `base`'s own without interleaving, and
     interleaved 1F1B (a smaller bubble for more sends and in-flight activations): fourfold's profile
     over each of VIRTUALS stages a rank, the megatron profile over those of up to 8 that divide a
-    rank's layers (Megatron's chunks are even). A base with its own split (`stage_layers`) keeps its
-    schedule, on the pp whose stages it splits."""
+    rank's layers (Megatron's chunks are even); `virtuals`: these stages per rank instead (1: plain).
+    A base with its own split (`stage_layers`) keeps its schedule, on the pp whose stages it splits."""
     if base.stage_layers:
         own = dict(virtual=base.virtual, schedule=base.schedule)
         return [own] if pp * base.virtual == len(base.stage_layers) else []
     plain = dict(virtual=1, schedule="1f1b" if base.schedule == "interleaved-1f1b" else base.schedule)
     if pp == 1:
         return [plain]
-    virtuals = VIRTUALS if framework == "fourfold" else [v for v in interleavings(cfg.layers, pp) if v <= 8]
-    return [plain] + [dict(virtual=v, schedule="interleaved-1f1b") for v in virtuals]
+    if virtuals is None:
+        virtuals = (1, *VIRTUALS) if framework == "fourfold" else (1, *(v for v in interleavings(cfg.layers, pp)
+                                                                         if v <= 8))
+    return [plain if v == 1 else dict(virtual=v, schedule="interleaved-1f1b") for v in virtuals]
 
 
 def interleavings(layers: int, pp: int) -> list[int]:
