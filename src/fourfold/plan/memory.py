@@ -71,10 +71,14 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     t, c, p, d, b, seq = s.y, s.cp, s.pp, s.dp, s.micro_batch, s.seq
     matrices, vectors = layer_params(cfg)
     replicated = replicated_params(cfg.block)  # a mixture's router (and shared gate), not split
+    experts = expert_params(cfg.block)  # ours: a mixture's experts also split over the ep ranks
+    ep = s.layout.ep
     stage = most_layers_on_a_rank(L, s)  # L / p when the layers divide evenly
-    params = stage * ((matrices - replicated) / t + replicated + vectors) + h * v / t  # embedding on the first stage
+    # the dense parameters, and the embedding on the first stage
+    params = stage * ((matrices - replicated - experts) / t + replicated + vectors) + h * v / t
     if p == 1:
         params += (0 if cfg.tied else h * v / t) + h  # LM head and final norm on the same stage
+    expert_held = stage * experts / (t * ep)
     if s.recompute == "full":  # our extension: each layer keeps its bf16 input, sequence-parallel
         per_layer = 2 * (seq / c) * b * h / t
     elif cfg.block.moe:  # ours: the MLP's terms for the top_k experts a token runs (and a shared one),
@@ -84,8 +88,9 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     else:  # flash attention: selective recompute keeps the same tensors
         per_layer = (seq / c) * b * h * (12 + 4 * k / a + 8 * F / h) / t
     terms = {
-        "weights_and_grads": params * (2 + 4),
-        "optimizer": params * 12 / (d * c),
+        "weights_and_grads": (params + expert_held) * (2 + 4),
+        # the distributed optimizer: dense parameters over dp*cp, an expert's over its dp*cp/ep replicas
+        "optimizer": params * 12 / (d * c) + expert_held * 12 / (d * c // ep),
         # 1F1B: p micro-batches of a stage's layers in flight; interleaved over v chunks (ours, as the
         # schedule holds them: p (1 + (p - 1) / (p v)) of a stage's layers, Korthikanti et al. 2022, when m > p)
         "activations": (held_layers(L, p, s.virtual, s.microbatches, s.schedule) if s.virtual > 1 else p * stage)
@@ -95,7 +100,7 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
     if p == 1:
         terms["logits"] = 4 * (seq / c) * b * h * (1 + v / h) / t
     limit = memory_gib * GIB * (0.8 if rule80 else 1.0)
-    return Memory(terms, limit, replicas=d * c)
+    return Memory(terms, limit, replicas=d * c, expert_replicas=d * c // ep, expert_weights=2 * expert_held)
 
 
 def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention: bool = True,

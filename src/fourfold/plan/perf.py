@@ -461,29 +461,55 @@ def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Const
     output gradient in backward, exposed; the column-parallel linear's backward re-gathers its input
     (for the weight gradient) while its dX GEMM runs and reduce-scatters the input gradient while
     its dW GEMM runs (Megatron's LinearWithGradAccumulationAndAsyncCommunication). Without sequence
-    parallelism: an all-reduce in forward, and one in backward behind the dW GEMM."""
-    forward, backward, (regather, reduction) = (
-        _megatron_totals(int(s.seq / s.cp * s.micro_batch / s.z) * cfg.hidden, s.seq_parallel))
+    parallelism: an all-reduce in forward, and one in backward behind the dW GEMM. A mixture's
+    experts (without a shared one) move their tokens with the all-to-all dispatcher instead
+    (`_megatron_dispatch`), exposed."""
+    T = s.seq / s.cp * s.micro_batch / s.z
+    dispatched = cfg.block.moe and not cfg.block.shared_ffn
+    forward, backward, (regather, reduction) = _megatron_totals(int(T) * cfg.hidden, s.seq_parallel,
+                                                                1 if dispatched else 2)
     seconds = functools.partial(_totals_seconds, s=s, cluster=cluster, element_size=s.element_bytes, cal=cal)
     passes = 2 if s.recompute == "full" else 1
-    exposed = passes * seconds(forward) + seconds(backward) + 2 * (seconds(regather) + seconds(reduction))
+    sublayers = 1 if dispatched else 2
+    exposed = passes * seconds(forward) + seconds(backward) + sublayers * (seconds(regather) + seconds(reduction))
     plan = _plan(cfg.block, 1, s.y)
-    T = s.seq / s.cp * s.micro_batch / s.z
-    for layer in (plan.qkv, plan.up):  # the column-parallel layers
+    for layer in (plan.qkv,) if dispatched else (plan.qkv, plan.up):  # the column-parallel layers
         gemm = _gemm_seconds(T, layer.in_features, layer.out_features / s.y, cluster.gpu.bf16_tflops, cal)
         exposed -= min(gemm, seconds(regather)) + min(gemm, seconds(reduction))
+    if dispatched:  # the dispatch and its backward (the same collectives), the forward's again under full recompute
+        exposed += (passes + 1) * seconds(_megatron_dispatch(int(T), cfg.hidden, cfg.block.top_k, s.y, s.layout.ep))
     return exposed
 
 
 @functools.lru_cache(maxsize=4096)
-def _megatron_totals(elements: int, seq_parallel: bool):
-    """Megatron's tensor-parallel collectives of one layer on activations of `elements`: (forward,
-    exposed backward, (the re-gather, the input-gradient reduction) of one column-parallel linear)."""
+def _megatron_dispatch(tokens: int, hidden: int, top_k: int, tp: int, ep: int):
+    """The collectives of Megatron-Core's all-to-all token dispatcher (MoEAlltoAllTokenDispatcher,
+    0.8) around one mixture layer's experts, forward: the stream from sequence- to hidden-split over
+    tp (an all-to-all of a rank's tokens/tp x hidden), each (token, expert) choice's row of hidden/tp
+    to its expert's ep rank (an all-to-all), the rows all-gathered over tp (the experts are split
+    over tp too), then back: a reduce-scatter over tp, an all-to-all over ep, an all-to-all to
+    sequence-split. Balanced routing: every rank sends and receives top_k x tokens rows."""
+    rows = tokens * top_k
+    out = []
+    if tp > 1:
+        out += [Collective("y", "all_to_all", tokens * hidden // tp)] * 2
+        out += [Collective("y", "all_gather", rows * hidden), Collective("y", "reduce_scatter", rows * hidden)]
+    if ep > 1:
+        out += [Collective("ep", "all_to_all", rows * hidden // tp)] * 2
+    return _totals(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _megatron_totals(elements: int, seq_parallel: bool, sublayers: int = 2):
+    """Megatron's tensor-parallel collectives of `sublayers` of one layer (attention and the MLP) on
+    activations of `elements`: (forward, exposed backward, (the re-gather, the input-gradient
+    reduction) of one column-parallel linear)."""
     if seq_parallel:
         gather, scatter = Collective("y", "all_gather", elements), Collective("y", "reduce_scatter", elements)
-        return _totals([gather, scatter] * 2), _totals([gather] * 2), (_totals([gather]), _totals([scatter]))
+        return (_totals([gather, scatter] * sublayers), _totals([gather] * sublayers),
+                (_totals([gather]), _totals([scatter])))
     reduce = Collective("y", "all_reduce", elements)
-    return _totals([reduce] * 2), (), ((), _totals([reduce]))
+    return _totals([reduce] * sublayers), (), ((), _totals([reduce]))
 
 
 def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str) -> float:

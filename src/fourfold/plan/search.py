@@ -40,9 +40,14 @@ def profile_problems(cfg: ModelConfig, job: Job, framework: str = "fourfold") ->
     if job.x != 1 or job.z != 1:
         found.append(Problem("the megatron profile has 1D tensor parallelism",
                              "give --tp (y) and leave x = z = 1"))
-    if job.layout.ep > 1:
-        found.append(Problem("the megatron profile (the formulas of arXiv 2411.06465) has no expert parallelism",
-                             "leave --ep 1, or use --framework fourfold"))
+    if job.layout.ep > 1 and job.dp % job.layout.ep:
+        found.append(Problem(f"Megatron-Core splits the experts over data-parallel ranks only: ep={job.layout.ep} "
+                             f"does not divide dp={job.dp}", "choose an ep dividing dp, or --framework fourfold "
+                             "(ep over dp*cp)"))
+    if job.layout.ep > 1 and job.cp > 1:
+        found.append(Problem("the megatron profile prices expert parallelism without context parallelism (Megatron's "
+                             "ep ranks sit between cp and dp, a placement it does not model)",
+                             "leave --cp 1 with --ep, or --framework fourfold"))
     if cfg.layers % (job.pp * job.virtual):
         # Megatron-Core (to 0.9) builds num_layers // pp layers on every pipeline rank, and // virtual
         # per chunk (transformer_block.get_num_layers_to_build): no uneven stages
@@ -146,7 +151,7 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     for dp, pp, cp, x, y, z in factorisations(gpus):
         if framework == "megatron" and (x != 1 or z != 1 or cfg.layers % pp):
             continue  # 1D tensor parallelism, even stages (`profile_problems`)
-        for ep in expert_parallel_sizes(cfg, dp * cp, framework):
+        for ep in expert_parallel_sizes(cfg, dp * cp if framework == "fourfold" else dp if cp == 1 else 1):
             layout = Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z, ep=ep)
             for mb in micro_batches:
                 if base.global_batch % (dp * mb) or mb % z:
@@ -217,10 +222,10 @@ def interleavings(layers: int, pp: int) -> list[int]:
     return [v for v in range(2, per_rank + 1) if per_rank % v == 0]
 
 
-def expert_parallel_sizes(cfg: ModelConfig, replicas: int, framework: str = "fourfold") -> list[int]:
-    """The ep the search tries on a grid of `replicas` = dp*cp ranks: every divisor of gcd(experts,
-    dp*cp) for a mixture of experts on fourfold's profile (the rules' condition), else 1."""
-    if not cfg.block.moe or framework != "fourfold":
+def expert_parallel_sizes(cfg: ModelConfig, replicas: int) -> list[int]:
+    """The ep the search tries over `replicas` ranks (fourfold: dp*cp; Megatron: dp, with cp 1): every
+    divisor of gcd(experts, replicas) for a mixture of experts (the rules' condition), else 1."""
+    if not cfg.block.moe:
         return [1]
     n = math.gcd(cfg.experts, replicas)
     return [d for d in range(1, n + 1) if n % d == 0]
