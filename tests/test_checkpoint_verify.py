@@ -61,6 +61,10 @@ def test_a_changed_byte_is_found_by_the_ranks_before_any_reads(ranks, tmp_path):
     _flip_a_byte(step / "__1_0.distcp")
     assert checkpoint.damage(step) == ""
     assert ranks.run(_verify, 2, step) == ["the CRC-32 of __1_0.distcp is not the one written"] * 2
+    (step / "__0_0.distcp").unlink()
+    (step / "__0_0.distcp").mkdir()  # a file no rank can read: damage, reported by the rank that tried
+    assert ranks.run(_verify, 2, step) == ["the CRC-32 of __1_0.distcp is not the one written; __0_0.distcp cannot "
+                                           "be read: Is a directory"] * 2
 
 
 def _source(run_dir, *options):
@@ -92,6 +96,9 @@ def test_a_resume_passes_over_its_own_checkpoint_whose_bytes_changed(ranks, tmp_
     with pytest.raises(AssertionError, match=f"checkpoint.load: the checkpoint .*step-00000003 is damaged \\({crc}\\): "
                                              "copy it again"):
         ranks.run(_source, 2, tmp_path / "other", "--checkpoint.load", str(newest))
+    with pytest.raises(AssertionError, match="checkpoint.load: the checkpoint .*step-00000003 is damaged"):  # also
+        # the run's own, named by checkpoint.load with resume off: what was asked for, not an older one
+        ranks.run(_source, 2, tmp_path / "run", "--checkpoint.resume", "false", "--checkpoint.load", str(newest))
     _flip_a_byte(oldest / ".metadata")
     with pytest.raises(AssertionError, match=f"every checkpoint in .* is damaged \\(step-00000003: {crc}; "
                                              "step-00000002: __0_0.distcp is missing; step-00000001: the CRC-32 of "

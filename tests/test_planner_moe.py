@@ -224,6 +224,11 @@ def test_search_tries_expert_parallelism_for_mixtures_only():
     with pytest.raises(JobError, match="Megatron-Core splits the experts over data-parallel ranks only: ep=8 does "
                                        "not divide dp=4; choose an ep dividing dp"):
         check(MIXTRAL, job(dp=4, cp=2, ep=8, seq=8192), framework="megatron")
+    shared = replace(MIXTRAL, family="qwen2_moe", shared_ffn=7168)
+    with pytest.raises(JobError, match="Megatron-Core \\(0.8\\) has no shared experts"):
+        check(shared, job(dp=8, ep=8), framework="megatron")
+    with pytest.raises(JobError, match="mixture layers need sequence parallelism with tensor parallelism"):
+        check(MIXTRAL, replace(job(dp=4, y=2), seq_parallel=False), framework="megatron")
     megatron = search(MIXTRAL, 64, H100, job(), micro_batches=(2,), framework="megatron", top=None)
     assert {r["ep"] for r in megatron} == {1, 2, 4, 8}
     assert all(r["dp"] % r["ep"] == 0 and (r["cp"] == 1 or r["ep"] == 1) for r in megatron)

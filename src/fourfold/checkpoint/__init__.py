@@ -138,6 +138,10 @@ def step_dirs(root: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if STEP.fullmatch(p.name)) if root.is_dir() else []
 
 
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
+
+
 def newest_intact(root: str | Path, older_than: Path | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the newest checkpoint under `root` (older than `older_than`, when given) that `damage` finds
     nothing in, or None; the newer ones it passed over, with their damage). A step-N directory
@@ -145,7 +149,7 @@ def newest_intact(root: str | Path, older_than: Path | None = None) -> tuple[Pat
     meta.json only by damage."""
     skipped = []
     for path in reversed(step_dirs(root)):
-        if older_than is not None and path.name >= Path(older_than).name:
+        if older_than is not None and _step(path) >= _step(Path(older_than)):
             continue
         what = damage(path)
         if not what:
@@ -161,14 +165,22 @@ def contents_damage(path: str | Path, group=None) -> str:
     path = Path(path)
     files = sorted(json.loads((path / META).read_text()).get("files", {}).items())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    bad = [name for name, record in files[rank::world] if _crc32(path / name) != record["crc32"]]
+    found = []  # (name, why) of this rank's share; a file it cannot read is damage too, not a hang of the others
+    for name, record in files[rank::world]:
+        try:
+            if _crc32(path / name) != record["crc32"]:
+                found.append((name, ""))
+        except OSError as e:
+            found.append((name, f"cannot be read: {e.strerror or e}"))
     everyone = [None] * world
-    dist.all_gather_object(everyone, bad, group=group)
-    bad = sorted(name for names in everyone for name in names)
-    if not bad:
-        return ""
-    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-    return f"the CRC-32 of {', '.join(bad[:3])}{more} is not the one written"
+    dist.all_gather_object(everyone, found, group=group)
+    found = sorted(item for items in everyone for item in items)
+    changed = [name for name, why in found if not why]
+    phrases = [f"{name} {why}" for name, why in found if why]
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        phrases.insert(0, f"the CRC-32 of {', '.join(changed[:3])}{more} is not the one written")
+    return "; ".join(phrases)
 
 
 def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True,

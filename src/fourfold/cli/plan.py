@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         top = None if args.plot or args.all else args.top if args.json else args.top or 10
         found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
                        rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework, top=top,
-                       virtuals=tuple(args.virtual) if args.virtual else None)
+                       virtuals=tuple(dict.fromkeys(args.virtual)) if args.virtual else None)
         if not found.considered:  # not a question of memory: say what the rules refuse, with its fix
             simplest = problems(cfg, _job(args, Layout(dp=args.gpus)), gpu=True)
             raise ValueError("\n  ".join([f"the rules refuse every configuration of {args.gpus} GPUs; "

@@ -44,6 +44,13 @@ def profile_problems(cfg: ModelConfig, job: Job, framework: str = "fourfold") ->
         found.append(Problem(f"Megatron-Core splits the experts over data-parallel ranks only: ep={job.layout.ep} "
                              f"does not divide dp={job.dp}", "choose an ep dividing dp, or --framework fourfold "
                              "(ep over dp*cp)"))
+    if job.layout.ep > 1 and cfg.block.shared_ffn:
+        found.append(Problem("Megatron-Core (0.8) has no shared experts: the megatron profile prices a mixture with "
+                             "one as a dense MLP beside the experts, without expert parallelism",
+                             "leave --ep 1, or --framework fourfold"))
+    if cfg.block.moe and job.y > 1 and not job.seq_parallel:
+        found.append(Problem("Megatron-Core's mixture layers need sequence parallelism with tensor parallelism",
+                             "give --seq-parallel (the default), or --tp 1"))
     if job.layout.ep > 1 and job.cp > 1:
         found.append(Problem("the megatron profile prices expert parallelism without context parallelism (Megatron's "
                              "ep ranks sit between cp and dp, a placement it does not model)",
@@ -137,8 +144,8 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
            framework: str = "fourfold", top: int | None = None, virtuals: tuple[int, ...] | None = None) -> Ranking:
     """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, pipeline schedule
     (`schedules`; `virtuals`: the stages per pipeline rank to try instead of its own), order and
-    recompute option of `base`, and for a mixture of experts (fourfold's profile) each expert
-    parallelism ep dividing both the experts and dp*cp, ranked (`rank`); each result's `job` is the
+    recompute option of `base`, and for a mixture of experts each expert parallelism ep dividing the
+    experts and dp*cp (the megatron profile: dp, with cp 1), ranked (`rank`); each result's `job` is the
     job itself. `top`: only the first `top` results (and every tie of the first) are wanted, exactly
     as a full search ranks them: jobs are evaluated in the order of a lower bound of their step time
     (`compute_bound`), and the search stops where that bound passes every time it keeps."""

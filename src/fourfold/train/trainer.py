@@ -424,7 +424,7 @@ def _agreed_source(cfg: TrainConfig, group) -> tuple[Path | None, list[tuple[Pat
     (the next older intact one is taken); checkpoint.load's is refused, naming the files."""
     source, skipped = _on_rank_0(lambda: checkpoint_source(cfg), group)
     while source is not None and (what := checkpoint.contents_damage(source, group)):
-        if source.parent != cfg.checkpoint_dir:  # checkpoint.load's: no other one to take
+        if not (cfg.checkpoint.resume and source.parent == cfg.checkpoint_dir):  # checkpoint.load's: no other to take
             raise ConfigError(f"checkpoint.load: the checkpoint {source} is damaged ({what}): copy it again")
         skipped.append((source, what))
         source, older = _on_rank_0(lambda: checkpoint.newest_intact(cfg.checkpoint_dir, older_than=source), group)
