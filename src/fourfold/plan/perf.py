@@ -466,11 +466,10 @@ def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Const
     (`_megatron_dispatch`), exposed."""
     T = s.seq / s.cp * s.micro_batch / s.z
     dispatched = cfg.block.moe and not cfg.block.shared_ffn
-    forward, backward, (regather, reduction) = _megatron_totals(int(T) * cfg.hidden, s.seq_parallel,
-                                                                1 if dispatched else 2)
+    sublayers = 1 if dispatched else 2  # attention, and a dense MLP
+    forward, backward, (regather, reduction) = _megatron_totals(int(T) * cfg.hidden, s.seq_parallel, sublayers)
     seconds = functools.partial(_totals_seconds, s=s, cluster=cluster, element_size=s.element_bytes, cal=cal)
     passes = 2 if s.recompute == "full" else 1
-    sublayers = 1 if dispatched else 2
     exposed = passes * seconds(forward) + seconds(backward) + sublayers * (seconds(regather) + seconds(reduction))
     plan = _plan(cfg.block, 1, s.y)
     for layer in (plan.qkv,) if dispatched else (plan.qkv, plan.up):  # the column-parallel layers

@@ -161,7 +161,36 @@ class ParallelNorm(ParallelModule):
         return out
 
 
-class HeadNorm(ParallelModule):
+class _QKNorm(ParallelModule):
+    """An RMSNorm of queries or keys over `features` (fp32 statistics as `ParallelNorm`'s, reduced over
+    `group`), whose weight is this rank's slice [offset, offset + local) of the serial one: what
+    `HeadNorm` and `AllHeadsNorm` share. `grad_sum` and `replicated`: its `ParamLayout`."""
+
+    def __init__(self, grid: Grid, name: str, eps: float, compile: bool, dtype: torch.dtype, *, features: int,
+                 group: Group, offset: int, local: int, grad_sum: tuple[str, ...], replicated: tuple[str, ...]):
+        super().__init__()
+        self.grid, self.name, self.eps, self.compile = grid, name, eps, compile
+        self.features, self.group, self.offset, self.local = features, group, offset, local
+        self.grad_sum, self.replicated = grad_sum, replicated
+        self.weight = nn.Parameter(torch.empty(local, dtype=dtype))
+        self.initialise()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _Normalise.apply(h, self.weight, None, self.group, self.eps, self.features, False, self.compile)
+
+    def load(self, read, put) -> None:
+        put(self.weight, read(f"{self.name}.weight", slice(self.offset, self.offset + self.local), None))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        piece = vector_piece(f"{self.name}.weight", self.features, self.offset, self.local)
+        return {self.weight: ParamLayout(self.grad_sum, self.replicated, (piece,))}
+
+
+class HeadNorm(_QKNorm):
     """RMSNorm over each head's features (Qwen3's q_norm and k_norm: [..., head_dim] by a [head_dim]
     weight), fp32 statistics as `ParallelNorm`'s. A rank holds whole heads, so the statistics need no
     collective; the weight is held whole on every rank. Its gradient is summed over the ranks that hold
@@ -171,33 +200,16 @@ class HeadNorm(ParallelModule):
 
     def __init__(self, grid: Grid, head_dim: int, eps: float, *, own_heads: bool, dtype: torch.dtype, name: str,
                  compile: bool = False):
-        super().__init__()
-        self.grid, self.head_dim, self.eps, self.name, self.compile = grid, head_dim, eps, name, compile
-        self.grad_sum = ("x", "y", "z") if own_heads else ("y", "z")
         # no reduction of the statistics: a group of this rank alone (its collectives cost and record nothing)
-        self.alone = Group(f"{name}.alone", None, (grid.rank,), 0, grid.ledger)
-        self.weight = nn.Parameter(torch.empty(head_dim, dtype=dtype))
-        self.initialise()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        self.weight.fill_(1)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return _Normalise.apply(h, self.weight, None, self.alone, self.eps, self.head_dim, False, self.compile)
-
-    def load(self, read, put) -> None:
-        put(self.weight, read(f"{self.name}.weight", slice(0, self.head_dim), None))
-
-    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
-        piece = vector_piece(f"{self.name}.weight", self.head_dim, 0, self.head_dim)
-        return {self.weight: ParamLayout(self.grad_sum, ("x", "y", "z"), (piece,))}
+        alone = Group(f"{name}.alone", None, (grid.rank,), 0, grid.ledger)
+        super().__init__(grid, name, eps, compile, dtype, features=head_dim, group=alone, offset=0, local=head_dim,
+                         grad_sum=("x", "y", "z") if own_heads else ("y", "z"), replicated=("x", "y", "z"))
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         return {f"{self.name}.weight": pick(self.weight).detach()}
 
 
-class AllHeadsNorm(ParallelModule):
+class AllHeadsNorm(_QKNorm):
     """RMSNorm over the features of all heads of a token (OLMoE's q_norm and k_norm: [..., heads * head_dim]
     by a weight of that size, before the split into heads), fp32 statistics as `ParallelNorm`'s. A rank holds
     chunk `chunk` of the heads (`BlockPlan.attention_chunks`), so, as `ParallelNorm` over x, the per-token sum
@@ -210,32 +222,15 @@ class AllHeadsNorm(ParallelModule):
 
     def __init__(self, grid: Grid, features: int, chunks: int, eps: float, *, own_heads: bool, dtype: torch.dtype,
                  name: str, compile: bool = False):
-        super().__init__()
-        self.grid, self.features, self.eps, self.name, self.compile = grid, features, eps, name, compile
-        self.own_heads, self.local = own_heads, features // chunks
-        c = grid.coords
+        c, local = grid.coords, features // chunks
         # QKV's rows: y blocks of chunks/y chunks each, split over x on the non-redundant path
-        self.chunk = c["y"] * grid.size("x") + c["x"] if own_heads else c["y"]
+        chunk = c["y"] * grid.size("x") + c["x"] if own_heads else c["y"]
         group = grid.group(("x", "y")) if own_heads else grid.group("y")
         # named as the block plan's `head_group` whatever the placement order (the volumes' name)
-        self.group = Group("x_y" if own_heads else "y", group.process_group, group.ranks, group.rank, grid.ledger)
-        self.weight = nn.Parameter(torch.empty(self.local, dtype=dtype))
-        self.initialise()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        self.weight.fill_(1)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return _Normalise.apply(h, self.weight, None, self.group, self.eps, self.features, False, self.compile)
-
-    def load(self, read, put) -> None:
-        put(self.weight, read(f"{self.name}.weight", slice(self.chunk * self.local, (self.chunk + 1) * self.local),
-                              None))
-
-    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
-        piece = vector_piece(f"{self.name}.weight", self.features, self.chunk * self.local, self.local)
-        return {self.weight: ParamLayout(("z",), ("z",) if self.own_heads else ("x", "z"), (piece,))}
+        group = Group("x_y" if own_heads else "y", group.process_group, group.ranks, group.rank, grid.ledger)
+        super().__init__(grid, name, eps, compile, dtype, features=features, group=group, offset=chunk * local,
+                         local=local, grad_sum=("z",), replicated=("z",) if own_heads else ("x", "z"))
+        self.own_heads = own_heads
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         t = pick(self.weight).detach()
