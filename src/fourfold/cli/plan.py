@@ -184,7 +184,9 @@ def error_note(cal: Calibration) -> str:
     if cal.cv_error is None:
         return ("step times: the model's error is unknown with these constants (no cross-validation: "
                 "`fourfold calibrate` measures it)")
-    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error); {TIE} within it of the fastest: "
+    kinds = ", ".join(f"{k} {e:.1%}" for k, e in cal.cv_errors)
+    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error{'; by kind: ' + kinds if kinds else ''}); "
+            f"{TIE} within it of the fastest: "
             f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the least ep, then "
             f"the fewest virtual stages, then the largest micro-batch); measure them before choosing")
 
@@ -309,7 +311,7 @@ def _calibrate(args) -> int:
         json.dump(dict(dataclasses.asdict(cal), fit=fit), f, indent=1)
     print(f"{len(runs)} runs in {n_groups} groups (one model, cluster, GPU count, sequence and batch each)")
     print("constants: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(cal).items()
-                                     if k not in ("cv_error", "profiles") and v is not None))
+                                     if k not in ("cv_error", "cv_errors", "profiles") and v is not None))
     for p in cal.profiles:  # a fit changes only the profiles of the clusters its runs ran on
         print(f"profile of {p.cluster}: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(p).items()
                                                       if k != "cluster"))

@@ -12,8 +12,10 @@ count, at one sequence length and global batch.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -24,8 +26,8 @@ from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile, model_flops_per_token, step_time
 from fourfold.plan.search import check, interleavings, predict, profile_problems, rank
 from fourfold.spec.counts import layer_params
-from fourfold.spec.hardware import Cluster, make_cluster, overridden
-from fourfold.spec.job import Job
+from fourfold.spec.hardware import GPUS, Cluster, make_cluster, overridden
+from fourfold.spec.job import RECOMPUTE, Job, megatron_stages
 from fourfold.spec.layout import Layout
 from fourfold.spec.trainconfig import TrainConfig
 
@@ -44,10 +46,21 @@ SHIPPED = {
     # recompute, interleaved pipelines whose stages per rank are not published ("?")
     "megatron_core_gpt_h100.csv": dict(family="gpt2", tied="true", recompute="selective", cluster="dgx-h100",
                                        overlap_dp="true", virtual="?"),
+    # NeMo's and Megatron-Bridge's tables (Megatron-Core with Transformer Engine): the architecture in
+    # columns, FP8 linears where the notes say so, NeMo's FLOP count (Megatron's formula), gradient
+    # reduce and parameter gather overlapped (the recipes' defaults); torchtitan's rows are read apart
+    "context_parallel.csv": dict(family="llama", recompute="none", overlap_dp="true"),
 }
 # The A100 and the H100 clusters of the shipped files: leave-one-cluster-out validation fits on one, scores the other.
 CLUSTER_FILES = {"a100": ("megatron_llama31_8b_a100.csv", "megatron_gpt_a100_scaling.csv"),
                  "h100": ("megatron_core_gpt_h100.csv",)}
+# The published GPU names of context_parallel.csv and the cluster presets they ran on. The NVL72
+# rows give 4 GPUs a node (a compute tray); their NVLink domain, the bandwidth model's node, is 72.
+GPU_CLUSTERS = {"h100": "dgx-h100", "b200": "dgx-b200", "gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
+NVLINK_DOMAINS = ("gb200-nvl72", "gb300-nvl72")
+# The FLOP counts of NeMo's and Megatron-Bridge's tables: Megatron's formula (NeMo's flops_formulas:
+# 12 + 12 g/a + 18 F/h + 12 s/h + 6 V/(L h) per token, layer and h^2: attention unmasked)
+FLOP_CONVENTIONS = {"nemo model flops": "megatron", "megatron-bridge model flops": "megatron"}
 MICRO_BATCHES = (1, 2, 4, 8)  # tried when a source does not say which one ran
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
 
@@ -65,11 +78,17 @@ class Run:
     source: str  # the file or run directory it was read from
     overlap_dp: bool | None = None  # Megatron's overlap_grad_reduce and overlap_param_gather (None: not published)
     flash_attention: bool = True  # False: a run that predates it
+    fp8: bool = False  # its linear layers ran in FP8 (Transformer Engine, torchao Float8)
 
     @property
     def model_parallel(self) -> int:
-        g = self.jobs[0].layout
-        return g.pp * g.cp * g.x * g.y * g.z
+        """tp*cp*pp of the job (of an unpublished grid's alternatives: the least, as the rule picks)."""
+        return min(j.layout.pp * j.layout.cp * j.layout.x * j.layout.y * j.layout.z for j in self.jobs)
+
+    @property
+    def kind(self) -> str:
+        """What parallelism beyond data parallelism the run uses, the most costly first: cp, pp, tp or dp."""
+        return job_kind(self.jobs[0])
 
     @property
     def micro_batch(self) -> int | None:
@@ -81,18 +100,24 @@ class Run:
         return f"{self.group}: dp{g.dp} pp{g.pp} cp{g.cp} x{g.x} y{g.y} z{g.z} {mb}"
 
 
+def job_kind(job: Job) -> str:
+    g = job.layout
+    return "cp" if g.cp > 1 else "pp" if g.pp > 1 else "tp" if g.x * g.y * g.z > 1 else "dp"
+
+
 def predicted_seconds(run: Run, cal: Calibration) -> float:
     """The model's step time for `run` (the fastest of its possible micro-batches and stages); a run
     that says whether it overlapped the data-parallel collectives sets the overlaps."""
     if run.overlap_dp is not None:
         overlap = float(run.overlap_dp)
         cal = replace(cal, dp_overlap=overlap, param_gather_overlap=overlap)
-    return min(step_time(run.cfg, job, run.cluster, cal, run.framework, run.flash_attention).total for job in run.jobs)
+    return min(step_time(run.cfg, job, run.cluster, cal, run.framework, run.flash_attention, run.fp8).total
+               for job in run.jobs)
 
 
 def make_run(cfg: ModelConfig, job: Job, cluster: Cluster, framework: str, seconds: float, source: str,
              micro_batch_known: bool = True, virtual_known: bool = True, overlap_dp: bool | None = None,
-             flash_attention: bool = True) -> Run:
+             flash_attention: bool = True, fp8: bool = False) -> Run:
     """A `Run`, its job checked by the planner's rules (a `JobError` names each fix). Without the
     micro-batch, every one of MICRO_BATCHES that the rules accept and that fits in memory; without
     the interleaved stages per rank (pp > 1), each of `interleavings` the rules (`profile_problems`)
@@ -118,7 +143,7 @@ def make_run(cfg: ModelConfig, job: Job, cluster: Cluster, framework: str, secon
     n = cfg.parameter_count()
     group = (f"{cfg.family} {n / 1e9:.1f}B, {job.world_size} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
              f"{cluster.inter_node_gbs:g} GB/s), seq {job.seq}, batch {job.global_batch}")
-    return Run(cfg, tuple(jobs), cluster, framework, seconds, group, source, overlap_dp, flash_attention)
+    return Run(cfg, tuple(jobs), cluster, framework, seconds, group, source, overlap_dp, flash_attention, fp8)
 
 
 # ----- CSV files in the calibration format ---------------------------------------------------------
@@ -156,7 +181,7 @@ def _flag(values: dict, key: str, default: bool) -> bool:
 
 
 def _model(values: dict, framework: str, pp: int) -> ModelConfig:
-    if "model" in values:
+    if "model" in values and "layers" not in values:  # a preset or a config.json; else the columns say it
         cfg = load_config(values["model"])
     elif "family" not in values:
         raise ValueError("no model: give a `model` column (a preset or a config.json), or the columns family, "
@@ -171,8 +196,35 @@ def _model(values: dict, framework: str, pp: int) -> ModelConfig:
 
 def _csv_cluster(values: dict, base: Cluster | None) -> Cluster:
     gpu = values["gpu"].lower() if "gpu" in values else None
-    return overridden(base or make_cluster(values.get("cluster")), gpu, int(values.get("gpus_per_node", 0)) or None,
+    name = values.get("cluster")
+    published = GPU_CLUSTERS.get(gpu.split()[0].split("-")[0]) if gpu else None
+    if gpu is not None and name is None and published:  # a published name ("H100-SXM (DGX)", "B200"): its cluster
+        name, gpu = published, None
+    elif gpu is not None and gpu not in GPUS:
+        raise ValueError(f"gpu={values['gpu']!r} is not a preset ({', '.join(GPUS)}) nor a published name "
+                         f"({', '.join(GPU_CLUSTERS)}): give a preset's name")
+    per_node = int(values.get("gpus_per_node", 0)) or None
+    if base is None and name in NVLINK_DOMAINS:
+        per_node = None  # a tray's 4 GPUs: the NVLink domain is the rack
+    return overridden(base or make_cluster(name), gpu, per_node,
                       float(values.get("intra_node_gbs", 0)) or None, float(values.get("inter_node_gbs", 0)) or None)
+
+
+def measured_seconds(values: dict, cfg: ModelConfig, job: Job) -> float:
+    """Seconds per step from the row's measurement: measured_iter_s, measured_tflops_per_gpu (with
+    its flops_convention), or `measured` in `measured_unit` (TFLOP/s/GPU or tokens/s/GPU)."""
+    if "measured_iter_s" in values:
+        return _need(values, "measured_iter_s", float)
+    unit = values.get("measured_unit", "TFLOP/s/GPU") if "measured" in values else "TFLOP/s/GPU"
+    value = _need(values, "measured" if "measured" in values else "measured_tflops_per_gpu", float)
+    tokens = job.global_batch * job.seq
+    if unit == "tokens/s/GPU":
+        return tokens / (job.world_size * value)
+    if unit != "TFLOP/s/GPU":
+        raise ValueError(f"measured_unit={unit!r}: give TFLOP/s/GPU or tokens/s/GPU")
+    convention = _need(values, "flops_convention", str)
+    flops = flops_per_sequence(FLOP_CONVENTIONS.get(convention.lower(), convention), cfg, job.seq)
+    return job.global_batch * flops / (job.world_size * value * 1e12)
 
 
 def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
@@ -185,21 +237,68 @@ def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
         raise ValueError(f"{world} GPUs, but dp*pp*cp*x*y*z = {layout.world_size}: correct the grid or the GPU count")
     cfg = _model(values, framework, layout.pp)
     micro_batch = values.get("micro_batch") or values.get("mbs")
-    virtual_known = values.get("virtual") != "?"
+    # an unpublished interleaving of a pipeline is each one Megatron can build ("?", or a blank cell)
+    virtual_known = values.get("virtual", "1" if layout.pp == 1 else "?") != "?"
     virtual = int(values.get("virtual", 1)) if virtual_known else 1
+    stages = ()
+    if framework == "megatron" and cfg.layers % (layout.pp * virtual):
+        stages = megatron_stages(cfg.layers, layout.pp * virtual)
     job = Job(layout, global_batch=_need(values, "global_batch"), micro_batch=int(micro_batch or 1),
               seq=_need(values, "seq"), recompute=values.get("recompute", "none"),
               seq_parallel=_flag(values, "seq_parallel", True), precision=values.get("precision", "bf16"),
-              virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b")
-    if "measured_iter_s" in values:
-        seconds = _need(values, "measured_iter_s", float)
-    else:
-        per_gpu = _need(values, "measured_tflops_per_gpu", float) * 1e12
-        flops = flops_per_sequence(_need(values, "flops_convention", str), cfg, job.seq)
-        seconds = job.global_batch * flops / (layout.world_size * per_gpu)
+              virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b", stage_layers=stages)
+    seconds = measured_seconds(values, cfg, job)
     overlap = _flag(values, "overlap_dp", False) if "overlap_dp" in values else None
-    return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, source, micro_batch is not None,
-                    virtual_known, overlap, _flag(values, "flash_attention", True))
+    fp8 = _flag(values, "fp8", values.get("notes", "").upper().startswith("FP8"))
+    return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, _source(values, source),
+                    micro_batch is not None, virtual_known, overlap, _flag(values, "flash_attention", True), fp8)
+
+
+def _without_cp(run: Run, values: dict, measured: float) -> list[Run]:
+    """The best run without context parallelism at the length of `run` (NeMo's long-sequence
+    notes: its throughput, not its configuration): a run whose alternatives are every grid with
+    cp 1 on the same GPUs (tp up to a node, pp dividing the layers), micro-batch and recompute that
+    the profile's rules accept and its memory model fits; none when nothing fits."""
+    job, world = run.jobs[0], run.jobs[0].world_size
+    jobs = []
+    for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+        if world % (tp * pp) or tp > run.cluster.gpus_per_node:
+            continue
+        layout = Layout(dp=world // (tp * pp), pp=pp, y=tp)
+        for mb, recompute in itertools.product(MICRO_BATCHES, RECOMPUTE):
+            j = replace(job, layout=layout, micro_batch=mb, recompute=recompute, virtual=1, schedule="1f1b",
+                        stage_layers=())
+            if not profile_problems(run.cfg, j, run.framework) and predict(run.cfg, j, run.cluster,
+                                                                            framework=run.framework)["fits"]:
+                jobs.append(j)
+    if not jobs:
+        return []
+    # the fastest few by the default constants: a fit moves the times, seldom past that many
+    jobs = sorted(jobs, key=lambda j: step_time(run.cfg, j, run.cluster, Calibration(), run.framework,
+                                                fp8=run.fp8).total)[:WITHOUT_CP_KEPT]
+    seconds = measured_seconds({**values, "measured": str(measured)}, run.cfg, job)
+    return [replace(run, jobs=tuple(sorted(jobs, key=lambda j: j.layout.pp * j.layout.y)), seconds=seconds)]
+
+
+WITHOUT_CP_KEPT = 6
+
+
+def _source(values: dict, file: str) -> str:
+    """The published source of a row (the document its `source` column names, SOURCES: the runs one
+    table gives, whatever its revision), else the file's name."""
+    text = values.get("source", "")
+    return next((name for needle, name in SOURCES if needle in text), file)
+
+
+# The documents of context_parallel.csv's `source` column, by name
+SOURCES = (("performance_long_sequence", "NeMo long-sequence tables"),
+           ("torchtitan", "torchtitan H100 tables"),
+           ("NeMo framework", "NeMo performance summaries"), ("performance_summary", "NeMo performance summaries"),
+           ("Megatron-Bridge", "Megatron-Bridge performance summaries"))
+# Rows of the shipped files the planner has no profile for, with why (read_csv skips them)
+NOT_PRICED = (("torchtitan", "FSDP (ZeRO-3) with torch's experimental context parallelism: neither the megatron "
+               "nor the fourfold profile"),
+              ("(MoE)", "its architecture fields are not from the source"))
 
 
 def read_csv(path: str | Path, cluster: Cluster | None = None) -> list[Run]:
@@ -213,8 +312,13 @@ def read_csv(path: str | Path, cluster: Cluster | None = None) -> list[Run]:
             values = {**defaults, **{k.strip(): v.strip() for k, v in row.items() if k and v and v.strip()}}
             if values.get("outcome", "ran") != "ran":
                 continue  # a failed run (out of memory, mostly) has no step time
+            if defaults and any(needle in values.get("source", "") + values.get("model", "")
+                                for needle, _ in NOT_PRICED):
+                continue
             try:
                 runs.append(_csv_run(values, cluster, Path(path).name))
+                if best := re.search(r"no-CP(?: config)? ([0-9.]+)", values.get("notes", "")):
+                    runs.extend(_without_cp(runs[-1], values, float(best.group(1))))
             except ValueError as e:
                 raise ValueError(f"{path}, line {line}: {e}") from None
     return runs
@@ -296,9 +400,14 @@ class Knob:
 
 # Software: the same on every cluster, fitted across all the runs.
 SOFTWARE_KNOBS = (
-    # flash attention runs at over half its GEMMs' rate from 8k keys on (FlashAttention-2, Dao 2023:
-    # about 190 of the A100 GEMMs' 270 TFLOP/s, causal, head dimension 128)
-    Knob("attention_half", 1.0, 8192.0, log=True),
+    # flash attention's best rate against the GEMMs': FlashAttention-2 about 190 of the A100 GEMMs'
+    # 270 TFLOP/s (causal, head dimension 128: 0.7), FlashAttention-3 and cuDNN 0.6-0.75 on H100
+    Knob("attention_ratio", 0.2, 1.0),
+    # keys per query and kernel call at half that rate: published curves are within 3/4 of their
+    # best from 512 keys on (Dao 2023, Fig. 4): at most 512
+    Knob("attention_half", 16.0, 512.0, log=True),
+    # FP8 GEMMs: twice bf16's peak on Hopper and Blackwell, reached less well (cuBLAS on H100: about 1.6x)
+    Knob("fp8_speedup", 1.0, 2.0),
     # (ring_overlap is not fitted: both runtimes send the next block while attending the current one)
     Knob("dp_overlap", 0.0, 1.0),
     Knob("layer_overhead_us", 0.0, 5000.0),
@@ -316,15 +425,21 @@ HARDWARE_KNOBS = (
 )
 # Where every fit starts: mid-range (every fold starts here, never from another fold's answer).
 # No profiles: a cluster the runs do not cover keeps its preset's defaults, never the shipped fit's.
-START = Calibration(attention_half=1024, dp_overlap=0.5, layer_overhead_us=100,
+START = Calibration(attention_ratio=0.6, attention_half=512, fp8_speedup=1.5, dp_overlap=0.5, layer_overhead_us=100,
                     micro_batch_overhead_us=1000, cv_error=None, profiles=())
 START_PROFILE = dict(efficiency_max=0.6, efficiency_half=128, intra_node_efficiency=0.5, inter_node_efficiency=0.5)
 
 
+# A cluster's hardware profile is fitted from this many runs on it; with fewer it keeps its preset's
+# measured defaults (one or two runs cannot tell four constants apart from the software ones)
+PROFILE_RUNS = 6
+
+
 def knobs(runs: list[Run]) -> list[tuple[str | None, Knob]]:
     """The constants a fit to `runs` sets: (None, software knob), then (cluster, hardware knob) for
-    each cluster the runs ran on."""
-    clusters = sorted({r.cluster.name for r in runs})
+    each cluster with PROFILE_RUNS or more of the runs."""
+    names = [r.cluster.name for r in runs]
+    clusters = sorted(c for c in set(names) if names.count(c) >= PROFILE_RUNS)
     return [(None, k) for k in SOFTWARE_KNOBS] + [(c, k) for c in clusters for k in HARDWARE_KNOBS]
 
 
@@ -471,15 +586,17 @@ def model_scores(runs: list[Run], predicted: list[float]) -> Scores:
     return scores(runs, [1 / p for p in predicted], predicted)
 
 
-def plan_scores(runs: list[Run], predicted: list[float], cv_error: float) -> Scores:
+def plan_scores(runs: list[Run], predicted: list[float], band: float | Calibration) -> Scores:
     """How `fourfold plan` orders each group (`search.rank`) on the predicted step times: the
-    runs within `cv_error` of the fastest prediction first, simplest first, then by time."""
+    runs within the error band of the fastest prediction first, simplest first, then by time.
+    `band`: one error, or a Calibration whose per-kind errors (`cv_errors`) set it."""
+    cal = band if isinstance(band, Calibration) else Calibration(cv_error=band, cv_errors=())
     speed = [0.0] * len(runs)
     for group in {r.group for r in runs}:
         members = [dict(fits=True, tight=False, step_seconds=predicted[i], memory_gib=0.0, index=i,
                         micro_batch=r.micro_batch or 0, **r.jobs[0].layout.sizes)
                    for i, r in enumerate(runs) if r.group == group]
-        for position, m in enumerate(rank(members, Calibration(cv_error=cv_error))):
+        for position, m in enumerate(rank(members, cal)):
             speed[m["index"]] = -position
     return scores(runs, speed, predicted)
 
@@ -502,7 +619,8 @@ def calibrate(runs: list[Run]) -> tuple[Calibration, CrossValidation]:
         raise ValueError(f"calibration needs 2 or more measured runs, got {len(runs)}")
     predicted = cross_validate(runs)
     model = model_scores(runs, predicted)
-    return replace(fit(runs), cv_error=model.error), CrossValidation(model, plan_scores(runs, predicted, model.error))
+    cal = replace(fit(runs), cv_error=model.error, cv_errors=kind_errors(runs, predicted))
+    return cal, CrossValidation(model, plan_scores(runs, predicted, cal))
 
 
 def comparison(runs: list[Run], cross: CrossValidation) -> str:
@@ -517,6 +635,77 @@ def comparison(runs: list[Run], cross: CrossValidation) -> str:
     lines.append(f"Spearman: median over the {cross.model.groups} groups of 2 or more runs; top-1: share of them whose "
                  f"favourite runs within {TOP1_MARGIN:.0%} of the measured best; error: mean over the {len(runs)} "
                  f"runs of |predicted / measured throughput - 1|")
+    return "\n".join(lines)
+
+
+# ----- leave one source out ----------------------------------------------------------------------------
+
+def generation(run: Run) -> str:
+    """The GPU generation a run ran on (Ampere, Hopper, Blackwell), from the preset's name."""
+    name = run.cluster.gpu.name
+    return "Ampere" if name.startswith("a100") else "Blackwell" if name.startswith(("b", "gb")) else "Hopper"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The runs of one source (or generation), predicted by constants fitted without them."""
+
+    name: str
+    runs: int
+    model: Scores  # ranked by the predicted step times
+    plan: Scores  # as `fourfold plan` lists them: ties within the per-kind error band by the rule
+    rule: Scores  # "least tp*cp*pp, then the largest micro-batch"
+    cp_error: float | None  # mean error of the held-out runs with cp > 1 (None: none)
+
+
+def leave_out(runs: list[Run], key) -> tuple[list[HeldOut], list[float]]:
+    """Each value of `key(run)` held out in turn (a source, a GPU generation): fitted on the other
+    runs, its runs predicted and ranked. The band of the plan's ties is the per-kind error
+    (`kind_errors`) of the other values' held-out predictions, never of the held-out runs' own (their
+    data did enter the fits that predicted the others: one fit per value, not a nested
+    cross-validation, which would cost a fit per value and fold). Also returns every run's held-out
+    prediction."""
+    names = [key(r) for r in runs]
+    predicted = [0.0] * len(runs)
+    for name in sorted(set(names)):
+        cal = fit([r for r, n in zip(runs, names) if n != name])
+        for i, n in enumerate(names):
+            if n == name:
+                predicted[i] = predicted_seconds(runs[i], cal)
+    out = []
+    for name in sorted(set(names)):
+        held = [i for i, n in enumerate(names) if n == name]
+        others = [i for i, n in enumerate(names) if n != name]
+        band = Calibration(cv_error=None, cv_errors=kind_errors([runs[i] for i in others],
+                                                                 [predicted[i] for i in others]))
+        mine, times = [runs[i] for i in held], [predicted[i] for i in held]
+        cp = [abs(r.seconds / p - 1) for r, p in zip(mine, times) if r.kind == "cp"]
+        out.append(HeldOut(name, len(held), model_scores(mine, times), plan_scores(mine, times, band),
+                           rule_scores(mine), float(np.mean(cp)) if cp else None))
+    return out, predicted
+
+
+def kind_errors(runs: list[Run], predicted: list[float]) -> tuple[tuple[str, float], ...]:
+    """Mean |predicted / measured throughput - 1| by kind of run (`Run.kind`: cp, pp, tp, dp)."""
+    by: dict[str, list[float]] = {}
+    for r, p in zip(runs, predicted):
+        by.setdefault(r.kind, []).append(abs(r.seconds / p - 1))
+    return tuple((k, float(np.mean(v))) for k, v in sorted(by.items()))
+
+
+def held_out_table(rows: list[HeldOut], what: str) -> str:
+    def rho(s: Scores) -> str:
+        return f"{s.spearman:5.2f}" if s.groups else "    -"
+
+    lines = [f"{what + ' held out':<40} {'runs':>4} {'groups':>6} {'error':>6} {'cp err':>6} "
+             f"{'by time':>7} {'listed':>6} {'rule':>5}"]
+    for h in rows:
+        cp = f"{h.cp_error:6.1%}" if h.cp_error is not None else "     -"
+        lines.append(f"{h.name:<40} {h.runs:>4} {h.model.groups:>6} {h.model.error:6.1%} {cp} "
+                     f"{rho(h.model):>7} {rho(h.plan):>6} {rho(h.rule):>5}")
+    lines.append("error: mean |predicted / measured throughput - 1| of the held-out runs; cp err: of those with "
+                 "cp > 1; by time, listed, rule: median Spearman over the held-out groups of 2 or more runs, "
+                 "ranked by the predicted step time, as `fourfold plan` lists them, and by the rule")
     return "\n".join(lines)
 
 

@@ -69,7 +69,9 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    attention_half: float = 6206  # keys per attention block at which attention runs at half its GEMM rate
+    attention_ratio: float = 0.6  # flash attention's best rate as a fraction of the GEMMs' best (efficiency_max)
+    attention_half: float = 512  # keys a query attends in one kernel call at which attention runs at half that rate
+    fp8_speedup: float = 1.6  # an FP8 GEMM's speed over a bf16 GEMM of the same shape (runs with FP8 linears)
     ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 1.0  # fraction of the data-parallel reduce-scatter that hides behind the last backward
     param_gather_overlap: float = 0.0  # fraction of the parameter all-gather that hides behind the first forward
@@ -77,6 +79,9 @@ class Calibration:
     micro_batch_overhead_us: float = 10000  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
     cv_error: float | None = 0.0661  # cross-validated mean error of a step time (fraction), from the fit
+    # the same by kind of configuration (cp > 1, else pp > 1, else tensor parallel, else data only):
+    # the band within which `plan` cannot tell a candidate of that kind from the fastest
+    cv_errors: tuple[tuple[str, float], ...] = ()
     profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_H100)  # the clusters the fit was measured on
 
     @classmethod
@@ -98,7 +103,12 @@ class Calibration:
             raise ValueError(f"{path}: unknown constants {', '.join(unknown)}; the constants are "
                              f"{', '.join(sorted(known))} (`fourfold calibrate` writes them)")
         profiles = tuple(Profile(**p) for p in data.pop("profiles", []))
-        return cls(**data, profiles=profiles)
+        errors = tuple((k, float(v)) for k, v in data.pop("cv_errors", []))
+        return cls(**data, profiles=profiles, cv_errors=errors)
+
+    def error_band(self, kind: str) -> float:
+        """The cross-validated error of a configuration of `kind` (cp, pp, tp, dp), else the overall one."""
+        return dict(self.cv_errors).get(kind, self.cv_error or 0.0)
 
     def profile(self, cluster: Cluster) -> Profile:
         """The hardware constants of `cluster`: fitted on it, else its preset's measured defaults."""
@@ -116,7 +126,9 @@ class Constants:
 
     efficiency_max: float
     efficiency_half: float
+    attention_ratio: float
     attention_half: float
+    fp8_speedup: float
     intra_node_efficiency: float
     inter_node_efficiency: float
     ring_overlap: float
@@ -130,7 +142,7 @@ class Constants:
 @functools.lru_cache(maxsize=1024)
 def constants(cal: Calibration, cluster: Cluster) -> Constants:
     p = cal.profile(cluster)
-    return Constants(p.efficiency_max, p.efficiency_half, cal.attention_half,
+    return Constants(p.efficiency_max, p.efficiency_half, cal.attention_ratio, cal.attention_half, cal.fp8_speedup,
                      p.intra_node_efficiency, p.inter_node_efficiency, cal.ring_overlap, cal.dp_overlap,
                      cal.param_gather_overlap, cal.layer_overhead_us, cal.micro_batch_overhead_us,
                      cluster.latency_us if cal.latency_us is None else cal.latency_us)
@@ -138,7 +150,7 @@ def constants(cal: Calibration, cluster: Cluster) -> Constants:
 
 # The guesses the model had before any fit (docs/planner.md's "uncalibrated" model): no overheads,
 # every overlap perfect, the presets' measured hardware defaults.
-UNCALIBRATED = Calibration(attention_half=0, ring_overlap=1.0, dp_overlap=1.0,
+UNCALIBRATED = Calibration(attention_ratio=1.0, attention_half=0, fp8_speedup=2.0, ring_overlap=1.0, dp_overlap=1.0,
                            param_gather_overlap=0.0, layer_overhead_us=0.0, micro_batch_overhead_us=0.0,
                            cv_error=None, profiles=())
 
@@ -149,10 +161,30 @@ def gemm_efficiency(m: float, n: float, k: float, cal: Constants) -> float:
     return cal.efficiency_max * smallest / (smallest + cal.efficiency_half)
 
 
-def attention_efficiency(queries: float, keys: float, head_dim: int, cal: Constants) -> float:
-    """Flash attention: its GEMMs' efficiency, lowered on short key blocks (each block of keys pays
-    the softmax rescaling and the causal diagonal; context parallelism cuts the keys into blocks)."""
-    return gemm_efficiency(queries, head_dim, keys, cal) * keys / (keys + cal.attention_half)
+def attention_seconds(seq: int, cp: int, batch: float, heads: float, head_dim: int, peak_tflops: float,
+                      cal: Constants, flash_attention: bool = True) -> float:
+    """Forward seconds of one layer's causal attention on one rank, for `batch` sequences of `seq`
+    tokens split over `cp` ranks. Flash attention skips the masked tiles (half the pairs) and runs
+    at `attention_ratio` of the GEMMs' best rate, lowered by the keys a query attends in one kernel
+    call, k / (k + attention_half): each call pays its softmax rescaling and tile edges. cp = 1: one
+    causal call, seq/2 keys a query on average. Ring attention (load-balanced: a rank holds chunks
+    i and 2cp-1-i of c = seq/2cp tokens) runs cp calls of 2c^2 pairs each: its own chunks causally
+    (c keys a query on average), about (cp-1)/2 steps of every local query against one chunk (c
+    keys), and (cp-1)/2 of half the queries against two chunks (2c keys). Without flash attention
+    (Megatron-LM 2021): every pair's score is computed (no tile is skipped) by batched GEMMs at
+    their shape's efficiency."""
+    pair = 4 * head_dim * heads * batch  # FLOPs of one (query, key) pair: QK^T and PV
+    peak = peak_tflops * 1e12
+    if not flash_attention:
+        queries = seq / cp * batch
+        return pair * seq / cp * seq / (peak * gemm_efficiency(queries, head_dim, seq, cal))
+    rate = peak * cal.efficiency_max * cal.attention_ratio
+    c = seq / (2 * cp)
+
+    def slowdown(keys: float) -> float:
+        return (keys + cal.attention_half) / keys
+
+    return pair * 2 * c * c * ((1 + (cp - 1) / 2) * slowdown(c) + (cp - 1) / 2 * slowdown(2 * c)) / rate
 
 
 def group_bandwidth(layout: Layout, cluster: Cluster, dims: tuple[str, ...], cal: Calibration | None = None) -> float:
@@ -391,12 +423,13 @@ def _plan(block, x: int, y: int):
 
 @functools.lru_cache(maxsize=65536)  # many grids share a replica's shapes (dp and pp do not change them)
 def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float, peak_tflops: float,
-                          cal: Constants, ep: int = 1) -> tuple[float, float]:
+                          cal: Constants, ep: int = 1, linear_tflops: float = 0.0,
+                          flash_attention: bool = True) -> tuple[float, float]:
     """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
     x = 1 for the megatron profile's 1D tensor parallelism; a mixture's experts/ep experts on the
-    rows the ep ranks send them."""
+    rows the ep ranks send them. `linear_tflops`: the linear layers' peak (FP8's speed-up; 0: bf16)."""
     T = seq / cp * batch
-    peak = peak_tflops * 1e12
+    peak = (linear_tflops or peak_tflops) * 1e12
     d = block.head_dim
     plan = _plan(block, x, y)
     forward = 0.0
@@ -411,12 +444,9 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
     if block.moe:  # the router's GEMM on the stream's features of this x rank (the shared gate's is a GEMV)
         forward += 2 * T * block.hidden / x * block.experts / (
             peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
-    heads = plan.local_heads
-    # QK^T and PV of the local queries against the whole sequence (ring attention brings the
-    # other chunks' keys), causal: half of it
-    attention = 2 * 2 * T * seq * d * heads / 2
-    attention_seconds = attention / (peak * attention_efficiency(T, seq / cp, d, cal))
-    return forward + attention_seconds, forward
+    # the local queries against the whole sequence (ring attention brings the other chunks' keys)
+    attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, flash_attention)
+    return forward + attention, forward
 
 
 @functools.lru_cache(maxsize=65536)
@@ -433,12 +463,12 @@ def _ring_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int
 
 
 def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, forward_seconds: float,
-                 framework: str) -> float:
+                 framework: str, gemm_tflops: float) -> float:
     """Exposed tensor-parallel communication of one layer for one micro-batch (forward, backward,
-    and the forward again under full recompute)."""
+    and the forward again under full recompute); `gemm_tflops`: the linear layers' peak."""
     b = s.element_bytes  # bf16 on GPUs
     if framework == "megatron":
-        return _megatron_tensor_comm(cfg, s, cluster, cal)
+        return _megatron_tensor_comm(cfg, s, cluster, cal, gemm_tflops)
     sizes, batch, seq = _within_replica(s), int(s.micro_batch / s.z), int(s.seq / s.cp)
     forward, backward, weights = _layer_totals(cfg.block, sizes, batch, seq, s.seq_parallel, s.keep_gathered_inputs)
     passes = 2 if s.recompute == "full" else 1  # the forward's collectives again
@@ -446,7 +476,7 @@ def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, for
     # Each linear's input re-gather hides behind its dX GEMM, its input-gradient reduction behind
     # its dW GEMM (the runtime's overlap; both GEMMs take the forward GEMM's time).
     for gemm, regather, reduction in _overlapped(cfg.block, sizes, batch, seq, s.seq_parallel,
-                                                 s.keep_gathered_inputs, cluster.gpu.bf16_tflops, cal):
+                                                 s.keep_gathered_inputs, gemm_tflops, cal):
         exposed -= (min(gemm, _totals_seconds(regather, s, cluster, b, cal))
                     + min(gemm, _totals_seconds(reduction, s, cluster, b, cal)))
     # z: the weight all-gathers are prefetched one GEMM ahead and the dW reduce-scatters deferred
@@ -455,7 +485,7 @@ def _tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, for
     return exposed + max(0.0, weights - 3 * forward_seconds)
 
 
-def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants) -> float:
+def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, gemm_tflops: float) -> float:
     """Megatron-LM's 1D tensor parallelism. With sequence parallelism each sublayer all-gathers its
     input and reduce-scatters its output in forward, and the row-parallel linear all-gathers its
     output gradient in backward, exposed; the column-parallel linear's backward re-gathers its input
@@ -473,7 +503,7 @@ def _megatron_tensor_comm(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Const
     exposed = passes * seconds(forward) + seconds(backward) + sublayers * (seconds(regather) + seconds(reduction))
     plan = _plan(cfg.block, 1, s.y)
     for layer in (plan.qkv,) if dispatched else (plan.qkv, plan.up):  # the column-parallel layers
-        gemm = _gemm_seconds(T, layer.in_features, layer.out_features / s.y, cluster.gpu.bf16_tflops, cal)
+        gemm = _gemm_seconds(T, layer.in_features, layer.out_features / s.y, gemm_tflops, cal)
         exposed -= min(gemm, seconds(regather)) + min(gemm, seconds(reduction))
     if dispatched:  # the dispatch and its backward (the same collectives), the forward's again under full recompute
         exposed += (passes + 1) * seconds(_megatron_dispatch(int(T), cfg.hidden, cfg.block.top_k, s.y, s.layout.ep))
@@ -516,16 +546,12 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     K, V transfer behind one block attention (the next block is in flight while the current one
     is attended: `parallel.context`, and TransformerEngine's ring for Megatron), backward behind
     two (its dQ and dK/dV GEMMs); `cal.ring_overlap` (1: both runtimes) of the traffic can hide."""
-    block = s.seq / s.cp  # local queries of one sequence, and the keys of one ring block
-    T = block * s.micro_batch / s.z
     ring_forward, ring_backward = _ring_totals(cfg.block, _within_replica(s), int(s.micro_batch / s.z),
                                                int(s.seq / s.cp))
     tp_heads = s.y if framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
-    peak = cluster.gpu.bf16_tflops * 1e12
-    heads = cfg.heads / tp_heads
-    # each ring step attends half a block (the other half is masked and skipped)
-    d = cfg.block.head_dim
-    block_attention = 2 * T * block * d * heads / (peak * attention_efficiency(T, block, d, cal))
+    # one ring step's attention: the rank's attention over its cp steps, on average
+    block_attention = attention_seconds(s.seq, s.cp, s.micro_batch / s.z, cfg.heads / tp_heads, cfg.block.head_dim,
+                                        cluster.gpu.bf16_tflops, cal) / s.cp
     forward = _exposed(_totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
                        cal.ring_overlap)
     backward = _exposed(_totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
@@ -556,12 +582,21 @@ class _Compute:
                 + self.micro_batch_overhead)
 
 
+def linear_tflops(cluster: Cluster, cal: Constants, fp8: bool) -> float:
+    """The peak the linear layers' GEMMs are priced at: bf16's, or FP8's speed-up over it."""
+    if fp8 and not cluster.gpu.fp8_tflops:
+        raise ValueError(f"{cluster.gpu.name} has no FP8 tensor cores: a run with FP8 linears needs a Hopper or "
+                         f"Blackwell GPU preset")
+    return cluster.gpu.bf16_tflops * (cal.fp8_speedup if fp8 else 1.0)
+
+
 def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str,
-             flash_attention: bool = True) -> _Compute:
+             flash_attention: bool = True, fp8: bool = False) -> _Compute:
     forward, dw = _layer_compute_cached(cfg.block, s.x if framework == "fourfold" else 1, s.y, s.seq, s.cp,
-                                        s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep)
+                                        s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
+                                        linear_tflops(cluster, cal, fp8), flash_attention)
     T = s.seq / s.cp * s.micro_batch / s.z
-    traffic = _elementwise_traffic(cfg, s, T, framework)
+    traffic = _elementwise_traffic(cfg, s, T, framework, fp8)
     if not flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
         traffic += _score_traffic(cfg, s, T, framework)
     forward += traffic / (cluster.gpu.hbm_tbs * 1e12)
@@ -579,11 +614,13 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
                     cal.micro_batch_overhead_us * 1e-6)
 
 
-def _elementwise_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str) -> float:
+def _elementwise_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str, fp8: bool = False) -> float:
     """Bytes of one layer's forward elementwise work, bound by HBM bandwidth (roofline): each op
     reads its inputs and writes its output once, in the job's precision: two norms (2h a token)
     and two residual adds (3h) on the residual stream (split over the tensor group under sequence
-    parallelism), the MLP's activation (3F gated, 2F else) on the local F."""
+    parallelism), the MLP's activation (3F gated, 2F else) on the local F; with FP8 linears, each
+    linear's input cast to FP8 (read in the job's precision, written in one byte: 3h + F a token
+    on the local features, as Transformer Engine quantises them)."""
     tp = s.x * s.y if framework == "fourfold" else s.y
     stream = 10 * cfg.hidden / (tp if s.seq_parallel else 1)
     b = cfg.block
@@ -593,7 +630,8 @@ def _elementwise_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str
         activation += 3 * routed_tokens(b, cfg.hidden) / (s.x if framework == "fourfold" else 1)
     else:
         activation = (3 if b.gated else 2) * cfg.ffn / tp
-    return s.element_bytes * tokens * (stream + activation)
+    cast = (s.element_bytes + 1) * (3 * cfg.hidden + cfg.ffn) / tp if fp8 else 0.0
+    return tokens * (s.element_bytes * (stream + activation) + cast)
 
 
 def _score_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: str) -> float:
@@ -640,12 +678,14 @@ def _one_node(cluster: Cluster, gpus: int) -> Cluster:
 
 
 def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
-              framework: str = "fourfold", flash_attention: bool = True) -> StepTime:
+              framework: str = "fourfold", flash_attention: bool = True, fp8: bool = False) -> StepTime:
     """`flash_attention=False`: runs that predate it (Megatron-LM 2021), whose attention moves its
-    score matrices through HBM; the planner plans flash attention (both runtimes use it)."""
+    score matrices through HBM; the planner plans flash attention (both runtimes use it).
+    `fp8=True`: measured runs with FP8 linear layers (Transformer Engine, torchao's Float8): their
+    GEMMs at `fp8_speedup` times bf16's rate, their inputs cast; attention and the head stay bf16."""
     k = constants(cal, cluster)
-    c = _compute(cfg, s, cluster, k, framework, flash_attention)
-    layer_comm = _tensor_comm(cfg, s, cluster, k, c.forward, framework)
+    c = _compute(cfg, s, cluster, k, framework, flash_attention, fp8)
+    layer_comm = _tensor_comm(cfg, s, cluster, k, c.forward, framework, linear_tflops(cluster, k, fp8))
     if s.cp > 1:
         layer_comm += _ring_attention_exposed(cfg, s, cluster, k, framework)
     T = s.seq / s.cp * s.micro_batch / s.z

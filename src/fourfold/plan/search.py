@@ -13,6 +13,7 @@ from fourfold.models.config import ModelConfig
 from fourfold.plan.memory import GIB, Memory, estimate_memory
 from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, placement_bound, step_time
 from fourfold.spec.hardware import Cluster
+from fourfold.spec.job import megatron_stages
 from fourfold.spec.job import RECOMPUTE, Job
 from fourfold.spec.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.spec.rules import JobError, Problem, problems
@@ -55,9 +56,10 @@ def profile_problems(cfg: ModelConfig, job: Job, framework: str = "fourfold") ->
         found.append(Problem("the megatron profile prices expert parallelism without context parallelism (Megatron's "
                              "ep ranks sit between cp and dp, a placement it does not model)",
                              "leave --cp 1 with --ep, or --framework fourfold"))
-    if cfg.layers % (job.pp * job.virtual):
+    if cfg.layers % (job.pp * job.virtual) and job.stage_layers != megatron_stages(cfg.layers, job.pp * job.virtual):
         # Megatron-Core (to 0.9) builds num_layers // pp layers on every pipeline rank, and // virtual
-        # per chunk (transformer_block.get_num_layers_to_build): no uneven stages
+        # per chunk (transformer_block.get_num_layers_to_build): no uneven stages, but for the split of
+        # later versions that count the embedding and the loss as a layer each (Megatron-Bridge's)
         found.append(Problem(f"Megatron-LM builds the same number of layers on every pipeline stage: pp * virtual = "
                              f"{job.pp * job.virtual} does not divide the model's {cfg.layers} layers",
                              "choose --pp (and --virtual) dividing the layers, or --framework fourfold "
@@ -241,7 +243,8 @@ def expert_parallel_sizes(cfg: ModelConfig, replicas: int) -> list[int]:
 def _cutoff(kept: list[float], top: int, cal: Calibration) -> float:
     """The step time past which no job can enter the first `top` results or the first's ties
     (`kept`: the times of the candidates that fit with headroom, sorted)."""
-    return max(kept[top - 1], kept[0] * (1 + (cal.cv_error or 0.0))) * (1 + ROUNDING)
+    widest = max([cal.cv_error or 0.0, *(e for _, e in cal.cv_errors)])
+    return max(kept[top - 1], kept[0] * (1 + widest)) * (1 + ROUNDING)
 
 
 def rank(results: list[dict], cal: Calibration) -> list[dict]:
@@ -255,17 +258,23 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     def by_time(r: dict) -> tuple:
         return (rounded_seconds(r["step_seconds"]), r["cp"], _model_parallel(r), r["memory_gib"])
 
-    roomy = [r["step_seconds"] for r in results if r["fits"] and not r["tight"]]
-    fastest = min(roomy, default=0.0)
-    margin = cal.cv_error or 0.0
+    roomy = [r for r in results if r["fits"] and not r["tight"]]
+    best = min(roomy, key=lambda r: r["step_seconds"], default=None)
     for r in results:
-        r["tie"] = r["fits"] and not r["tight"] and margin > 0 and r["step_seconds"] <= fastest * (1 + margin)
+        # the band: the larger of the two configurations' kinds' cross-validated errors
+        margin = max(cal.error_band(kind(r)), cal.error_band(kind(best))) if best else 0.0
+        r["tie"] = r["fits"] and not r["tight"] and margin > 0 and r["step_seconds"] <= best["step_seconds"] * (1 + margin)
     if sum(r["tie"] for r in results) == 1:  # the fastest alone: nothing to tell apart
         next(r for r in results if r["tie"])["tie"] = False
     return sorted(results, key=lambda r: (not r["fits"], r["tight"], not r["tie"],
                                           (_model_parallel(r), r.get("ep", 1), r.get("virtual", 1), -r["micro_batch"])
                                           if r["tie"] else (),
                                           *by_time(r)))
+
+
+def kind(r: dict) -> str:
+    """A candidate's kind for its error band: cp > 1, else pp > 1, else tensor parallel, else data only."""
+    return "cp" if r["cp"] > 1 else "pp" if r["pp"] > 1 else "tp" if r["x"] * r["y"] * r["z"] > 1 else "dp"
 
 
 def _model_parallel(r: dict) -> int:

@@ -15,6 +15,7 @@ class GPU:
     memory_gib: float  # nominal capacity, taken as GiB (as the seed paper does)
     hbm_tbs: float
     gemm_efficiency: float  # best fraction of the peak a large bf16 GEMM reaches (measured, docs/planner.md)
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (0: the GPU has no FP8 tensor cores)
 
     @property
     def ridge(self) -> float:
@@ -37,14 +38,20 @@ class Cluster:
 
 # GEMM efficiency: the maximum achievable matmul FLOP/s measured by Bekman's mamf-finder (A100 SXM
 # 0.87, H100 SXM 0.80 of the dense peak); the other Hopper parts take the H100's, the MI250X the
-# H100's too (no published figure found: an assumption).
+# H100's too (no published figure found: an assumption), and so do the Blackwell parts (B200,
+# GB200, GB300: no published mamf-finder figure found either). FP8: the data sheets' dense peaks
+# (twice bf16 on Hopper and Blackwell).
 GPUS = {g.name: g for g in [
     GPU("a100-40gb", 312, 40, 1.56, 0.87),
     GPU("a100-80gb", 312, 80, 2.04, 0.87),
-    GPU("h100-80gb", 989, 80, 3.35, 0.80),
-    GPU("h100-94gb", 989, 94, 2.4, 0.80),
-    GPU("h200", 989, 141, 4.8, 0.80),
-    GPU("gh200", 989, 96, 4.0, 0.80),
+    GPU("h100-80gb", 989, 80, 3.35, 0.80, 1979),
+    GPU("h100-94gb", 989, 94, 2.4, 0.80, 1979),
+    GPU("h100-96gb", 989, 96, 3.35, 0.80, 1979),  # the SXM part with 96 GB (torchtitan's, capped at 500 W)
+    GPU("h200", 989, 141, 4.8, 0.80, 1979),
+    GPU("gh200", 989, 96, 4.0, 0.80, 1979),
+    GPU("b200", 2250, 180, 8.0, 0.80, 4500),  # DGX B200: 1,440 GB over 8 GPUs
+    GPU("gb200", 2500, 186, 8.0, 0.80, 5000),
+    GPU("gb300", 2500, 279, 8.0, 0.80, 5000),
     GPU("mi250x", 191.5, 64, 1.6, 0.80),  # one GCD
 ]}
 
@@ -55,6 +62,11 @@ CLUSTERS = {name: replace(c, name=name) for name, c in {
     "alps": Cluster(GPUS["gh200"], 4, 150.0, 25.0),
     "dgx-a100": Cluster(GPUS["a100-80gb"], 8, 300.0, 25.0),  # 12 NVLink3 links; 8 x 200 Gb/s InfiniBand
     "dgx-h100": Cluster(GPUS["h100-80gb"], 8, 450.0, 50.0),  # 18 NVLink4 links; 8 x 400 Gb/s InfiniBand
+    "dgx-b200": Cluster(GPUS["b200"], 8, 900.0, 50.0),  # 18 NVLink5 links; 8 x 400 Gb/s InfiniBand
+    # NVL72 racks: the NVLink domain (the bandwidth model's node) is the rack's 72 GPUs, not a
+    # compute tray's 4; ConnectX-7 (400 Gb/s) per GB200, ConnectX-8 (800 Gb/s) per GB300
+    "gb200-nvl72": Cluster(GPUS["gb200"], 72, 900.0, 50.0),
+    "gb300-nvl72": Cluster(GPUS["gb300"], 72, 900.0, 100.0),
 }.items()}
 
 

@@ -76,6 +76,16 @@ def default_stage_layers(layers: int, stages: int) -> list[int]:
     return counts
 
 
+def megatron_stages(layers: int, chunks: int) -> tuple[int, ...]:
+    """Megatron-Core's split when `chunks` does not divide the layers (Megatron-Bridge's 405B recipes:
+    account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split): the embedding
+    and the loss count as a layer each, so the first and last chunks hold one layer less."""
+    per, extra = divmod(layers + 2, chunks)
+    if extra or per < 2:
+        return ()
+    return (per - 1, *(per,) * (chunks - 2), per - 1)
+
+
 def split_layers(layers: int, stages: int, stage_layers: tuple[int, ...] | list[int] = ()) -> tuple[range, ...]:
     """The global layer indices of each pipeline stage: the counts given, or the default split
     (ValueError naming the fix when they do not work)."""
