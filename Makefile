@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` (the main job) and `make test` (the suite).
 # Each creates .venv on first use and installs what it needs; later runs reuse it.
-# A torch that $(PYTHON) already imports (a CUDA or ROCm build, any >= 2.7) is kept: the venv sees
+# A torch that $(PYTHON) already imports (a CUDA or ROCm build, any >= 2.10) is kept: the venv sees
 # the system's packages and pip is held to that torch, never replacing it. Without one, TORCH_SPEC
 # is installed (on these CPU machines a local wheel). Offline: README, Install.
 PYTHON ?= python3
@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(if $(SYSTEM_TORCH),--system-site-packages) $(VENV)
 	$(if $(SYSTEM_TORCH),,$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
 	$(BIN)/python -c "import sys, torch; v = torch.__version__; \
-		sys.exit(f'fourfold needs torch >= 2.7; $(PYTHON) has {v}: upgrade it, or set PYTHON to one without torch') \
-		if tuple(map(int, v.split('+')[0].split('.')[:2])) < (2, 7) else print(f'torch=={v}')" > $(VENV)/torch.txt
+		sys.exit(f'fourfold needs torch >= 2.10; $(PYTHON) has {v}: upgrade it, or set PYTHON to one without torch') \
+		if tuple(map(int, v.split('+')[0].split('.')[:2])) < (2, 10) else print(f'torch=={v}')" > $(VENV)/torch.txt
 	$(BIN)/python -m pip install --quiet -c $(VENV)/torch.txt -e ".[test]"
 	touch $@
 

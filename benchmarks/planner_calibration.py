@@ -1,12 +1,14 @@
 """Do the planner's step times and rankings hold on runs it was not fitted on? Cross-validated on
-the published Megatron-LM runs of ../shared/calibration (docs/planner.md, "Calibration").
+the published runs of ../shared/calibration (docs/planner.md, "Calibration").
 
-1. Leave one group out: fits the step-time model's constants (`fourfold.plan.calibrate`) leaving
-   out one group of runs at a time, and prints the scores of the held-out predictions beside those
-   of the uncalibrated guesses and of the rule "least tp*cp*pp, then the largest micro-batch".
-2. Leave one cluster out: fits on the A100 runs and scores the H100 runs, and the reverse, beside
-   one MFU constant fitted on the same runs.
-3. The constants fitted on every run, as `perf.Calibration`'s defaults are written.
+1. The constants fitted on every run, as `perf.Calibration`'s defaults are written.
+2. Leave one source out: each published table (a file, or a document of context_parallel.csv)
+   predicted by constants fitted on the others, its groups ranked by the predicted step time, as
+   `fourfold plan` lists them (ties within the per-kind band of the other sources' held-out
+   errors, simplest first) and by the rule "least tp*cp*pp, then the largest micro-batch", beside
+   one MFU constant fitted on the other runs. The same leaving one GPU generation out.
+3. Llama 3 405B's long-context run (131,072 tokens, tp8 cp16 pp16 dp8 on 16,384 H100s, 380
+   TFLOP/s a GPU, arXiv 2407.21783 Table 4): a check, never fitted.
 
     python benchmarks/planner_calibration.py [--data ../shared/calibration]
 """
@@ -16,48 +18,74 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import numpy as np
+
+from fourfold.models.config import load_config
 from fourfold.plan.calibrate import (
     DATA,
-    calibrate,
-    cluster_runs,
-    cluster_table,
-    comparison,
-    cross_validate,
+    NOT_PRICED,
     fit,
-    folds,
-    leave_one_cluster_out,
-    model_scores,
-    plan_scores,
+    flops_per_sequence,
+    generation,
+    held_out_table,
+    kind_errors,
+    leave_out,
     predicted_seconds,
+    shipped_runs,
 )
-from fourfold.plan.perf import Calibration
+from fourfold.plan.perf import Calibration, RunTraits, step_time
+from fourfold.spec.hardware import make_cluster
+from fourfold.spec.job import Job, megatron_stages
+from fourfold.spec.layout import Layout
+
+LLAMA3_LONG = dict(gpus=16384, seq=131072, global_batch=128, tflops=380.0)  # 16M tokens a step
+
+
+def llama3_long_context(cal: Calibration) -> list[str]:
+    """The 405B long-context row under the megatron profile (Meta's grid is 1D tensor parallel with
+    sequence parallelism), Meta's stages (7, 8 x 14, 7), both cp exchanges and schedules."""
+    cfg, cluster = load_config("llama-3.1-405b"), make_cluster("dgx-h100")
+    lines = [f"{'stages/rank':>11} {'cp exchange':>11} {'seconds':>8} {'TFLOP/s (6N+6Lhs)':>18} {'(Megatron)':>11}"]
+    for virtual in (1, 2, 4):
+        job = Job(Layout(dp=8, pp=16, cp=16, y=8), global_batch=LLAMA3_LONG["global_batch"], micro_batch=1,
+                  seq=LLAMA3_LONG["seq"], recompute="none", seq_parallel=True, precision="bf16", virtual=virtual,
+                  schedule="interleaved-1f1b" if virtual > 1 else "1f1b",
+                  stage_layers=megatron_stages(cfg.layers, 16 * virtual))
+        for comm in ("all_gather", "p2p"):
+            seconds = step_time(cfg, job, cluster, cal, "megatron", RunTraits(cp_comm=comm)).total
+            per_gpu = [flops_per_sequence(c, cfg, job.seq) * job.global_batch / LLAMA3_LONG["gpus"] / seconds / 1e12
+                       for c in ("fourfold", "megatron")]
+            lines.append(f"{virtual:>11} {comm:>11} {seconds:8.2f} {per_gpu[0]:11.0f} ({per_gpu[0] / 380 - 1:+.0%})"
+                         f" {per_gpu[1]:6.0f} ({per_gpu[1] / 380 - 1:+.0%})")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DATA), help="the folder of the shipped calibration CSVs")
-    by_cluster = cluster_runs(parser.parse_args().data)
-    runs = [r for rs in by_cluster.values() for r in rs]
-    cal, cross = calibrate(runs)
-    print(f"{len(runs)} runs, {len({r.group for r in runs})} groups, {len(set(folds(runs)))} cross-validation folds")
-    print(comparison(runs, cross))
-    print("\nleave one cluster out:")
-    print(cluster_table(leave_one_cluster_out(by_cluster)))
-    for held_out, runs_out in by_cluster.items():  # the ranking a user sees: `fourfold plan`'s order
-        if max(sum(r.group == g for r in runs_out) for g in {r.group for r in runs_out}) < 2:
-            continue  # no group of 2 or more runs to rank
-        others = [r for name, rs in by_cluster.items() if name != held_out for r in rs]
-        cv_error = model_scores(others, cross_validate(others)).error
-        fitted = fit(others)
-        planned = plan_scores(runs_out, [predicted_seconds(r, fitted) for r in runs_out], cv_error)
-        print(f"{held_out} held out, as `fourfold plan` orders it (ties within the other runs' cross-validated "
-              f"error, {cv_error:.1%}, simplest first): Spearman {planned.spearman:.3f}, top-1 {planned.top1:.0%}")
-    print("\nfitted on every run (perf.Calibration's defaults):")
+    runs = shipped_runs(parser.parse_args().data)
+    print(f"{len(runs)} runs from {len({r.source for r in runs})} sources; not priced: "
+          + "; ".join(f"rows of {needle} ({why})" for needle, why in NOT_PRICED))
+    cal = fit(runs)
+    by_source, predicted = leave_out(runs, lambda r: r.source)
+    errors = [abs(r.seconds / p - 1) for r, p in zip(runs, predicted)]
+    cp = [e for r, e in zip(runs, errors) if r.kind == "cp"]
+    cal = dataclasses.replace(cal, cv_error=float(np.mean(errors)), cv_errors=kind_errors(runs, predicted))
+    print("\n" + held_out_table(by_source, "source"))
+    print(f"every run held out with its source: error {np.mean(errors):.1%} overall, {np.mean(cp):.1%} on the "
+          f"{len(cp)} runs with cp > 1")
+    by_generation, _ = leave_out(runs, generation)
+    print("\n" + held_out_table(by_generation, "GPU generation"))
+    print("\nLlama 3 405B, 131,072 tokens, tp8 cp16 pp16 dp8 on 16,384 H100s: 380 TFLOP/s measured (not fitted)")
+    print("\n".join(llama3_long_context(cal)))
+    print("\nfitted on every run (perf.Calibration's defaults; cv_error and cv_errors: leave one source out):")
     for field in dataclasses.fields(Calibration):
         value = getattr(cal, field.name)
         if field.name == "profiles":
             for p in value:
                 print(f"  {p}")
+        elif field.name == "cv_errors":
+            print(f"  cv_errors = {tuple((k, round(e, 4)) for k, e in value)}")
         else:
             print(f"  {field.name} = {value:.4g}" if value is not None else f"  {field.name} = None")
     drift = max(abs(predicted_seconds(r, Calibration()) / predicted_seconds(r, cal) - 1) for r in runs)

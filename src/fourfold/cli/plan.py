@@ -71,13 +71,16 @@ def add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", default=None, help="placement order, innermost first")
     p.add_argument("--keep-gathered-inputs", action="store_true",
                    help="linears keep their gathered input for backward (a plan row's `keep` column)")
+    p.add_argument("--stage-layers", default="", help="layers per pipeline stage (pp * virtual of them), e.g. "
+                                                      "7,8,8,...,7 (default even)")
 
 
 def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
     return Job(layout, global_batch=args.global_batch, micro_batch=args.micro_batch or 1, seq=args.seq,
                recompute=args.recompute or "none", seq_parallel=args.seq_parallel, precision=args.precision,
                virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b",
-               keep_gathered_inputs=getattr(args, "keep_gathered_inputs", False))
+               keep_gathered_inputs=getattr(args, "keep_gathered_inputs", False),
+               stage_layers=tuple(int(n) for n in getattr(args, "stage_layers", "").split(",") if n.strip()))
 
 
 def _context(args):
@@ -121,7 +124,8 @@ def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
                  "--recompute", job.recompute, "--seq-parallel" if job.seq_parallel else "--no-seq-parallel",
                  "--precision", job.precision, "--framework", args.framework, *(["--no-80-rule"] * args.no_80_rule),
                  *(v for d in (*DIMS, "ep") for v in (f"--{d}", getattr(job.layout, d))), "--virtual", job.virtual,
-                 "--order", ",".join(job.layout.order), *(["--keep-gathered-inputs"] * job.keep_gathered_inputs)]
+                 "--order", ",".join(job.layout.order), *(["--keep-gathered-inputs"] * job.keep_gathered_inputs),
+                 *(["--stage-layers", ",".join(map(str, job.stage_layers))] * bool(job.stage_layers))]
     model = "--model.hf" if Path(args.model).is_dir() else "--model.preset"
     hardware = [v for key, value in (("gpu", args.gpu), ("cluster", args.cluster)) if value
                 for v in (f"--hardware.{key}", value)]
@@ -184,8 +188,8 @@ def error_note(cal: Calibration) -> str:
     if cal.cv_error is None:
         return ("step times: the model's error is unknown with these constants (no cross-validation: "
                 "`fourfold calibrate` measures it)")
-    kinds = ", ".join(f"{k} {e:.1%}" for k, e in cal.cv_errors)
-    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error{'; by kind: ' + kinds if kinds else ''}); "
+    kinds = "; by kind: " + ", ".join(f"{k} {e:.1%}" for k, e in cal.cv_errors) if cal.cv_errors else ""
+    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error{kinds}); "
             f"{TIE} within it of the fastest: "
             f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the least ep, then "
             f"the fewest virtual stages, then the largest micro-batch); measure them before choosing")
@@ -303,21 +307,24 @@ def _calibrate(args) -> int:
     runs = [read_run_dir(d, cluster) for d in args.runs] + [r for f in args.csv for r in read_csv(f, cluster)]
     if not runs:
         raise ValueError("no runs: give `fourfold train` run directories and/or --csv files")
-    cal, cross = calibrate(runs)
+    software = args.refit == "all"
+    cal, cross = calibrate(runs, software)
     n_groups = len({r.group for r in runs})
-    fit = {"runs": len(runs), "groups": n_groups, "sources": sorted({r.source for r in runs}),
+    fit = {"runs": len(runs), "groups": n_groups, "sources": sorted({r.source for r in runs}), "refit": args.refit,
            "cross_validated": dataclasses.asdict(cross)}
     with open(args.output, "w") as f:
         json.dump(dict(dataclasses.asdict(cal), fit=fit), f, indent=1)
     print(f"{len(runs)} runs in {n_groups} groups (one model, cluster, GPU count, sequence and batch each)")
-    print("constants: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(cal).items()
-                                     if k not in ("cv_error", "cv_errors", "profiles") and v is not None))
+    shown = [f"{k} {v:.4g}" for k, v in dataclasses.asdict(cal).items()
+             if k not in ("cv_error", "cv_errors", "profiles") and v is not None]
+    print(("constants: " if software else "constants (the shipped fit's, kept): ") + ", ".join(shown))
     for p in cal.profiles:  # a fit changes only the profiles of the clusters its runs ran on
         print(f"profile of {p.cluster}: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(p).items()
                                                       if k != "cluster"))
     print(comparison(runs, cross))
-    if len(runs) <= len(knobs(runs)):
-        print(f"{len(runs)} runs for {len(knobs(runs))} constants: the fit is underdetermined; add runs (other grids, "
+    fitted = len(knobs(runs, software))
+    if len(runs) <= fitted:
+        print(f"{len(runs)} runs for {fitted} constants: the fit is underdetermined; add runs (other grids, "
               f"micro-batches, GPU counts)")
     print(f"wrote {args.output}: use it with plan/estimate --calibrate {args.output}")
     return 0
@@ -351,4 +358,8 @@ def add_commands(commands) -> None:
     calibrate.add_argument("runs", nargs="*", metavar="RUN_DIR", help="`fourfold train` run directories")
     calibrate.add_argument("--csv", action="append", default=[], help="a CSV in the calibration format (repeatable)")
     calibrate.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    calibrate.add_argument("--refit", choices=("profile", "all"), default="profile",
+                           help="profile (default): only the hardware profile of the runs' clusters, the software "
+                                "constants kept from the shipped fit on the published runs; all: every constant, "
+                                "from the runs given alone (needs many runs that differ)")
     add_machine(calibrate, None)  # the machine the runs ran on (default: each run's own record)

@@ -17,13 +17,13 @@ import json
 import math
 import re
 import statistics
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile, model_flops_per_token, step_time
+from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile, RunTraits, model_flops_per_token, step_time
 from fourfold.plan.search import check, interleavings, predict, profile_problems, rank
 from fourfold.spec.counts import layer_params
 from fourfold.spec.hardware import GPUS, Cluster, make_cluster, overridden
@@ -51,16 +51,15 @@ SHIPPED = {
     # reduce and parameter gather overlapped (the recipes' defaults); torchtitan's rows are read apart
     "context_parallel.csv": dict(family="llama", recompute="none", overlap_dp="true"),
 }
-# The A100 and the H100 clusters of the shipped files: leave-one-cluster-out validation fits on one, scores the other.
-CLUSTER_FILES = {"a100": ("megatron_llama31_8b_a100.csv", "megatron_gpt_a100_scaling.csv"),
-                 "h100": ("megatron_core_gpt_h100.csv",)}
 # The published GPU names of context_parallel.csv and the cluster presets they ran on. The NVL72
 # rows give 4 GPUs a node (a compute tray); their NVLink domain, the bandwidth model's node, is 72.
 GPU_CLUSTERS = {"h100": "dgx-h100", "b200": "dgx-b200", "gb200": "gb200-nvl72", "gb300": "gb300-nvl72"}
 NVLINK_DOMAINS = ("gb200-nvl72", "gb300-nvl72")
-# The FLOP counts of NeMo's and Megatron-Bridge's tables: Megatron's formula (NeMo's flops_formulas:
-# 12 + 12 g/a + 18 F/h + 12 s/h + 6 V/(L h) per token, layer and h^2: attention unmasked)
-FLOP_CONVENTIONS = {"nemo model flops": "megatron", "megatron-bridge model flops": "megatron"}
+# The FLOP counts of NeMo's and Megatron-Bridge's tables, read off the rows that give both TFLOP/s and
+# tokens/s (their ratio is the count per token): NeMo's is Megatron's formula, attention unmasked (12 s/h
+# a token, layer and h^2: 57.9 GFLOP a token for Llama 3 8B at 8,192, 481 for 70B); Megatron-Bridge's
+# halves causal attention's pairs (2,524 GFLOP for 405B, not 2,625)
+FLOP_CONVENTIONS = {"nemo model flops": "megatron", "megatron-bridge model flops": "megatron-causal"}
 MICRO_BATCHES = (1, 2, 4, 8)  # tried when a source does not say which one ran
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
 
@@ -77,8 +76,7 @@ class Run:
     group: str  # the runs a user chooses among: one model, cluster, GPU count, sequence and batch
     source: str  # the file or run directory it was read from
     overlap_dp: bool | None = None  # Megatron's overlap_grad_reduce and overlap_param_gather (None: not published)
-    flash_attention: bool = True  # False: a run that predates it
-    fp8: bool = False  # its linear layers ran in FP8 (Transformer Engine, torchao Float8)
+    traits: RunTraits = RunTraits()  # flash attention or not, FP8 linears, the cp exchange
 
     @property
     def model_parallel(self) -> int:
@@ -111,13 +109,12 @@ def predicted_seconds(run: Run, cal: Calibration) -> float:
     if run.overlap_dp is not None:
         overlap = float(run.overlap_dp)
         cal = replace(cal, dp_overlap=overlap, param_gather_overlap=overlap)
-    return min(step_time(run.cfg, job, run.cluster, cal, run.framework, run.flash_attention, run.fp8).total
-               for job in run.jobs)
+    return min(step_time(run.cfg, job, run.cluster, cal, run.framework, run.traits).total for job in run.jobs)
 
 
 def make_run(cfg: ModelConfig, job: Job, cluster: Cluster, framework: str, seconds: float, source: str,
              micro_batch_known: bool = True, virtual_known: bool = True, overlap_dp: bool | None = None,
-             flash_attention: bool = True, fp8: bool = False) -> Run:
+             traits: RunTraits = RunTraits()) -> Run:
     """A `Run`, its job checked by the planner's rules (a `JobError` names each fix). Without the
     micro-batch, every one of MICRO_BATCHES that the rules accept and that fits in memory; without
     the interleaved stages per rank (pp > 1), each of `interleavings` the rules (`profile_problems`)
@@ -143,7 +140,7 @@ def make_run(cfg: ModelConfig, job: Job, cluster: Cluster, framework: str, secon
     n = cfg.parameter_count()
     group = (f"{cfg.family} {n / 1e9:.1f}B, {job.world_size} x {cluster.gpu.name} ({cluster.gpus_per_node}/node, "
              f"{cluster.inter_node_gbs:g} GB/s), seq {job.seq}, batch {job.global_batch}")
-    return Run(cfg, tuple(jobs), cluster, framework, seconds, group, source, overlap_dp, flash_attention, fp8)
+    return Run(cfg, tuple(jobs), cluster, framework, seconds, group, source, overlap_dp, traits)
 
 
 # ----- CSV files in the calibration format ---------------------------------------------------------
@@ -158,6 +155,10 @@ def flops_per_sequence(convention: str, cfg: ModelConfig, seq: int) -> float:
         query = cfg.heads * cfg.block.head_dim / h
         return 12 * seq * layers * h * h * ((1 + cfg.kv_heads / cfg.heads + seq / h) * query
                                             + cfg.ffn / h * gated + vocab / (2 * layers * h))
+    if convention == "megatron-causal":  # the same with causal attention's pairs halved (NeMo's flops_formulas
+        # with causal_self_attn, Megatron-Bridge's)
+        pairs = 6 * seq * layers * seq * cfg.heads * cfg.block.head_dim
+        return flops_per_sequence("megatron", cfg, seq) - pairs
     if convention == "model":  # Megatron-Core's tables: 6 x dense parameters (the head's included) per token,
         # and attention's 12 L h s, causal not halved
         matrices, _ = layer_params(cfg)
@@ -249,9 +250,11 @@ def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
               virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b", stage_layers=stages)
     seconds = measured_seconds(values, cfg, job)
     overlap = _flag(values, "overlap_dp", False) if "overlap_dp" in values else None
-    fp8 = _flag(values, "fp8", values.get("notes", "").upper().startswith("FP8"))
+    traits = RunTraits(_flag(values, "flash_attention", True),
+                       _flag(values, "fp8", values.get("notes", "").upper().startswith("FP8")),
+                       values.get("cp_comm", "p2p"))
     return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, _source(values, source),
-                    micro_batch is not None, virtual_known, overlap, _flag(values, "flash_attention", True), fp8)
+                    micro_batch is not None, virtual_known, overlap, traits)
 
 
 def _without_cp(run: Run, values: dict, measured: float) -> list[Run]:
@@ -275,7 +278,7 @@ def _without_cp(run: Run, values: dict, measured: float) -> list[Run]:
         return []
     # the fastest few by the default constants: a fit moves the times, seldom past that many
     jobs = sorted(jobs, key=lambda j: step_time(run.cfg, j, run.cluster, Calibration(), run.framework,
-                                                fp8=run.fp8).total)[:WITHOUT_CP_KEPT]
+                                                run.traits).total)[:WITHOUT_CP_KEPT]
     seconds = measured_seconds({**values, "measured": str(measured)}, run.cfg, job)
     return [replace(run, jobs=tuple(sorted(jobs, key=lambda j: j.layout.pp * j.layout.y)), seconds=seconds)]
 
@@ -332,13 +335,6 @@ def shipped_runs(folder: str | Path = DATA) -> list[Run]:
         raise FileNotFoundError(f"{folder} lacks {', '.join(missing)}: give the folder of the shipped calibration data")
     return [run for name in SHIPPED for run in read_csv(folder / name)]
 
-
-def cluster_runs(folder: str | Path = DATA) -> dict[str, list[Run]]:
-    """The shipped runs by cluster (CLUSTER_FILES)."""
-    return {name: [run for f in files for run in read_csv(Path(folder) / f)] for name, files in CLUSTER_FILES.items()}
-
-
-# ----- `fourfold train` run directories ----------------------------------------------------------
 
 def read_run_dir(path: str | Path, cluster: Cluster | None = None) -> Run:
     """A `fourfold train` run: the median step time of log.jsonl (its first step, the warm-up, left
@@ -407,7 +403,7 @@ SOFTWARE_KNOBS = (
     # best from 512 keys on (Dao 2023, Fig. 4): at most 512
     Knob("attention_half", 16.0, 512.0, log=True),
     # FP8 GEMMs: twice bf16's peak on Hopper and Blackwell, reached less well (cuBLAS on H100: about 1.6x)
-    Knob("fp8_speedup", 1.0, 2.0),
+    Knob("fp8_speedup", 1.4, 1.8),
     # (ring_overlap is not fitted: both runtimes send the next block while attending the current one)
     Knob("dp_overlap", 0.0, 1.0),
     Knob("layer_overhead_us", 0.0, 5000.0),
@@ -435,10 +431,13 @@ START_PROFILE = dict(efficiency_max=0.6, efficiency_half=128, intra_node_efficie
 PROFILE_RUNS = 6
 
 
-def knobs(runs: list[Run]) -> list[tuple[str | None, Knob]]:
+def knobs(runs: list[Run], software: bool = True) -> list[tuple[str | None, Knob]]:
     """The constants a fit to `runs` sets: (None, software knob), then (cluster, hardware knob) for
-    each cluster with PROFILE_RUNS or more of the runs."""
+    each cluster with PROFILE_RUNS or more of the runs. `software` False: only the profiles, of
+    every cluster of the runs (the software constants held, nothing else to tell them from)."""
     names = [r.cluster.name for r in runs]
+    if not software:
+        return [(c, k) for c in sorted(set(names)) for k in HARDWARE_KNOBS]
     clusters = sorted(c for c in set(names) if names.count(c) >= PROFILE_RUNS)
     return [(None, k) for k in SOFTWARE_KNOBS] + [(c, k) for c in clusters for k in HARDWARE_KNOBS]
 
@@ -453,24 +452,29 @@ def _calibration(start: Calibration, fitted: list[tuple[str | None, Knob]], thet
     software = {k.name: k.value(float(t)) for (c, k), t in zip(fitted, theta) if c is None}
     profiles = {}
     for (c, k), t in zip(fitted, theta):
-        if c is not None:
-            profiles.setdefault(c, dict(START_PROFILE))[k.name] = k.value(float(t))
+        if c is not None:  # (every hardware knob of a cluster is fitted together)
+            profiles.setdefault(c, {})[k.name] = k.value(float(t))
     kept = tuple(p for p in start.profiles if p.cluster not in profiles)
     return replace(start, **software, profiles=kept + tuple(Profile(c, **v) for c, v in sorted(profiles.items())))
 
 
-def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, tolerance: float = 1e-5) -> Calibration:
+def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, tolerance: float = 1e-5,
+        software: bool = True) -> Calibration:
     """The constants that minimise the mean squared log error of the runs' step times (`knobs`):
     Levenberg-Marquardt from `start`, each step clipped to the knobs' ranges, with finite-difference
-    derivatives (taken inwards at a bound). Only the profiles of the runs' clusters change."""
-    fitted = knobs(runs)
+    derivatives (taken inwards at a bound). Only the profiles of the runs' clusters change.
+    `software` False: only those profiles are fitted, each from `start`'s."""
+    fitted = knobs(runs, software)
     low = np.array([k.coordinate(k.low) for _, k in fitted])
     high = np.array([k.coordinate(k.high) for _, k in fitted])
 
     def calibration(theta: np.ndarray) -> Calibration:
         return _calibration(start, fitted, theta)
 
-    theta = np.clip([k.coordinate(getattr(start, k.name) if c is None else START_PROFILE[k.name]) for c, k in fitted],
+    # a full fit starts every profile mid-range; a profile-only fit from the cluster's current one
+    first = {r.cluster.name: START_PROFILE if software else asdict(start.profile(r.cluster))
+             for r in runs}
+    theta = np.clip([k.coordinate(getattr(start, k.name) if c is None else first[c][k.name]) for c, k in fitted],
                     low, high)
     r = log_errors(runs, calibration(theta))
     cost, damping = r @ r, 1e-2
@@ -553,7 +557,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 @dataclass(frozen=True)
 class Scores:
-    spearman: float  # median over groups of 2 or more runs, of the rank correlation with the measured speed
+    spearman: float  # median over groups of 2 or more configurations, of the rank correlation with the measured speed
     top1: float  # share of those groups whose favourite runs within TOP1_MARGIN of the measured best
     groups: int  # how many groups of 2 or more runs
     error: float | None  # mean |predicted / measured throughput - 1| over every run (None: a rule, no times)
@@ -567,8 +571,8 @@ def scores(runs: list[Run], speed: list[float], error_of: list[float] | None = N
         by_group.setdefault(r.group, []).append(i)
     rhos, hits = [], []
     for members in by_group.values():
-        if len(members) < 2:
-            continue
+        if len({runs[i].jobs for i in members}) < 2:
+            continue  # one run, or one configuration measured again (another release): no choice to rank
         measured = [1 / runs[i].seconds for i in members]
         rhos.append(spearman([speed[i] for i in members], measured))
         top = max(speed[i] for i in members)
@@ -612,14 +616,16 @@ class CrossValidation:
     plan: Scores  # `fourfold plan`'s order of them: ties within the cross-validated error by the rule
 
 
-def calibrate(runs: list[Run]) -> tuple[Calibration, CrossValidation]:
+def calibrate(runs: list[Run], software: bool = True) -> tuple[Calibration, CrossValidation]:
     """The constants fitted on every run, carrying their cross-validated error (`cv_error`), and the
-    cross-validated scores."""
+    cross-validated scores. `software` False: only the profiles of the runs' clusters, from the shipped
+    fit (`perf.Calibration`'s defaults), whose software constants (114 published runs) are kept."""
     if len(runs) < 2:
         raise ValueError(f"calibration needs 2 or more measured runs, got {len(runs)}")
-    predicted = cross_validate(runs)
+    options = {} if software else dict(start=Calibration(), software=False)
+    predicted = cross_validate(runs, **options)
     model = model_scores(runs, predicted)
-    cal = replace(fit(runs), cv_error=model.error, cv_errors=kind_errors(runs, predicted))
+    cal = replace(fit(runs, **options), cv_error=model.error, cv_errors=kind_errors(runs, predicted))
     return cal, CrossValidation(model, plan_scores(runs, predicted, cal))
 
 
@@ -656,6 +662,7 @@ class HeldOut:
     plan: Scores  # as `fourfold plan` lists them: ties within the per-kind error band by the rule
     rule: Scores  # "least tp*cp*pp, then the largest micro-batch"
     cp_error: float | None  # mean error of the held-out runs with cp > 1 (None: none)
+    baseline: float  # the error of one MFU constant fitted on the other runs
 
 
 def leave_out(runs: list[Run], key) -> tuple[list[HeldOut], list[float]]:
@@ -680,36 +687,50 @@ def leave_out(runs: list[Run], key) -> tuple[list[HeldOut], list[float]]:
                                                                  [predicted[i] for i in others]))
         mine, times = [runs[i] for i in held], [predicted[i] for i in held]
         cp = [abs(r.seconds / p - 1) for r, p in zip(mine, times) if r.kind == "cp"]
+        baseline = mfu_baseline([runs[i] for i in others], mine)
         out.append(HeldOut(name, len(held), model_scores(mine, times), plan_scores(mine, times, band),
-                           rule_scores(mine), float(np.mean(cp)) if cp else None))
+                           rule_scores(mine), float(np.mean(cp)) if cp else None,
+                           float(np.mean([abs(r.seconds / p - 1) for r, p in zip(mine, baseline)]))))
     return out, predicted
 
 
 def kind_errors(runs: list[Run], predicted: list[float]) -> tuple[tuple[str, float], ...]:
-    """Mean |predicted / measured throughput - 1| by kind of run (`Run.kind`: cp, pp, tp, dp)."""
-    by: dict[str, list[float]] = {}
-    for r, p in zip(runs, predicted):
-        by.setdefault(r.kind, []).append(abs(r.seconds / p - 1))
-    return tuple((k, float(np.mean(v))) for k, v in sorted(by.items()))
+    """The error of a predicted ratio of two step times, by kind of run (`Run.kind`: cp, pp, tp, dp):
+    what decides whether the model can tell two configurations of one job apart. An error shared
+    by a group's runs (the cluster's, the model size's) does not change their order, so each run's
+    log error is taken relative to its group's mean, over the groups of 2 or more runs; a kind
+    seen in no such group takes the mean error of its runs."""
+    logs = [math.log(r.seconds / p) for r, p in zip(runs, predicted)]
+    by_group: dict[str, list[int]] = {}
+    for i, r in enumerate(runs):
+        by_group.setdefault(r.group, []).append(i)
+    relative: dict[str, list[float]] = {}
+    absolute: dict[str, list[float]] = {}
+    for members in by_group.values():
+        centre = statistics.mean(logs[i] for i in members)
+        for i in members:
+            absolute.setdefault(runs[i].kind, []).append(abs(math.exp(logs[i]) - 1))
+            if len(members) > 1:
+                relative.setdefault(runs[i].kind, []).append(abs(math.exp(logs[i] - centre) - 1))
+    return tuple((k, float(np.mean(relative.get(k) or absolute[k]))) for k in sorted(absolute))
 
 
 def held_out_table(rows: list[HeldOut], what: str) -> str:
     def rho(s: Scores) -> str:
         return f"{s.spearman:5.2f}" if s.groups else "    -"
 
-    lines = [f"{what + ' held out':<40} {'runs':>4} {'groups':>6} {'error':>6} {'cp err':>6} "
+    lines = [f"{what + ' held out':<38} {'runs':>4} {'groups':>6} {'error':>6} {'cp err':>6} {'MFU':>6} "
              f"{'by time':>7} {'listed':>6} {'rule':>5}"]
     for h in rows:
         cp = f"{h.cp_error:6.1%}" if h.cp_error is not None else "     -"
-        lines.append(f"{h.name:<40} {h.runs:>4} {h.model.groups:>6} {h.model.error:6.1%} {cp} "
+        lines.append(f"{h.name:<38} {h.runs:>4} {h.model.groups:>6} {h.model.error:6.1%} {cp} {h.baseline:6.1%} "
                      f"{rho(h.model):>7} {rho(h.plan):>6} {rho(h.rule):>5}")
     lines.append("error: mean |predicted / measured throughput - 1| of the held-out runs; cp err: of those with "
-                 "cp > 1; by time, listed, rule: median Spearman over the held-out groups of 2 or more runs, "
-                 "ranked by the predicted step time, as `fourfold plan` lists them, and by the rule")
+                 "cp > 1; MFU: the error of one MFU constant fitted on the other runs; by time, listed, rule: median "
+                 "Spearman over the held-out groups of 2 or more runs, ranked by the predicted step time, as "
+                 "`fourfold plan` lists them, and by the rule")
     return "\n".join(lines)
 
-
-# ----- leave one cluster out -------------------------------------------------------------------------
 
 def mfu_baseline(fitted: list[Run], runs: list[Run]) -> list[float]:
     """`runs`' step seconds as one MFU constant predicts them: the geometric mean of the MFU of
@@ -721,37 +742,3 @@ def mfu_baseline(fitted: list[Run], runs: list[Run]) -> list[float]:
 
     mfu = math.exp(statistics.mean(math.log(peak_seconds(r) / r.seconds) for r in fitted))
     return [peak_seconds(r) / mfu for r in runs]
-
-
-@dataclass(frozen=True)
-class ClusterScore:
-    cluster: str
-    runs: int
-    model: Scores  # the runs predicted by constants fitted on the other clusters' runs only
-    baseline: float  # the error of one MFU constant fitted on the same other runs
-
-
-def leave_one_cluster_out(by_cluster: dict[str, list[Run]]) -> list[ClusterScore]:
-    """Each cluster's runs predicted by a fit to the others': its hardware profile takes the preset's
-    measured defaults (the fit sets only the profiles of the clusters it saw), the software constants
-    come from the other clusters."""
-    out = []
-    for name, runs in by_cluster.items():
-        others = [r for other, rs in by_cluster.items() if other != name for r in rs]
-        cal = fit(others)
-        predicted = [predicted_seconds(r, cal) for r in runs]
-        baseline = mfu_baseline(others, runs)
-        out.append(ClusterScore(name, len(runs), model_scores(runs, predicted),
-                                float(np.mean([abs(r.seconds / p - 1) for r, p in zip(runs, baseline)]))))
-    return out
-
-
-def cluster_table(scores: list[ClusterScore]) -> str:
-    lines = [f"{'held out':<10} {'runs':>5} {'error':>7} {'MFU baseline':>13} {'Spearman':>9} {'top-1':>6}"]
-    for c in scores:
-        ranked = f"{c.model.spearman:9.2f} {c.model.top1:6.0%}" if c.model.groups else f"{'-':>9} {'-':>6}"
-        lines.append(f"{c.cluster:<10} {c.runs:>5} {c.model.error:7.1%} {c.baseline:13.1%} {ranked}")
-    lines.append("error: mean |predicted / measured throughput - 1| of the held-out cluster's runs, fitted on the "
-                 "other cluster's; MFU baseline: one MFU constant fitted on the same runs; Spearman, top-1: over "
-                 "the held-out groups of 2 or more runs")
-    return "\n".join(lines)

@@ -55,9 +55,12 @@ class Profile:
 
 
 # The hardware profiles of the shipped runs' clusters, fitted with the defaults below.
-FITTED_A100 = Profile("dgx-a100", efficiency_max=0.8105, efficiency_half=95.46, intra_node_efficiency=1.0,
+FITTED_A100 = Profile("dgx-a100", efficiency_max=0.7898, efficiency_half=188.6, intra_node_efficiency=1.0,
                       inter_node_efficiency=0.3)
-FITTED_H100 = Profile("dgx-h100", efficiency_max=0.8569, efficiency_half=348.5, intra_node_efficiency=0.9196,
+FITTED_H100 = Profile("dgx-h100", efficiency_max=0.7509, efficiency_half=184.7, intra_node_efficiency=1.0,
+                      inter_node_efficiency=1.0)
+# every B200 run is FP8: its GEMM figures stand for FP8's too (fp8_speedup is at its bound)
+FITTED_B200 = Profile("dgx-b200", efficiency_max=0.9561, efficiency_half=1701, intra_node_efficiency=1.0,
                       inter_node_efficiency=1.0)
 
 
@@ -69,20 +72,20 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    attention_ratio: float = 0.6  # flash attention's best rate as a fraction of the GEMMs' best (efficiency_max)
+    attention_ratio: float = 0.367  # flash attention's best rate as a fraction of the GEMMs' best (efficiency_max)
     attention_half: float = 512  # keys a query attends in one kernel call at which attention runs at half that rate
-    fp8_speedup: float = 1.6  # an FP8 GEMM's speed over a bf16 GEMM of the same shape (runs with FP8 linears)
+    fp8_speedup: float = 1.8  # an FP8 GEMM's speed over a bf16 GEMM of the same shape (runs with FP8 linears)
     ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 1.0  # fraction of the data-parallel reduce-scatter that hides behind the last backward
     param_gather_overlap: float = 0.0  # fraction of the parameter all-gather that hides behind the first forward
-    layer_overhead_us: float = 280.9  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    layer_overhead_us: float = 952.3  # fixed cost of a layer's forward and backward on a micro-batch (launches)
     micro_batch_overhead_us: float = 10000  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
-    cv_error: float | None = 0.0661  # cross-validated mean error of a step time (fraction), from the fit
+    cv_error: float | None = 0.0980  # cross-validated mean error of a step time (fraction): leave one source out
     # the same by kind of configuration (cp > 1, else pp > 1, else tensor parallel, else data only):
     # the band within which `plan` cannot tell a candidate of that kind from the fastest
-    cv_errors: tuple[tuple[str, float], ...] = ()
-    profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_H100)  # the clusters the fit was measured on
+    cv_errors: tuple[tuple[str, float], ...] = (("cp", 0.0698), ("dp", 0.0950), ("pp", 0.1129), ("tp", 0.0092))
+    profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_B200, FITTED_H100)  # the clusters the fit was measured on
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
@@ -161,8 +164,25 @@ def gemm_efficiency(m: float, n: float, k: float, cal: Constants) -> float:
     return cal.efficiency_max * smallest / (smallest + cal.efficiency_half)
 
 
+@dataclass(frozen=True)
+class RunTraits:
+    """What a measured run's software did that fourfold's plans do not: the planner plans flash
+    attention, bf16 linears and the ring of `parallel.context`; measured runs tell what they ran."""
+
+    flash_attention: bool = True  # False: runs that predate it (Megatron-LM 2021)
+    fp8: bool = False  # FP8 linear layers (Transformer Engine, torchao's Float8)
+    cp_comm: str = "p2p"  # context parallelism's exchange: the ring ("p2p") or an all-gather of K and V
+
+    def __post_init__(self) -> None:
+        if self.cp_comm not in CP_COMMS:
+            raise ValueError(f"cp_comm {self.cp_comm!r}: give one of {', '.join(CP_COMMS)}")
+
+
+CP_COMMS = ("p2p", "all_gather")  # Megatron-Core's cp_comm_type p2p and all_gather (Llama 3's); a2a is not priced
+
+
 def attention_seconds(seq: int, cp: int, batch: float, heads: float, head_dim: int, peak_tflops: float,
-                      cal: Constants, flash_attention: bool = True) -> float:
+                      cal: Constants, flash_attention: bool = True, gathered: bool = False) -> float:
     """Forward seconds of one layer's causal attention on one rank, for `batch` sequences of `seq`
     tokens split over `cp` ranks. Flash attention skips the masked tiles (half the pairs) and runs
     at `attention_ratio` of the GEMMs' best rate, lowered by the keys a query attends in one kernel
@@ -170,7 +190,9 @@ def attention_seconds(seq: int, cp: int, batch: float, heads: float, head_dim: i
     causal call, seq/2 keys a query on average. Ring attention (load-balanced: a rank holds chunks
     i and 2cp-1-i of c = seq/2cp tokens) runs cp calls of 2c^2 pairs each: its own chunks causally
     (c keys a query on average), about (cp-1)/2 steps of every local query against one chunk (c
-    keys), and (cp-1)/2 of half the queries against two chunks (2c keys). Without flash attention
+    keys), and (cp-1)/2 of half the queries against two chunks (2c keys). `gathered`: K and V
+    all-gathered first (Llama 3's context parallelism), each local chunk attends every earlier key
+    in one call, seq/2 keys a query on average as without cp. Without flash attention
     (Megatron-LM 2021): every pair's score is computed (no tile is skipped) by batched GEMMs at
     their shape's efficiency."""
     pair = 4 * head_dim * heads * batch  # FLOPs of one (query, key) pair: QK^T and PV
@@ -179,6 +201,8 @@ def attention_seconds(seq: int, cp: int, batch: float, heads: float, head_dim: i
         queries = seq / cp * batch
         return pair * seq / cp * seq / (peak * gemm_efficiency(queries, head_dim, seq, cal))
     rate = peak * cal.efficiency_max * cal.attention_ratio
+    if gathered:
+        return attention_seconds(seq, 1, batch, heads, head_dim, peak_tflops, cal) / cp
     c = seq / (2 * cp)
 
     def slowdown(keys: float) -> float:
@@ -424,7 +448,7 @@ def _plan(block, x: int, y: int):
 @functools.lru_cache(maxsize=65536)  # many grids share a replica's shapes (dp and pp do not change them)
 def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float, peak_tflops: float,
                           cal: Constants, ep: int = 1, linear_tflops: float = 0.0,
-                          flash_attention: bool = True) -> tuple[float, float]:
+                          traits: RunTraits = RunTraits()) -> tuple[float, float]:
     """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
     x = 1 for the megatron profile's 1D tensor parallelism; a mixture's experts/ep experts on the
     rows the ep ranks send them. `linear_tflops`: the linear layers' peak (FP8's speed-up; 0: bf16)."""
@@ -445,7 +469,8 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
         forward += 2 * T * block.hidden / x * block.experts / (
             peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
     # the local queries against the whole sequence (ring attention brings the other chunks' keys)
-    attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, flash_attention)
+    attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, traits.flash_attention,
+                                  traits.cp_comm == "all_gather")
     return forward + attention, forward
 
 
@@ -541,11 +566,16 @@ def _megatron_totals(elements: int, seq_parallel: bool, sublayers: int = 2):
     return _totals([reduce] * sublayers), (), ((), _totals([reduce]))
 
 
-def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str) -> float:
+def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str,
+                            cp_comm: str = "p2p") -> float:
     """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
     K, V transfer behind one block attention (the next block is in flight while the current one
     is attended: `parallel.context`, and TransformerEngine's ring for Megatron), backward behind
-    two (its dQ and dK/dV GEMMs); `cal.ring_overlap` (1: both runtimes) of the traffic can hide."""
+    two (its dQ and dK/dV GEMMs); `cal.ring_overlap` (1: both runtimes) of the traffic can hide.
+    `cp_comm` "all_gather" (Llama 3, Megatron-Core's cp_comm_type all_gather): K and V all-gathered
+    before attention, again in backward, and dK, dV (fp32) reduce-scattered after it, exposed."""
+    if cp_comm == "all_gather":
+        return _gathered_kv_seconds(cfg, s, cluster, cal, framework)
     ring_forward, ring_backward = _ring_totals(cfg.block, _within_replica(s), int(s.micro_batch / s.z),
                                                int(s.seq / s.cp))
     tp_heads = s.y if framework == "megatron" else attention_chunks(cfg.block, s.x, s.y)
@@ -557,6 +587,15 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     backward = _exposed(_totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
                         2 * (s.cp - 1) * block_attention, cal.ring_overlap)
     return forward + backward
+
+
+def _gathered_kv_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str) -> float:
+    kv_heads = cfg.kv_heads // (s.y if framework == "megatron" else attention_chunks(cfg.block, s.x, s.y))
+    whole = int(s.micro_batch / s.z) * kv_heads * s.seq * cfg.block.head_dim  # K (or V) of the whole sequence
+    gathers = [Collective("cp", "all_gather", whole)] * 2  # K and V
+    scatters = [Collective("cp", "reduce_scatter", whole, wide=True)] * 2  # dK and dV
+    passes = 2 if s.recompute == "full" else 1
+    return comm_seconds(gathers * (passes + 1) + scatters, s, cluster, s.element_bytes, cal)
 
 
 def _exposed(traffic: float, compute: float, overlap: float) -> float:
@@ -591,13 +630,13 @@ def linear_tflops(cluster: Cluster, cal: Constants, fp8: bool) -> float:
 
 
 def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: str,
-             flash_attention: bool = True, fp8: bool = False) -> _Compute:
+             traits: RunTraits = RunTraits()) -> _Compute:
     forward, dw = _layer_compute_cached(cfg.block, s.x if framework == "fourfold" else 1, s.y, s.seq, s.cp,
                                         s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
-                                        linear_tflops(cluster, cal, fp8), flash_attention)
+                                        linear_tflops(cluster, cal, traits.fp8), traits)
     T = s.seq / s.cp * s.micro_batch / s.z
-    traffic = _elementwise_traffic(cfg, s, T, framework, fp8)
-    if not flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
+    traffic = _elementwise_traffic(cfg, s, T, framework, traits.fp8)
+    if not traits.flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
         traffic += _score_traffic(cfg, s, T, framework)
     forward += traffic / (cluster.gpu.hbm_tbs * 1e12)
     per_layer = 3 * forward  # forward, then dX and dW GEMMs in backward
@@ -678,16 +717,16 @@ def _one_node(cluster: Cluster, gpus: int) -> Cluster:
 
 
 def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),
-              framework: str = "fourfold", flash_attention: bool = True, fp8: bool = False) -> StepTime:
-    """`flash_attention=False`: runs that predate it (Megatron-LM 2021), whose attention moves its
-    score matrices through HBM; the planner plans flash attention (both runtimes use it).
-    `fp8=True`: measured runs with FP8 linear layers (Transformer Engine, torchao's Float8): their
-    GEMMs at `fp8_speedup` times bf16's rate, their inputs cast; attention and the head stay bf16."""
+              framework: str = "fourfold", traits: RunTraits = RunTraits()) -> StepTime:
+    """`traits`: what a measured run did otherwise (`RunTraits`): without flash attention, its
+    attention moves its score matrices through HBM; with FP8 linear layers their GEMMs run at
+    `fp8_speedup` times bf16's rate and their inputs are cast (attention and the head stay bf16);
+    context parallelism by all-gathered K and V instead of the ring."""
     k = constants(cal, cluster)
-    c = _compute(cfg, s, cluster, k, framework, flash_attention, fp8)
-    layer_comm = _tensor_comm(cfg, s, cluster, k, c.forward, framework, linear_tflops(cluster, k, fp8))
+    c = _compute(cfg, s, cluster, k, framework, traits)
+    layer_comm = _tensor_comm(cfg, s, cluster, k, c.forward, framework, linear_tflops(cluster, k, traits.fp8))
     if s.cp > 1:
-        layer_comm += _ring_attention_exposed(cfg, s, cluster, k, framework)
+        layer_comm += _ring_attention_exposed(cfg, s, cluster, k, framework, traits.cp_comm)
     T = s.seq / s.cp * s.micro_batch / s.z
     # The pipeline runs at the pace of its slowest rank: its layers (uneven splits), plus the head on the last.
     pace = max(range(len(c.ranks)), key=lambda r: c.rank_seconds(r, layer_comm))

@@ -13,8 +13,7 @@ from fourfold.models.config import ModelConfig
 from fourfold.plan.memory import GIB, Memory, estimate_memory
 from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, placement_bound, step_time
 from fourfold.spec.hardware import Cluster
-from fourfold.spec.job import megatron_stages
-from fourfold.spec.job import RECOMPUTE, Job
+from fourfold.spec.job import RECOMPUTE, Job, megatron_stages
 from fourfold.spec.layout import DEFAULT_ORDER, Layout, factorisations
 from fourfold.spec.rules import JobError, Problem, problems
 
@@ -56,14 +55,17 @@ def profile_problems(cfg: ModelConfig, job: Job, framework: str = "fourfold") ->
         found.append(Problem("the megatron profile prices expert parallelism without context parallelism (Megatron's "
                              "ep ranks sit between cp and dp, a placement it does not model)",
                              "leave --cp 1 with --ep, or --framework fourfold"))
-    if cfg.layers % (job.pp * job.virtual) and job.stage_layers != megatron_stages(cfg.layers, job.pp * job.virtual):
+    chunks = job.pp * job.virtual
+    bridge = megatron_stages(cfg.layers, chunks)
+    if cfg.layers % chunks and not (bridge and job.stage_layers == bridge):
         # Megatron-Core (to 0.9) builds num_layers // pp layers on every pipeline rank, and // virtual
         # per chunk (transformer_block.get_num_layers_to_build): no uneven stages, but for the split of
         # later versions that count the embedding and the loss as a layer each (Megatron-Bridge's)
+        split = f", or give the split that counts the embedding and the loss as a layer each: {list(bridge)}"
         found.append(Problem(f"Megatron-LM builds the same number of layers on every pipeline stage: pp * virtual = "
-                             f"{job.pp * job.virtual} does not divide the model's {cfg.layers} layers",
+                             f"{chunks} does not divide the model's {cfg.layers} layers",
                              "choose --pp (and --virtual) dividing the layers, or --framework fourfold "
-                             "(uneven stages)"))
+                             f"(uneven stages){split if bridge else ''}"))
     return found
 
 
@@ -263,7 +265,8 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     for r in results:
         # the band: the larger of the two configurations' kinds' cross-validated errors
         margin = max(cal.error_band(kind(r)), cal.error_band(kind(best))) if best else 0.0
-        r["tie"] = r["fits"] and not r["tight"] and margin > 0 and r["step_seconds"] <= best["step_seconds"] * (1 + margin)
+        near = best is not None and r["step_seconds"] <= best["step_seconds"] * (1 + margin)
+        r["tie"] = r["fits"] and not r["tight"] and margin > 0 and near
     if sum(r["tie"] for r in results) == 1:  # the fastest alone: nothing to tell apart
         next(r for r in results if r["tie"])["tie"] = False
     return sorted(results, key=lambda r: (not r["fits"], r["tight"], not r["tie"],

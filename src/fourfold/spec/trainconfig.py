@@ -533,11 +533,16 @@ def job_settings(job: Job) -> dict[str, object]:
     out.update({"grid.order": ",".join(job.layout.order), "grid.auto": False, "batch.micro_batch": job.micro_batch,
                 "train.recompute": job.recompute, "train.seq_parallel": job.seq_parallel,
                 "train.keep_gathered_inputs": job.keep_gathered_inputs, "pipeline.schedule": job.schedule,
-                "pipeline.virtual": job.virtual})
+                "pipeline.virtual": job.virtual, "pipeline.stage_layers": list(job.stage_layers)})
     return out
 
 
 def as_overrides(settings: dict[str, object]) -> list[str]:
-    """`--section.key value` for each setting, as the command line and TOML spell values."""
-    return [v for key, value in settings.items()
-            for v in (f"--{key}", str(value).lower() if isinstance(value, bool) else str(value))]
+    """`--section.key value` for each setting, as the command line and TOML spell values (a list
+    comma-separated; an empty one, the default, left out)."""
+    def spelt(value: object) -> str:
+        if isinstance(value, list):
+            return ",".join(map(str, value))
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [v for key, value in settings.items() if value != [] for v in (f"--{key}", spelt(value))]
