@@ -1,5 +1,7 @@
 """The command line: no abbreviations anywhere, unknown options named with the closest known one."""
 
+import json
+
 import pytest
 
 from fourfold.cli.main import main, parser
@@ -30,12 +32,23 @@ def test_no_command_accepts_an_abbreviation():
     (["eval", "m", "--tokens", "t.npy", "--seq", "8", "--nproc", "8"], "--nproc (did you mean --nproc-per-node?)"),
     (["train", "--eval_every", "0"], "--eval_every (did you mean --train.eval_every?)"),
     (["plan", "--model", "llama-2-7b", "--gpus", "8", "--glob", "3"], "--glob (did you mean --global-batch?)"),
+    # the value after an unknown flag is not read as the positional model (issue #41, item 9)
+    (["eval", "--hf", "d", "--tokens", "t.npy", "--seq", "64", "--nproc", "8"],
+     "--nproc (did you mean --nproc-per-node?)"),
+    (["train", "--grid", "dp=2"], "--grid (did you mean --grid.dp?)"),
 ])
 def test_unknown_options_are_named_with_a_suggestion(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit:
         main(argv)
     assert exit.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_only_the_unknown_option_is_named_among_valid_overrides(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--model.hf", "m", "--data.files", "c.jsonl", "--nproc-per-nod", "4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("unrecognized arguments: --nproc-per-nod (did you mean --nproc-per-node?)")
 
 
 def test_config_problems_are_reported_together(tmp_path, capsys):
@@ -89,3 +102,25 @@ def test_a_reader_that_stops_reading_is_no_error():
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait() == 1 and err == ""  # 1: it did meet the closed pipe
+
+
+def test_a_grid_dim_beside_grid_auto_is_refused_not_dropped(capsys):
+    """Issue #41, item 10: the planner chooses every dim; a dim given beside it would vanish."""
+    assert main(["train", "--grid.auto", "true", "--grid.x=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("fourfold: error: --grid.auto true chooses the grid, so --grid.x 2 would be dropped: leave it out "
+                   "(give the ranks with --nproc-per-node N), or set --grid.auto false")
+
+
+def test_small_mistakes_get_their_fix(tmp_path, capsys):
+    """Issue #41, item 12: a preset's name in another case, a plot into a missing folder (said before
+    the search), a configuration that does not fit (its own exit status, for scripts), "an int"."""
+    assert main(["estimate", "--model", "llama-3.1-8B"]) == 2
+    assert "'llama-3.1-8B' is not a preset: did you mean llama-3.1-8b?" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--plot", str(tmp_path / "no" / "x.png")]) == 2
+    out, err = capsys.readouterr()
+    assert not out and f"--plot {tmp_path / 'no' / 'x.png'}: the folder {tmp_path / 'no'} does not exist" in err
+    assert main(["estimate", "--model", "llama-3.1-8b", "--dp", "1", "--micro-batch", "64", "--json"]) == 3
+    assert not json.loads(capsys.readouterr().out)["fits"]
+    assert main(["train", "--train.steps", "x"]) == 2
+    assert "train.steps takes an int, not 'x'" in capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_compiled_norms_rope_and_activations_change_nothing(ranks, serial):
     """TensorOptions.compile (train.compile): the steps still equal the serial run's, with the norm's
     collectives over x between its compiled parts; LayerNorm and GELU (GPT-2), RMSNorm, RoPE and SwiGLU."""
     for cfg, clip in [(CFG, 0.5), (GPT, None)]:
-        weights, norms, _ = ranks.run(_train, 4, cfg, dict(dp=2, x=2), True, clip, True, 25.0, OverlapOptions(), "none",
+        weights, norms, _ = ranks.run(_train, 2, cfg, dict(x=2), True, clip, True, 25.0, OverlapOptions(), "none",
                                       True)[0]
         _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
 

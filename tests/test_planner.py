@@ -370,8 +370,8 @@ def test_megatron_takes_the_split_that_counts_embedding_and_loss_as_layers(capsy
     from fourfold.cli.main import main
 
     split = ",".join(["7"] + ["8"] * 14 + ["7"])
-    grid = ["estimate", "--model", "llama-3.1-405b", "--framework", "megatron", "--dp", "2", "--pp", "16", "--tp", "8",
-            "--seq", "8192", "--global-batch", "64", "--json"]
+    grid = ["estimate", "--model", "llama-3.1-405b", "--framework", "megatron", "--dp", "8", "--pp", "16", "--tp", "8",
+            "--seq", "8192", "--global-batch", "128", "--recompute", "full", "--json"]
     assert main(grid) == 2
     assert f"the embedding and the loss as a layer each: [{split.replace(',', ', ')}]" in capsys.readouterr().err
     assert main([*grid, "--stage-layers", split]) == 0

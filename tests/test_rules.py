@@ -82,7 +82,7 @@ def _train_one_step(cases):
     return losses
 
 
-def _sample(accepted, per_model: int = 6):
+def _sample(accepted, per_model: int = 4):
     """Every accepted job when FOURFOLD_ALL_GRIDS=1 (about 200, over ten minutes on 2 cores);
     otherwise a fixed spread: per model, jobs using the most dims at once, each set of dims once."""
     if os.environ.get("FOURFOLD_ALL_GRIDS") == "1":

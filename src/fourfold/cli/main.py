@@ -45,9 +45,14 @@ def _run(argv: list[str] | None) -> int:
         known, overrides = split_overrides(argv)
     except ValueError as err:
         top.error(str(err))
+    command = next((a for a in known if a in commands), None)
+    if command is not None:  # an unknown flag before argparse reads on: its value must not land in a positional
+        commands[command].refuse_unknown_flags(known[known.index(command) + 1:], command in TAKE_OVERRIDES)
     args, unknown = top.parse_known_args(known)
-    if unknown or overrides and args.command not in TAKE_OVERRIDES:
-        commands[args.command].unknown_options(unknown + overrides[::2], overrides=args.command in TAKE_OVERRIDES)
+    takes = args.command in TAKE_OVERRIDES
+    if unknown or overrides and not takes:
+        # a command that takes `--section.key value` overrides checks their keys itself, one by one
+        commands[args.command].unknown_options(unknown + ([] if takes else overrides[::2]), overrides=takes)
     if args.command in ("memory", "estimate", "plan", "calibrate"):
         return plan.run(args)
     try:

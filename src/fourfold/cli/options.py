@@ -16,13 +16,24 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
+    def _flags(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+
     def unknown_options(self, unknown: list[str], overrides: bool) -> None:
         """Exit naming each unknown option with the closest known one (a config key for the
         commands that take `--section.key value` overrides)."""
-        known = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
-        known += [f"--{k}" for k in config_keys()] if overrides else []
+        known = self._flags() + ([f"--{k}" for k in config_keys()] if overrides else [])
         named = [f"{arg}{did_you_mean(arg.split('=')[0], known)}" for arg in unknown if arg.startswith("-")]
         self.error(f"unrecognized arguments: {', '.join(named) or ' '.join(unknown)}")
+
+    def refuse_unknown_flags(self, args: list[str], overrides: bool) -> None:
+        """Exit naming the `--flags` of `args` (the command's own, overrides taken out) that this
+        command does not have, before argparse gives a value that follows one to a positional
+        argument (`eval --hf DIR --nproc 8`: "argument model: not allowed with argument --hf")."""
+        flags = set(self._flags())
+        unknown = [a for a in args if a.startswith("--") and a != "--" and a.split("=")[0] not in flags]
+        if unknown:
+            self.unknown_options(unknown, overrides)
 
 
 def add_grid_options(parser: argparse.ArgumentParser, default: str) -> None:

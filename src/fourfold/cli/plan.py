@@ -243,7 +243,10 @@ def run(args: argparse.Namespace) -> int:
                     print(f"step time: +-{cal.cv_error:.1%} (the model's cross-validated error)")
                 elif args.command == "estimate":
                     print(error_note(cal))
-            return 0
+            return 0 if r["fits"] else NO_FIT
+        if args.plot and not Path(args.plot).expanduser().resolve().parent.is_dir():  # before the search, not after
+            raise ValueError(f"--plot {args.plot}: the folder {Path(args.plot).parent} does not exist; create it or "
+                             f"give a path in an existing folder")
         cfg, cluster, cal = _context(args)
         start = time.perf_counter()
         mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
@@ -296,6 +299,10 @@ def run(args: argparse.Namespace) -> int:
         message = err if args.command == "calibrate" else with_flags(str(err), FLAGS)
         print(f"fourfold: error: {message}", file=sys.stderr)
         return 2
+
+
+# `memory`/`estimate`'s exit status when the configuration does not fit (2: the input is wrong)
+NO_FIT = 3
 
 
 def _calibrate(args) -> int:

@@ -54,6 +54,7 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
     if not inside_torchrun():  # check everything and prepare the data before any process starts
         world = args.nproc_per_node or cfg.layout().world_size
         if cfg.grid.auto:
+            refuse_dims_with_auto(overrides)
             chosen = resolve_auto_grid(cfg, world)
             print(f"grid.auto: the planner's choice on {world} x {cfg.cluster().gpu.name}: {chosen}")
             argv = _resolved(argv, cfg)
@@ -76,6 +77,17 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
     if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
         print(json.dumps(summary))
     return 0
+
+
+def refuse_dims_with_auto(overrides: list[str]) -> None:
+    """grid.auto chooses every grid dim: one given on the command line beside it would be dropped
+    in silence (a config file's dims only give the world size when --nproc-per-node does not)."""
+    given = [f"{flag} {value}" for flag, value in zip(overrides[::2], overrides[1::2])
+             if flag in {f"--grid.{d}" for d in (*Layout().sizes, "order")}]
+    if given:
+        raise ConfigError(f"--grid.auto true chooses the grid, so {', '.join(given)} would be dropped: leave "
+                          f"{'them' if len(given) > 1 else 'it'} out (give the ranks with --nproc-per-node N), or "
+                          f"set --grid.auto false")
 
 
 def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
@@ -153,6 +165,7 @@ def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
     world = args.nodes * args.gpus_per_node
     if cfg.grid.auto:
+        refuse_dims_with_auto(overrides)
         chosen = resolve_auto_grid(cfg, world)
         print(f"grid.auto: the planner's choice on {world} x {cfg.cluster().gpu.name}: {chosen}", file=sys.stderr)
         overrides = _resolved(overrides, cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 from dataclasses import dataclass
@@ -119,6 +120,10 @@ def load_config(name_or_path: str) -> ModelConfig:
             where = "does not exist" if not path.exists() else "has no config.json"
             raise ValueError(f"{name_or_path} {where}; give a Hugging Face model directory (with config.json), "
                              f"a config.json, or a preset: {', '.join(preset_names())}")
+        close = [n for n in preset_names() if n.lower() == name_or_path.lower()]
+        close = close or difflib.get_close_matches(name_or_path, preset_names(), n=1, cutoff=0.8)
+        if close:  # (preset names are lower case: llama-3.1-8B is llama-3.1-8b)
+            raise ValueError(f"{name_or_path!r} is not a preset: did you mean {close[0]}?")
         raise ValueError(f"{name_or_path!r} is neither a config.json nor a preset; "
                          f"presets: {', '.join(preset_names())}")
     return ModelConfig.from_hf(json.loads(preset.read_text()))

@@ -233,7 +233,11 @@ def _coerce(text: str, like, where: str):
     try:
         return type(like)(text)
     except ValueError:
-        raise ConfigError(f"{where} takes a {type(like).__name__}, not {text!r}") from None
+        raise ConfigError(f"{where} takes {_a(type(like).__name__)}, not {text!r}") from None
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
 
 
 def config_keys() -> list[str]:
@@ -267,7 +271,7 @@ def _apply(cfg: TrainConfig, section: str, key: str, value, where: str) -> None:
     elif isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not type(current):
-        raise ConfigError(f"{where}: {section}.{key} takes a {type(current).__name__}, got {value!r}")
+        raise ConfigError(f"{where}: {section}.{key} takes {_a(type(current).__name__)}, got {value!r}")
     setattr(part, key, value)
 
 

@@ -479,7 +479,7 @@ def _header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader
     epochs = cfg.train.steps * cfg.batch.global_batch / windows
     lines = [f"model: {model_cfg.family}, {model_cfg.layers} layers, hidden {model_cfg.hidden}, "
              f"{model_cfg.parameter_count() / 1e6:,.1f}M parameters ({source})",
-             f"grid: {event['grid']} ({dist.get_world_size()} ranks), "
+             f"grid: {event['grid']} ({dist.get_world_size()} rank{'s' * (dist.get_world_size() > 1)}), "
              f"precision {str(torch_dtype(cfg.train.precision, device)).removeprefix('torch.')}",
              f"data: {len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows of {cfg.batch.seq}: "
              f"train.steps={cfg.train.steps} x {cfg.batch.global_batch} sequences = {epochs:.3g} epochs"]
