@@ -77,8 +77,8 @@ class GradientSync:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         # Deferred weight gradients land after autograd's hooks have run (fourfold.parallel.overlap).
-        for layer in model.modules():
-            if isinstance(layer, ParallelLinear):
+        for layer in model.modules():  # (a tied head's copy on the last stage, a buffer, keeps its own: vocab.py)
+            if isinstance(layer, ParallelLinear) and isinstance(layer.weight, nn.Parameter):
                 layer.overlap.on_grad_landed = self._on_grad
         # Groups are created collectively by every rank; pipeline stages hold different
         # parameters, so each rank creates every group a bucket might use, now, in one order.
@@ -93,10 +93,13 @@ class GradientSync:
         self._open: dict[tuple[str, ...], Bucket] = {}
         self._traced = False
 
-    def _on_grad(self, p: nn.Parameter) -> None:
-        if p.grad is None:  # autograd calls the hook even when a layer deferred its gradient
+    def _on_grad(self, p: nn.Parameter, grad: torch.Tensor | None = None) -> None:
+        """A gradient of `p` arrived: autograd's, in `p.grad`, or a z-reduced one handed over in
+        fp32 (`grad`, from `overlap.Overlapper`)."""
+        grad = p.grad if grad is None else grad
+        if grad is None:  # autograd calls the hook even when a layer handed its gradient over
             return
-        self.main_grads[p] += p.grad
+        self.main_grads[p] += grad
         p.grad = None
         if not self.sync:
             return

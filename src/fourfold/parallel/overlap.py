@@ -6,8 +6,10 @@
   current one is consumed, in the order the blocks were gathered in the previous pass (traced:
   forward, backward and recompute as they really ran, not the order of registration).
 - `defer_weight_grads`: the reduce-scatter of dW over z is launched async and waited only when
-  the next one is launched or when backward ends; the gradient then lands in `.grad`, after
-  autograd's hooks have run, so `on_grad_landed(param)` is called (GradientSync sets it).
+  the next one is launched or when backward ends, after autograd's hooks have run.
+Either way a reduced dW goes to `on_grad_landed(param, grad)` (GradientSync sets it) in the fp32
+(at least) it was summed in, never rounded to the parameter's bf16 on its way to the fp32
+accumulator; with no one to take it, it lands in `param.grad`.
 None of them changes a value or a byte sent (tests hold both equal).
 """
 
@@ -40,7 +42,7 @@ class Overlapper:
         self._deferred: list[tuple[torch.Tensor, Pending]] = []
         self._callback_queued = False
         self._tracing = False  # prefetching starts once a model announces its passes
-        self.on_grad_landed: Callable[[torch.Tensor], None] | None = None
+        self.on_grad_landed: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     # ----- weight gathers --------------------------------------------------------------------
     def new_pass(self) -> None:
@@ -74,14 +76,19 @@ class Overlapper:
 
     # ----- weight gradients -----------------------------------------------------------------
     def weight_grad(self, param: torch.Tensor, flat_grad: torch.Tensor) -> torch.Tensor | None:
-        """Reduce-scatter dW over z: now (returned), or deferred (None; lands in `param.grad`).
-        The sum runs in fp32 at least (bf16 partial gradients are not rounded at each addition, as
-        torchtitan's FSDP reduce_dtype and Megatron's fp32 reduction); the shard is cast back."""
+        """Reduce-scatter dW over z: now, or deferred. The sum runs in fp32 at least (bf16 partial
+        gradients are not rounded at each addition, as torchtitan's FSDP reduce_dtype and Megatron's
+        fp32 reduction), and the shard goes to `on_grad_landed` so (None returned); only without
+        one is it returned (now) or put in `param.grad` (deferred) in the parameter's dtype."""
         if self.z.size == 1:
             return flat_grad
         wide = flat_grad.to(comm.at_least_fp32(flat_grad.dtype))
         if not self.options.defer_weight_grads:
-            return comm.reduce_scatter(wide, self.z).to(flat_grad.dtype)
+            shard = comm.reduce_scatter(wide, self.z)
+            if self.on_grad_landed is None:
+                return shard.to(flat_grad.dtype)
+            self.on_grad_landed(param, shard)
+            return None
         if self._deferred:
             self._land(*self._deferred.pop(0))
         self._deferred.append((param, comm.reduce_scatter(wide, self.z, async_op=True)))
@@ -91,10 +98,12 @@ class Overlapper:
         return None
 
     def _land(self, param: torch.Tensor, pending: Pending) -> None:
-        grad = pending.wait().to(param.dtype)
-        param.grad = grad if param.grad is None else param.grad + grad
+        grad = pending.wait()
         if self.on_grad_landed is not None:
-            self.on_grad_landed(param)
+            self.on_grad_landed(param, grad)
+        else:
+            grad = grad.to(param.dtype)
+            param.grad = grad if param.grad is None else param.grad + grad
 
     def _land_all(self) -> None:
         while self._deferred:

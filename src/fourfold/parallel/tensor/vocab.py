@@ -178,7 +178,8 @@ class LMHead(ParallelLinear):
         optimizer state, checkpoint or export entry: the first stage's parameter has them) and its
         gradient accumulates over a step's micro-batches in `copy_grad` (fp32 at least), which
         `pipeline.Pipeline` adds to the embedding's, as it sets the copy from the table. Its dW is
-        reduced over z at once (a deferred one lands in GradientSync, which does not hold it)."""
+        reduced over z at once (a deferred one lands in GradientSync, which does not hold it), and
+        handed over in fp32."""
         weight = self.weight.detach().requires_grad_()
         del self.weight
         self.register_buffer("weight", weight, persistent=False)
@@ -186,9 +187,12 @@ class LMHead(ParallelLinear):
         weight.register_post_accumulate_grad_hook(self._accumulate)
         options = dataclasses.replace(self.overlap.options, prefetch_weights=False, defer_weight_grads=False)
         self.overlap = Overlapper(options, self.grid.group("z"))
+        self.overlap.on_grad_landed = self._accumulate
 
-    def _accumulate(self, weight: torch.Tensor) -> None:
-        self.copy_grad += weight.grad
+    def _accumulate(self, weight: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        grad = weight.grad if grad is None else grad
+        if grad is not None:
+            self.copy_grad += grad
         weight.grad = None
 
     @torch.no_grad()
