@@ -215,6 +215,38 @@ def block_mask(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: 
     return mask
 
 
+class Documents:
+    """A micro-batch's document ids [b, s] (`block.document_ids`, this rank's part) and the plans
+    attention makes from them: each made once, with its one host read, and shared by every layer of
+    the forward and its recompute (the ids are the same for all of them). A layer given a tensor
+    wraps it (`as_documents`)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self._plans: dict[object, list] = {}
+
+    def bands(self) -> list[tuple[slice, slice]]:
+        """Whole-sequence causal attention's (rows, keys) bands (`document_bands`)."""
+        if "bands" not in self._plans:
+            everything = slice(None)
+            bands, reach = document_bands(self.ids, self.ids, everything, everything, True)
+            bad, *reach = torch.cat([decreasing(self.ids).long().expand(1, 2), reach]).tolist()  # (one host read)
+            if bad[0]:
+                raise ValueError("document ids must not decrease along the sequence (as document_ids gives them)")
+            self._plans["bands"] = [(rows, slice(start, stop)) for rows, (start, stop) in zip(bands, reach)]
+        return self._plans["bands"]
+
+    def ring(self, cp: Group) -> list[tuple | None]:
+        """Ring attention's plan over `cp` (`_document_plan`)."""
+        if cp.ranks not in self._plans:
+            self._plans[cp.ranks] = _document_plan(self.ids, _chunks(self.ids, cp), cp)
+        return self._plans[cp.ranks]
+
+
+def as_documents(documents: torch.Tensor | Documents | None) -> Documents | None:
+    return documents if documents is None or isinstance(documents, Documents) else Documents(documents)
+
+
 def _document_plan(documents: torch.Tensor, chunks: torch.Tensor, cp: Group) -> list[tuple | None]:
     """For each ring step, None if no row that would see the arriving block (`_visible`) shares a
     document with it, else (the owner's ids [b, s], [(rows, keys), ...]): the step's rows in bands,
@@ -257,11 +289,11 @@ def _exchange(tensors: list[torch.Tensor], cp: Group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, documents: torch.Tensor | None):
+    def forward(ctx, q, k, v, cp: Group, given: Documents | None):
         scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         out, lse, extra = q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc), None
-        plan = None if documents is None else _document_plan(documents, _chunks(documents, cp), cp)
+        documents, plan = (None, None) if given is None else (given.ids, given.ring(cp))
         block_k, block_v = k, v
         for step in range(cp.size):
             pending = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
@@ -336,7 +368,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
-                   documents: torch.Tensor | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | Documents | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries [b, heads, s, d] to the whole sequence's keys and
     values, of which this rank holds [b, kv_heads, s, d] (its two chunks, as `shard_sequence`).
     `documents`: this rank's [b, s] document ids of the whole sequence's (`block.document_ids`,
@@ -346,7 +378,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
         raise ValueError("ring attention needs cp > 1; use plain causal attention on one rank")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
-    if documents is not None and documents.shape != (q.shape[0], q.shape[2]):
-        raise ValueError(f"document ids {tuple(documents.shape)} do not match the queries' [batch, seq] "
+    documents = as_documents(documents)
+    if documents is not None and documents.ids.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(f"document ids {tuple(documents.ids.shape)} do not match the queries' [batch, seq] "
                          f"{(q.shape[0], q.shape[2])}")
     return _RingAttention.apply(q, k, v, cp, documents)

@@ -125,6 +125,7 @@ class Transformer(nn.Module):
         tokens' positions (default: the global sequence's, which document masking keeps)."""
         if documents is None and self.document_queue:
             documents = self.document_queue.pop(0)
+        documents = context.as_documents(documents)  # its attention plans made once, for every layer
         first, last = self.embed is not None, self.lm_head is not None  # a stage may lack either
         if first and last:  # a pipeline starts the pass at each schedule step
             self.overlap.new_pass()

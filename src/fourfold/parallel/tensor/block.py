@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fourfold.parallel import context
-from fourfold.parallel.context import ring_attention
+from fourfold.parallel.context import Documents, ring_attention
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions, Overlapper
 from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
@@ -126,22 +126,18 @@ def document_ids(ids: torch.Tensor, end_of_document: int) -> torch.Tensor:
     return ends.cumsum(-1) - ends
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, *,
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | Documents, *,
                        enable_gqa: bool) -> torch.Tensor:
     """Causal attention within each document: the rows in bands (`context.document_bands`), each
     band's SDPA over only the keys its documents reach, with the block-diagonal causal mask of that
     part materialised ([b, 1, band, keys]). A correct path on any device, and on CPU with the mask
     nearer plain causal attention's cost than one [s, s] mask (on CUDA a varlen flash kernel over
-    the documents' lengths would avoid the mask, not done yet). Ids must not decrease (checked)."""
-    everything = slice(None)
-    bands, reach = context.document_bands(documents, documents, everything, everything, True)
-    bad, *reach = torch.cat([context.decreasing(documents).long().expand(1, 2), reach]).tolist()  # (one host read)
-    if bad[0]:
-        raise ValueError("document ids must not decrease along the sequence (as document_ids gives them)")
-    out = []
-    for rows, (start, stop) in zip(bands, reach):
-        keys = slice(start, stop)  # (never empty: each row sees itself)
-        mask = context.block_mask(documents, documents, rows, keys, True)
+    the documents' lengths would avoid the mask, not done yet). Ids must not decrease (checked).
+    The bands are made once per `Documents` (one host read a forward, not a layer)."""
+    documents = context.as_documents(documents)
+    ids, out = documents.ids, []
+    for rows, keys in documents.bands():  # (keys never empty: each row sees itself)
+        mask = context.block_mask(ids, ids, rows, keys, True)
         out.append(F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], attn_mask=mask[:, None],
                                                   enable_gqa=enable_gqa))
     return torch.cat(out, dim=2)

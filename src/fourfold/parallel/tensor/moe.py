@@ -96,6 +96,18 @@ def balanced_choice(e: int, tokens: int, cfg, device: torch.device) -> tuple[tor
     return choice // cfg.top_k, choice % cfg.top_k
 
 
+def _routes(chosen: torch.Tensor, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each expert's (tokens, slots) among the choices `chosen` [tokens, top_k] (expert `experts`:
+    a dropped one), tokens ascending as `torch.where(chosen == e)` gives them, from one stable sort
+    of the choices by expert and one host read of the counts, not a read per expert."""
+    flat = chosen.reshape(-1)  # choice i = token * top_k + slot
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts + 1)[:experts].tolist()  # (one host read)
+    order = order[: sum(counts)]
+    k = chosen.shape[1]
+    return list(zip((order // k).split(counts), (order % k).split(counts)))
+
+
 class ParallelMoE(nn.Module):
     def __init__(self, grid: Grid, plan: BlockPlan, mlp, *, seed: int, std: float, prefix: str, dtype: torch.dtype,
                  seq_parallel: bool, capacity_factor: float = 0.0):
@@ -144,10 +156,10 @@ class ParallelMoE(nn.Module):
             out = self._exchanged(flat, chosen, weights)
         else:
             out = torch.zeros_like(flat)
-            self.routed = []
-            for e, expert in enumerate(self.experts):  # in expert order, as transformers adds them up
-                token, slot = balanced_choice(e, len(flat), self.cfg, flat.device) if fake else torch.where(chosen == e)
-                self.routed.append(len(token))
+            routes = [balanced_choice(e, len(flat), self.cfg, flat.device) for e in range(self.cfg.experts)] \
+                if fake else _routes(chosen, self.cfg.experts)
+            self.routed = [len(token) for token, _ in routes]
+            for expert, (token, slot) in zip(self.experts, routes):  # in expert order, as transformers adds them up
                 out = out.index_add(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
         if self.shared is not None:
             gate = regions.sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
@@ -174,8 +186,10 @@ class ParallelMoE(nn.Module):
             received = [per[self.first : self.first + local]] * group.size  # every rank routes alike
         else:  # (a choice dropped over capacity names expert `experts`: counted apart, sorted last, not sent)
             counts = torch.bincount(choice_expert, minlength=experts + 1)[:experts]
-            send = counts.view(group.size, local).sum(1).tolist()
-            received = comm.all_to_all(counts, group).view(group.size, local).tolist()  # [source][my expert]
+            arriving = comm.all_to_all(counts, group).view(group.size, local)  # [source][my expert]
+            both = torch.cat([counts.view(group.size, local).sum(1), arriving.reshape(-1)]).tolist()  # (one host read)
+            send = both[: group.size]
+            received = [both[group.size + s * local : group.size + (s + 1) * local] for s in range(group.size)]
         order = torch.argsort(choice_expert, stable=True)[: sum(send)]  # the choices by expert, tokens ascending
         here = [sum(r) for r in received]  # rows from each rank of the group
         self.exchanged = (sum(send) - send[group.rank], sum(here) - here[group.rank])

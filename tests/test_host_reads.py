@@ -1,0 +1,62 @@
+"""Host reads of device values in one training step (issue #42, item 7): each is a CUDA
+synchronisation on a GPU, so the step's count is stated per kind of job and a regression fails.
+Counted on CPU by `fourfold.tools.host_reads.HostReads` (a dispatch mode, plus `tolist`/`numpy`)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.tensor.block import TensorOptions, document_ids
+from fourfold.parallel.transformer import Transformer
+from fourfold.spec.layout import Layout
+from fourfold.tools.host_reads import HostReads
+
+LAYERS = 4
+DENSE = ModelConfig("llama", hidden=32, layers=LAYERS, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=64,
+                    tied=False, eps=1e-5)
+MOE = dataclasses.replace(load_config("mixtral-8x7b"), hidden=32, layers=LAYERS, heads=4, kv_heads=2, ffn=16, vocab=64,
+                          max_positions=64, experts=8, top_k=2)
+EOS = 1
+
+
+def _step(cfg: ModelConfig, sizes: dict, documents: bool, recompute: str) -> dict:
+    """One forward, backward and optimizer step (after a first one: the traced pass) under HostReads."""
+    grid = Grid(Layout(**sizes))
+    model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64), seed=5, recompute=recompute)
+    opt = AdamW(GradientSync(model, grid), lr=1e-3)
+    ids = torch.randint(2, cfg.vocab, (4, 33), generator=torch.Generator().manual_seed(0))
+    ids[:, [5, 12, 20]] = EOS
+    local = ids.chunk(grid.size("dp"))[grid.coords["dp"]]
+    inputs, targets = local[:, :-1], local[:, 1:]
+    docs = document_ids(inputs, EOS) if documents else None
+    if grid.size("cp") > 1:  # this rank's two chunks of every sequence (`context.shard_sequence`)
+        from fourfold.parallel.context import shard_sequence
+        cp = grid.group("cp")
+        inputs, targets = shard_sequence(inputs, cp), shard_sequence(targets, cp)
+        docs = None if docs is None else shard_sequence(docs, cp)
+    counts = []
+    for _ in range(2):
+        with HostReads() as reads:
+            model(inputs, targets, docs).sum().backward()
+            opt.step()
+        counts.append(dict(reads.counts))
+    return counts[-1]
+
+
+@pytest.mark.parametrize("kind, cfg, sizes, documents, recompute, most", [
+    ("dense", DENSE, dict(dp=2), False, "none", 0),
+    # the bands, once a forward, shared by its layers and their recompute (before: one a layer)
+    ("document masking", DENSE, dict(dp=2), True, "full", 1),
+    ("cp", DENSE, dict(cp=2), False, "none", 0),
+    ("cp with document masking", DENSE, dict(cp=2), True, "none", 1),
+    ("mixture", MOE, dict(dp=2), False, "none", LAYERS),  # the tokens per expert, once a layer (before: per expert)
+    ("mixture, ep", MOE, dict(dp=2, ep=2), False, "none", LAYERS),  # the exchange's split sizes (before: 2 a layer)
+])
+def test_host_reads_of_a_training_step(ranks, kind, cfg, sizes, documents, recompute, most):
+    for counts in ranks.run(_step, 2, cfg, sizes, documents, recompute):
+        assert sum(counts.values()) <= most, (kind, counts)
