@@ -24,6 +24,18 @@ def gpus(monkeypatch):
     return see
 
 
+def test_cpu_tests_see_no_gpu_even_where_there_are(monkeypatch):
+    """tests/conftest.py hides the GPUs from every CPU-reference test, in its process and in the
+    ones it starts; FOURFOLD_FAKE_GPUS stands for a GPU box (docs/architecture.md, Tests)."""
+    monkeypatch.setenv(grid.FAKE_GPUS, "8")
+    assert grid.choose_device("auto", 8) == "cpu"
+    started = subprocess.run([sys.executable, "-c", "from fourfold.parallel.grid import choose_device; "
+                              "print(choose_device('auto', 8))"], capture_output=True, text=True, check=True)
+    assert started.stdout.strip() == "cpu"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # what a test without the conftest's guard would see
+    assert grid.choose_device("auto", 8) == "cuda"
+
+
 def test_auto_takes_cuda_only_when_every_rank_has_a_gpu(gpus):
     gpus(0)
     assert grid.choose_device("auto", 8) == "cpu"

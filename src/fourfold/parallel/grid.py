@@ -19,8 +19,19 @@ from fourfold.parallel.comm import Group, Ledger
 from fourfold.spec.layout import DIMS, GridError, Layout, _as_dims
 from fourfold.spec.trainconfig import DEVICES
 
+# A test double: the GPUs `train.device auto` sees, on any box. `FOURFOLD_FAKE_GPUS=8 pytest` on
+# a CPU machine makes every test that does not hide the GPUs (tests/conftest.py) choose CUDA and
+# fail, as it would on a GPU box (docs/architecture.md, Tests).
+FAKE_GPUS = "FOURFOLD_FAKE_GPUS"
+
 
 def visible_gpus() -> int:
+    """The GPUs this process may use: none when CUDA_VISIBLE_DEVICES is empty (also after CUDA
+    started, when torch's own count no longer reads it)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    if os.environ.get(FAKE_GPUS):
+        return int(os.environ[FAKE_GPUS])
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
