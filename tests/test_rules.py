@@ -192,8 +192,10 @@ def test_sbatch_values_with_control_characters_are_refused(field):
 def test_a_missing_model_directory_is_named_as_missing(tmp_path):
     with pytest.raises(ValueError, match="does not exist; give a Hugging Face model directory"):
         load_config(str(tmp_path / "my-llama"))
-    with pytest.raises(ValueError, match="is neither a config.json nor a preset"):
+    with pytest.raises(ValueError, match="'tiny-lama' is not a preset: did you mean tiny-llama\\?"):
         load_config("tiny-lama")
+    with pytest.raises(ValueError, match="is neither a config.json nor a preset"):
+        load_config("no-such-model")
 
 
 def test_a_model_config_that_cannot_split_its_heads_is_a_problem_not_a_traceback():
