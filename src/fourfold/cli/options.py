@@ -36,6 +36,15 @@ class Parser(argparse.ArgumentParser):
             self.unknown_options(unknown, overrides)
 
 
+def layer_counts(text: str) -> tuple[int, ...]:
+    """An argparse type: --stage-layers 7,8,...,7 (empty: the default even split)."""
+    try:
+        return tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not layer counts: give whole numbers separated by commas, "
+                                         f"e.g. 7,8,8,7") from None
+
+
 def add_grid_options(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--grid", default=default, help=f"grid sizes, dims left out are 1 (default {default})")
     parser.add_argument("--order", default=",".join(DEFAULT_ORDER), help="placement order, innermost first")

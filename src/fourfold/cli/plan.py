@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from fourfold.cli.options import layer_counts
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
@@ -71,8 +72,8 @@ def add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", default=None, help="placement order, innermost first")
     p.add_argument("--keep-gathered-inputs", action="store_true",
                    help="linears keep their gathered input for backward (a plan row's `keep` column)")
-    p.add_argument("--stage-layers", default="", help="layers per pipeline stage (pp * virtual of them), e.g. "
-                                                      "7,8,8,...,7 (default even)")
+    p.add_argument("--stage-layers", type=layer_counts, default=(),
+                   help="layers per pipeline stage (pp * virtual of them), e.g. 7,8,8,...,7 (default even)")
 
 
 def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
@@ -80,7 +81,7 @@ def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
                recompute=args.recompute or "none", seq_parallel=args.seq_parallel, precision=args.precision,
                virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b",
                keep_gathered_inputs=getattr(args, "keep_gathered_inputs", False),
-               stage_layers=tuple(int(n) for n in getattr(args, "stage_layers", "").split(",") if n.strip()))
+               stage_layers=getattr(args, "stage_layers", ()))
 
 
 def _context(args):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from fourfold.cli.options import layer_counts
 from fourfold.spec.job import PRECISIONS, RECOMPUTE
 from fourfold.spec.layout import DEFAULT_ORDER, Layout
 from fourfold.spec.trainconfig import ConfigError
@@ -31,7 +32,8 @@ def add_parser(commands) -> None:
     sim.add_argument("--keep-gathered-inputs", action="store_true", help="linears keep their gathered inputs")
     sim.add_argument("--precision", choices=PRECISIONS, default="bf16", help="parameters and activations")
     sim.add_argument("--virtual", type=int, default=1, help="pipeline stages per pp rank (interleaved 1F1B)")
-    sim.add_argument("--stage-layers", default="", help="layers per pipeline stage, e.g. 7,8,8,...,7 (default even)")
+    sim.add_argument("--stage-layers", type=layer_counts, default=(),
+                     help="layers per pipeline stage, e.g. 7,8,8,...,7 (default even)")
     sim.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
               seq=args.seq, recompute=args.recompute, seq_parallel=args.seq_parallel, precision=args.precision,
               virtual=args.virtual, schedule="interleaved-1f1b" if args.virtual > 1 else "1f1b",
               keep_gathered_inputs=args.keep_gathered_inputs,
-              stage_layers=tuple(int(n) for n in args.stage_layers.split(",") if n.strip()))
+              stage_layers=args.stage_layers)
     try:
         sim = simulate(cfg, job, rank=args.rank, steps=args.steps)
     except ValueError as err:

@@ -82,8 +82,8 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
 def refuse_dims_with_auto(overrides: list[str]) -> None:
     """grid.auto chooses every grid dim: one given on the command line beside it would be dropped
     in silence (a config file's dims only give the world size when --nproc-per-node does not)."""
-    given = [f"{flag} {value}" for flag, value in zip(overrides[::2], overrides[1::2])
-             if flag in {f"--grid.{d}" for d in (*Layout().sizes, "order")}]
+    grid_flags = {f"--grid.{d}" for d in (*Layout().sizes, "order")}
+    given = [f"{flag} {value}" for flag, value in zip(overrides[::2], overrides[1::2]) if flag in grid_flags]
     if given:
         raise ConfigError(f"--grid.auto true chooses the grid, so {', '.join(given)} would be dropped: leave "
                           f"{'them' if len(given) > 1 else 'it'} out (give the ranks with --nproc-per-node N), or "
