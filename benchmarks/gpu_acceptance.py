@@ -62,6 +62,7 @@ from fourfold.checkpoint.hf import load_hf  # noqa: E402
 from fourfold.models.config import ModelConfig  # noqa: E402
 from fourfold.parallel.data import GradientSync  # noqa: E402
 from fourfold.parallel.grid import Grid  # noqa: E402
+from fourfold.parallel.model import Model, local_batch  # noqa: E402
 from fourfold.parallel.optimizer import AdamW  # noqa: E402
 from fourfold.parallel.tensor.block import TensorOptions  # noqa: E402
 from fourfold.parallel.transformer import Transformer  # noqa: E402
@@ -72,7 +73,7 @@ from fourfold.spec.job import Job  # noqa: E402
 from fourfold.spec.layout import Layout  # noqa: E402
 from fourfold.spec.trainconfig import TrainConfig  # noqa: E402
 from fourfold.tools.measure import GPU_ONLY_TERMS  # noqa: E402
-from fourfold.train.trainer import Model, learning_rate, local_batch  # noqa: E402
+from fourfold.train.trainer import learning_rate  # noqa: E402
 from gpu.kernel_checks import BLOCKS, SHAPES, Shape, check_block  # noqa: E402
 from gpu.ring_checks import check_ring  # noqa: E402
 
@@ -260,11 +261,11 @@ def fourfold_step(cfg: ModelConfig, job: Job, ids: torch.Tensor, *, compile: boo
     sync = GradientSync(model.module, grid, shard=DEFAULTS.optimizer.zero1)
     o = DEFAULTS.optimizer
     opt = AdamW(sync, lr=LR, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
-    inputs, targets = local_batch(job, grid, ids.numpy())
+    batch = local_batch(job, grid, ids.numpy())
     scale = 1.0 / (job.global_batch * job.seq)
 
     def step() -> torch.Tensor:
-        loss = model.step(inputs, targets, sync, scale)
+        loss = model.step(batch, sync, scale)
         updated = opt.step()  # on the device: a skipped update (non-finite norm) reads as a NaN loss, no sync
         return torch.where(updated, loss, torch.nan)
 

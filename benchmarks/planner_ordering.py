@@ -24,13 +24,13 @@ import torch.distributed as dist
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid, init_process_group
+from fourfold.parallel.model import Model, local_batch
 from fourfold.parallel.optimizer import AdamW
 from fourfold.plan.perf import UNCALIBRATED, Profile, step_time
 from fourfold.spec.hardware import GPU, Cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS, Layout
 from fourfold.spec.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
-from fourfold.train.trainer import Model, local_batch
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=512,
                   tied=False, eps=1e-5)
@@ -76,12 +76,12 @@ def measure(text: str, repeat: int = 3) -> float:
     opt = AdamW(GradientSync(model.module, grid), lr=1e-3)
     rows = GLOBAL_BATCH // layout.dp
     ids = np.random.default_rng(0).integers(0, CFG.vocab, (rows, SEQ + 1))
-    inputs, targets = local_batch(job, grid, ids)
+    batch = local_batch(job, grid, ids)
     times = []
     for step in range(repeat + 1):
         dist.barrier()
         start = time.perf_counter()
-        model.step(inputs, targets, opt.sync, 1.0 / (GLOBAL_BATCH * SEQ))
+        model.step(batch, opt.sync, 1.0 / (GLOBAL_BATCH * SEQ))
         opt.step()
         dist.barrier()
         times.append(time.perf_counter() - start)

@@ -7,11 +7,13 @@ from fourfold.checkpoint.hf import load_hf
 from fourfold.models.config import load_config
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.model import Model
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights, layouts, sum_replicated_grads
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
+from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives
 from fourfold.train.evaluate import evaluate
@@ -37,7 +39,7 @@ def run_families(paths, ids, sizes, seq_parallel, microbatches, schedule="1f1b",
             models = pipe.models
             for model in models:
                 load_hf(model, path)
-            loss = pipe.step(inputs, targets, scale)
+            loss = pipe.step(inputs, targets, scale=scale)
         else:
             models = [Transformer(grid, cfg, opts)]
             load_hf(models[0], path)
@@ -61,20 +63,16 @@ def evaluate_families(paths, tokens, seq, batch, sizes, virtual=1):
     """Each family's `evaluate` loss on the 1-D `tokens` (float64), through pipeline stages when pp > 1."""
     layout = Layout(**sizes)
     grid = Grid(layout)
-    opts = TensorOptions(dtype=torch.float64)
+    # built for pp micro-batches of `batch` sequences a rank (what an interleaved schedule needs);
+    # evaluate scores one micro-batch at a time
+    job = Job(layout, micro_batch=batch * layout.z, global_batch=batch * layout.z * layout.dp * layout.pp, seq=seq,
+              schedule="interleaved-1f1b" if virtual > 1 else "gpipe", virtual=virtual)
     out = {}
     for name, path in paths.items():
-        cfg = load_config(path)
-        if layout.pp > 1:
-            model = Pipeline(grid, cfg, opts, schedule="interleaved-1f1b" if virtual > 1 else "gpipe",
-                             microbatches=layout.pp, micro_batch=batch, seq=seq // layout.cp, virtual=virtual)
-            parts = model.models
-        else:
-            model = Transformer(grid, cfg, opts)
-            parts = [model]
-        for part in parts:
+        model = Model(grid, job, load_config(path), dtype=torch.float64)
+        for part in model.parts:
             load_hf(part, path)
-        out[name] = evaluate(model, grid, tokens, seq, batch)
+        out[name] = evaluate(model, tokens, seq, batch)
     return out
 
 

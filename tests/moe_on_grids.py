@@ -73,7 +73,7 @@ def run_moe_pipeline(paths, ids, sizes, microbatches, schedule, virtual=1):
         for model in pipe.models:
             load_hf(model, path)
         grid.ledger.reset()
-        loss = pipe.step(inputs, targets, 1.0 / ids[:, 1:].numel())
+        loss = pipe.step(inputs, targets, scale=1.0 / ids[:, 1:].numel())
         sends = pipeline_sends(cfg, layout.sizes, len(local) // microbatches, inputs.shape[1], microbatches,
                                pipe.indices, layout.pp * virtual)
         assert grid.ledger.bytes()[("pp", "send")] == ledger_bytes(sends, layout.sizes, 8)[("pp", "send")], name

@@ -18,11 +18,11 @@ from fourfold.models.config import load_config
 from fourfold.parallel import pipeline, transformer
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.model import Model, local_batch
 from fourfold.parallel.optimizer import AdamW
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives
-from fourfold.train.trainer import Model, local_batch
 
 HF = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
           intermediate_size=256, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=128)
@@ -78,12 +78,12 @@ def _fourfold_losses(path, sizes):
               seq_parallel=sizes.get("y", 1) > 1, precision="bf16")
     grid = Grid(job.layout)
     model = Model(grid, job, load_config(path), dtype=torch.bfloat16)
-    for part in getattr(model.pipeline, "models", [model.module]):
+    for part in model.parts:
         load_hf(part, path)
     opt = AdamW(GradientSync(model.module, grid), **OPTIMIZER)
     rows = np.arange(BATCH).reshape(job.dp, -1)[grid.coords["dp"]]
-    inputs, targets = local_batch(job, grid, _batch()[rows])
-    where = local_batch(job, grid, _target_index()[rows])[1]
+    batch = local_batch(job, grid, _batch()[rows])
+    where = local_batch(job, grid, _target_index()[rows]).targets
     scored = []  # the per-token losses of each micro-batch, in order (both schedules score them in order)
     score = transformer.vocab_parallel_cross_entropy
 
@@ -95,7 +95,7 @@ def _fourfold_losses(path, sizes):
     transformer.vocab_parallel_cross_entropy = pipeline.vocab_parallel_cross_entropy = recorded
     try:
         for _ in range(STEPS):
-            model.step(inputs, targets, opt.sync, 1.0 / (BATCH * SEQ))
+            model.step(batch, opt.sync, 1.0 / (BATCH * SEQ))
             opt.step()
     finally:  # the worker process runs other tests next
         transformer.vocab_parallel_cross_entropy = pipeline.vocab_parallel_cross_entropy = score

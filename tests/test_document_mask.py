@@ -17,6 +17,7 @@ from families_on_grids import serial_grads
 from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.model import Model, local_batch
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions, document_attention, document_ids
 from fourfold.parallel.tensor.params import full_weights
@@ -26,7 +27,6 @@ from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
 from fourfold.spec.trainconfig import ConfigError
 from fourfold.train.evaluate import evaluate, windows
-from fourfold.train.trainer import local_batch, local_documents
 
 LLAMA = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
                     tied=False, eps=1e-5)
@@ -76,14 +76,13 @@ def _parallel(cfg, ids, sizes, microbatches=1, recompute="none"):
     rows = BATCH // layout.dp
     job = Job(layout, global_batch=BATCH, micro_batch=rows // microbatches, seq=SEQ)
     local = ids.chunk(layout.dp)[grid.coords["dp"]].numpy()
-    inputs, targets = local_batch(job, grid, local)
-    documents = local_documents(job, grid, local, EOS)
+    inputs, targets, documents = local_batch(job, grid, local, EOS)
     scale = 1.0 / ids[:, 1:].numel()
     if layout.pp > 1:
         pipe = Pipeline(grid, cfg, opts, microbatches=microbatches, micro_batch=rows // (layout.z * microbatches),
                         seq=SEQ // layout.cp, seed=5, std=0.3, recompute=recompute)
         models = pipe.models
-        loss = pipe.step(inputs, targets, scale, documents)
+        loss = pipe.step(inputs, targets, documents, scale=scale)
     else:
         models = [Transformer(grid, cfg, opts, seed=5, std=0.3, recompute=recompute)]
         loss = models[0](inputs, targets, documents).sum() * scale
@@ -258,14 +257,9 @@ def _eval_reference(tokens):
 def _evaluate(sizes, tokens):
     """The held-out loss with document masking, and without, two windows per step (the last padded)."""
     layout = Layout(**sizes)
-    grid = Grid(layout)
-    opts = TensorOptions(dtype=torch.float64)
-    if layout.pp > 1:
-        model = Pipeline(grid, LLAMA, opts, schedule="gpipe", microbatches=1, micro_batch=2, seq=SEQ // layout.cp,
-                         seed=5, std=0.3)
-    else:
-        model = Transformer(grid, LLAMA, opts, seed=5, std=0.3)
-    return [evaluate(model, grid, tokens, SEQ, 2, end_of_document=e)["loss"] for e in (EOS, None)]
+    job = Job(layout, micro_batch=2 * layout.z, global_batch=2 * layout.z * layout.dp, seq=SEQ, schedule="gpipe")
+    model = Model(Grid(layout), job, LLAMA, dtype=torch.float64, seed=5, std=0.3)
+    return [evaluate(model, tokens, SEQ, 2, end_of_document=e)["loss"] for e in (EOS, None)]
 
 
 def test_evaluation_masks_documents(ranks):

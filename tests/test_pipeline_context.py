@@ -87,7 +87,7 @@ def _train(cfg, sizes, schedule=None, virtual=1, microbatches=1, seq_parallel=Fa
         scale = 1.0 / ids[:, 1:].numel()
         grid.ledger.reset()
         if pipe is not None:
-            loss = pipe.step(inputs, targets, scale)
+            loss = pipe.step(inputs, targets, scale=scale)
         else:
             loss = models[0](inputs, targets).sum() * scale
             loss.backward()

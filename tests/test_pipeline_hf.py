@@ -120,19 +120,17 @@ def _train(options):
 def _score_on_dp(options, path):
     """The held-out loss of checkpoint `path` on dp alone, as the trainer scores it."""
     from fourfold.parallel.grid import Grid
-    from fourfold.parallel.tensor.block import TensorOptions
-    from fourfold.parallel.transformer import Transformer
+    from fourfold.parallel.model import Model
     from fourfold.train.evaluate import evaluate
     from fourfold.train.trainer import packed_windows, tokens_files
 
     cfg = load_train_config(None, options)
-    grid = Grid(Layout(dp=2))
-    model = Transformer(grid, cfg.model_config(), TensorOptions(dtype=torch.float64))
-    checkpoint.load_checkpoint(path, model)
+    model = Model(Grid(Layout(dp=2)), cfg.job().with_layout(dp=2), cfg.model_config(), dtype=torch.float64)
+    checkpoint.load_checkpoint(path, model.module)
     files = tokens_files(cfg)
     loader = corpus.TokenLoader(files[1], cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
                                 packing=cfg.data.packing, windows=packed_windows(cfg, *files))
-    return evaluate(model, grid, loader.held_out(), cfg.batch.seq, cfg.batch.micro_batch, cfg.train.eval_tokens)
+    return evaluate(model, loader.held_out(), cfg.batch.seq, cfg.batch.micro_batch, cfg.train.eval_tokens)
 
 
 def _records(run_dir):

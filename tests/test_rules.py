@@ -62,9 +62,9 @@ def _train_one_step(cases):
 
     from fourfold.parallel.data import GradientSync
     from fourfold.parallel.grid import Grid
+    from fourfold.parallel.model import Model, local_batch
     from fourfold.parallel.optimizer import AdamW
     from fourfold.parallel.tensor.block import torch_dtype
-    from fourfold.train.trainer import Model, local_batch
 
     losses = []
     for name, job in cases:
@@ -73,8 +73,7 @@ def _train_one_step(cases):
         opt = AdamW(GradientSync(model.module, grid), lr=1e-3)
         rows = job.global_batch // job.layout.dp
         ids = np.random.default_rng(0).integers(0, MODELS[name].vocab, (rows, job.seq + 1))
-        inputs, targets = local_batch(job, grid, ids)
-        loss = model.step(inputs, targets, opt.sync, 1.0 / (job.global_batch * job.seq))
+        loss = model.step(local_batch(job, grid, ids), opt.sync, 1.0 / (job.global_batch * job.seq))
         opt.step()
         total = loss.clone()
         torch.distributed.all_reduce(total)

@@ -397,7 +397,8 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
 
     from fourfold.models.config import ModelConfig
     from fourfold.parallel.grid import Grid
-    from fourfold.parallel.transformer import Transformer
+    from fourfold.parallel.model import Model
+    from fourfold.spec.job import Job
     from fourfold.spec.layout import Layout
     from fourfold.train.evaluate import evaluate
     from fourfold.train.generate import _single_process_group
@@ -420,11 +421,12 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
     from_text = json.loads(done.stdout.strip().splitlines()[-1])
     path = checkpoint.latest(reference / "checkpoints")
     _single_process_group()
-    model = Transformer(Grid(Layout()), ModelConfig.from_dict(checkpoint.read_meta(path)["model"]))
-    checkpoint.load_checkpoint(path, model)
-    serial = evaluate(model, Grid(Layout()), tokens, 32, 4)
-    capped = evaluate(model, Grid(Layout()), tokens, 32, 4, max_tokens=10 * 32 + 5)  # 10 whole windows
-    head = evaluate(model, Grid(Layout()), tokens[: 10 * 32 + 1], 32, 4)
+    model = Model(Grid(Layout()), Job(micro_batch=4, global_batch=4, seq=32),
+                  ModelConfig.from_dict(checkpoint.read_meta(path)["model"]), dtype=torch.float32)
+    checkpoint.load_checkpoint(path, model.module)
+    serial = evaluate(model, tokens, 32, 4)
+    capped = evaluate(model, tokens, 32, 4, max_tokens=10 * 32 + 5)  # 10 whole windows
+    head = evaluate(model, tokens[: 10 * 32 + 1], 32, 4)
     dist.destroy_process_group()
     assert parallel["tokens"] == serial["tokens"] and parallel["loss"] == pytest.approx(serial["loss"], rel=1e-5)
     assert from_text["tokens"] == serial["tokens"] == 62 * 32 and from_text["loss"] == pytest.approx(serial["loss"],

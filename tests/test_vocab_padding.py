@@ -116,9 +116,9 @@ def _two_steps(sizes, schedule):
     """The second step's loss of training the odd-vocabulary Llama (the first step's update in it)."""
     from fourfold.models.config import ModelConfig
     from fourfold.parallel.data import GradientSync
+    from fourfold.parallel.model import Model, local_batch
     from fourfold.parallel.optimizer import AdamW
     from fourfold.spec.job import Job
-    from fourfold.train.trainer import Model, local_batch
 
     cfg = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=VOCAB, max_positions=32,
                       tied=False, eps=1e-5)
@@ -128,8 +128,7 @@ def _two_steps(sizes, schedule):
     opt = AdamW(GradientSync(model.module, grid), lr=1e-2)
     ids = np.random.default_rng(0).integers(0, VOCAB, (4, SEQ + 1))
     for _ in range(2):
-        inputs, targets = local_batch(job, grid, ids)
-        loss = model.step(inputs, targets, opt.sync, 1.0 / (4 * SEQ))
+        loss = model.step(local_batch(job, grid, ids), opt.sync, 1.0 / (4 * SEQ))
         opt.step()
     return float(loss)
 

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from fourfold.cli.options import add_grid_options, launcher_options_removed
-from fourfold.spec.job import PRECISIONS
+from fourfold.spec.job import PRECISIONS, Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import JobError, with_flags
 from fourfold.spec.trainconfig import ATTENTIONS, DEVICES, ConfigError
@@ -78,30 +78,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     from fourfold.checkpoint.hf import load_hf
     from fourfold.parallel.grid import Grid, init_process_group
-    from fourfold.parallel.pipeline import Pipeline
-    from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
-    from fourfold.parallel.transformer import Transformer
+    from fourfold.parallel.model import Model
+    from fourfold.parallel.tensor.block import torch_dtype
     from fourfold.train.evaluate import evaluate
 
     init_process_group(device=args.device)
     grid = Grid(layout)
-    opts = TensorOptions(dtype=torch_dtype(args.precision, grid.device), capacity_factor=_capacity_factor(args))
-    if layout.pp > 1:  # this rank's stages, the layers split evenly; scored forward only
-        model = Pipeline(grid, model_cfg, opts, schedule="gpipe", microbatches=1, micro_batch=args.batch,
-                         seq=args.seq // layout.cp)
-        parts, module = model.models, model.module
-    else:
-        model = module = Transformer(grid, model_cfg, opts).to(grid.device)
-        parts = [model]
+    # with pp, this rank's stages, the layers split evenly; scored forward only
+    model = Model(grid, _scoring_job(args, layout), model_cfg, dtype=torch_dtype(args.precision, grid.device),
+                  capacity_factor=_capacity_factor(args))
     if args.hf:
-        for part in parts:
+        for part in model.parts:
             load_hf(part, args.hf)
     else:  # a training checkpoint, written on any grid
         from fourfold import checkpoint
 
-        checkpoint.load_checkpoint(args.checkpoint, module)
+        checkpoint.load_checkpoint(args.checkpoint, model.module)
     tokens = np.load(args.tokens, mmap_mode="r")
-    result = evaluate(model, grid, tokens, args.seq, args.batch, args.max_tokens, _end_of_document(args))
+    result = evaluate(model, tokens, args.seq, args.batch, args.max_tokens, _end_of_document(args))
     if grid.rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -115,7 +109,6 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     """Every problem of `fourfold eval`, found before any process starts."""
     import numpy as np
 
-    from fourfold.spec.job import Job
     from fourfold.spec.rules import check
     from fourfold.spec.trainconfig import check_token_ids
     from fourfold.train.evaluate import window_count
@@ -124,10 +117,7 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
         raise ConfigError("--max-tokens must be >= 0 (0: the whole file)")
     _capacity_factor(args)
     model = _eval_model_config(args)
-    # each dp*z shard scores `batch` windows at a time, whole sequences split over z as in training,
-    # one micro-batch through the pipeline stages
-    job = Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
-              seq=args.seq, precision=args.precision, schedule="gpipe")
+    job = _scoring_job(args, layout)
     from fourfold.parallel.grid import choose_device
 
     world = args.nproc_per_node or layout.world_size
@@ -141,6 +131,13 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
         window_count(len(np.load(args.tokens, mmap_mode="r")), args.seq)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _scoring_job(args: argparse.Namespace, layout: Layout) -> Job:
+    """The job `fourfold eval` runs: each dp*z shard scores --batch windows at a time, whole
+    sequences split over z as in training, one micro-batch through the pipeline stages."""
+    return Job(layout, micro_batch=args.batch * layout.z, global_batch=args.batch * layout.z * layout.dp,
+               seq=args.seq, precision=args.precision, schedule="gpipe")
 
 
 def _capacity_factor(args: argparse.Namespace) -> float:

@@ -81,8 +81,9 @@ class _RoutingStage(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model(x)
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(x, documents=documents)
         mine = moe.stage_stats([layer.mlp for layer in self.model.layers.values()])
         return out, mine if stats is None else stats + mine
 
@@ -109,7 +110,7 @@ class _LedgerStage(PipelineStage):
 class Pipeline:
     """This rank's stages of the model and the schedule that runs them.
 
-    `step(ids, targets, scale)` runs forward and backward of a local batch of `microbatches`
+    `step(ids, targets, documents, scale=)` runs forward and backward of a local batch of `microbatches`
     micro-batches of `micro_batch` sequences of `seq` tokens (this rank's: after the z and cp
     splits); each micro-batch's loss is sum(per-token loss) * scale, so with scale = 1/(tokens in
     the global batch) the gradients reduced over dp and cp are the mean's. It returns this rank's
@@ -165,34 +166,30 @@ class Pipeline:
         coef = self.models[-1].cfg.aux_loss_coef
         return loss + moe.balance_loss(sums[0], sums[1], self.rows, self.grid, coef) / self.microbatches
 
-    def step(self, ids: torch.Tensor, targets: torch.Tensor, scale: float,
-             documents: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None, *,
+             scale: float) -> torch.Tensor:
+        """`documents` (`block.document_ids` of the inputs): attention within each document; the
+        schedule cuts them into micro-batches and hands each stage's forward its micro-batch's."""
         if targets.shape != self.batch_shape:
             raise ValueError(f"this pipeline was built for local batches of shape {tuple(self.batch_shape)} "
                              f"({self.microbatches} micro-batches); got {tuple(targets.shape)}")
         self._scale = scale
-        self._queue_documents(documents, self.microbatches)
         self._set_copy()
         self._forwards = 0
         for model in self.models:  # one step of the schedule is the unit whose weight gathers repeat
             model.overlap.new_pass()
         losses: list[torch.Tensor] = []
         args = (ids,) if self.has_first else ()
+        kwargs = {} if documents is None else {"documents": documents}
         if self.has_last:
-            self.schedule.step(*args, target=targets, losses=losses)
+            self.schedule.step(*args, target=targets, losses=losses, **kwargs)
             if self.tied:
                 head = self.models[-1].lm_head
                 comm.send(head.copy_grad, 0, self.pp)
                 head.copy_grad.zero_()
             return torch.stack(losses).sum().detach()
-        self.schedule.step(*args)
+        self.schedule.step(*args, **kwargs)
         return torch.zeros((), dtype=torch.float64, device=self.grid.device)
-
-    def _queue_documents(self, documents: torch.Tensor | None, microbatches: int) -> None:
-        """Every stage's forwards take their micro-batch's document ids from its queue: a stage runs
-        its forwards in micro-batch order on every schedule."""
-        for model in self.models:
-            model.document_queue = [] if documents is None else list(documents.chunk(microbatches))
 
     @torch.no_grad()
     def losses(self, ids: torch.Tensor, targets: torch.Tensor,
@@ -202,7 +199,6 @@ class Pipeline:
         stage, None on the others. The batch is one micro-batch; each stage waits (a blocking
         receive) only for the one before it, and sends asynchronously."""
         self._set_copy()
-        self._queue_documents(documents, 1)
         pp, n_stages = self.pp.size, self.pp.size * len(self.models)
         y = self.grid.size("y") if self.seq_parallel else 1
         stream = (ids.shape[0], ids.shape[1] // y, self.stream_shape[-1])
@@ -212,9 +208,10 @@ class Pipeline:
             h = ids if i == 0 else comm.recv(torch.empty(stream, dtype=model.opts.dtype, device=ids.device),
                                              (i - 1) % pp, self.pp)
             if i == n_stages - 1:
-                out = model(h, targets)
+                out = model(h, targets, documents)
             else:
-                sends.append(comm.batch_p2p([P2P("send", model(h), (i + 1) % pp)], self.pp, async_op=True))
+                sends.append(comm.batch_p2p([P2P("send", model(h, documents=documents), (i + 1) % pp)], self.pp,
+                                            async_op=True))
         for pending in sends:
             pending.wait()
         return out

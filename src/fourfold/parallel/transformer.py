@@ -98,7 +98,6 @@ class Transformer(nn.Module):
         self.lm_head = LMHead(grid, cfg.hidden, cfg.vocab, seed=seed, std=std,
                               input_gather="tokens" if opts.seq_parallel else "none", keep_weight=opts.keep_weights,
                               keep_gathered_input=opts.keep_gathered_inputs, dtype=opts.dtype, overlap=self.overlap)
-        self.document_queue: list[torch.Tensor] = []  # a pipeline's micro-batches' document ids, in forward order
         if cfg.tied:
             self.lm_head.weight = self.embed.weight
             self.lm_head.matrix = self.embed.matrix
@@ -121,10 +120,8 @@ class Transformer(nn.Module):
         the residual stream, or on the last stage the logits, or with `targets` (global token ids,
         negative ones ignored) the per-token cross-entropy. `documents` ([batch/z, seq/cp] document
         ids, `block.document_ids`): attention causal within each document only (data.attention =
-        document); without it, the next of `document_queue` if a pipeline set one. `positions`: the
-        tokens' positions (default: the global sequence's, which document masking keeps)."""
-        if documents is None and self.document_queue:
-            documents = self.document_queue.pop(0)
+        document). `positions`: the tokens' positions (default: the global sequence's, which
+        document masking keeps)."""
         documents = context.as_documents(documents)  # its attention plans made once, for every layer
         first, last = self.embed is not None, self.lm_head is not None  # a stage may lack either
         if first and last:  # a pipeline starts the pass at each schedule step

@@ -29,10 +29,10 @@ from fourfold import checkpoint
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.model import Model
 from fourfold.parallel.optimizer import AdamW
-from fourfold.parallel.tensor.block import TensorOptions, torch_dtype
+from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.parallel.tensor.params import Replicas
-from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 from fourfold.spec.rules import JobError, Problem, problems
 from fourfold.tools.fake import fake_world
@@ -125,12 +125,10 @@ def measure_peak(cfg: ModelConfig, job: Job, *, flash_attention: bool = True, to
         grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
         kernel = SDPBackend.FLASH_ATTENTION if flash_attention else SDPBackend.MATH
         # "auto" is a GPU's bf16 here: the measurement stands for a GPU run
-        opts = TensorOptions(seq_parallel=job.seq_parallel, keep_gathered_inputs=job.keep_gathered_inputs,
-                             dtype=torch_dtype(job.precision, torch.device("cuda")))
         tokens = (job.micro_batch // job.z, job.seq // job.cp)
         with FakeTensorMode(), sdpa_kernel(kernel):
             # Built before counting starts: the runtime initialises parameters in host memory.
-            model = Transformer(grid, cfg, opts, recompute=job.recompute)
+            model = Model(grid, job, cfg, dtype=torch_dtype(job.precision, torch.device("cuda"))).module
             opt = AdamW(GradientSync(model, grid), lr=1e-4, skip_non_finite=False)  # fake values: no check
             with LiveBytes([*model.parameters(), *opt.sync.main_grads.values()]) as counter:
                 for step in range(2):

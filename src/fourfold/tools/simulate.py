@@ -31,6 +31,7 @@ from fourfold.parallel import comm
 from fourfold.parallel.comm import at_least_fp32
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.model import LocalBatch, Model
 from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import torch_dtype
@@ -41,7 +42,6 @@ from fourfold.spec.rules import check
 from fourfold.spec.schedule import schedule_order
 from fourfold.tools.fake import fake_world
 from fourfold.tools.measure import LiveBytes
-from fourfold.train.trainer import Model
 
 # Every group the trainer, its optimizer and its evaluation ask for (the combined ones are the
 # expensive kind to create).
@@ -151,7 +151,7 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
             def step() -> None:
                 ids = torch.randint(0, cfg.vocab, tokens)
                 if model.pipeline is None:
-                    model.step(ids, ids, opt.sync, scale)
+                    model.step(LocalBatch(ids, ids), opt.sync, scale)
                 else:
                     _pipeline_step(model.pipeline, job, ids, scale)
                 opt.step()

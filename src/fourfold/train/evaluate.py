@@ -8,10 +8,8 @@ import math
 import numpy as np
 import torch
 
-from fourfold.parallel import comm, context
-from fourfold.parallel.grid import Grid
-from fourfold.parallel.pipeline import Pipeline
-from fourfold.parallel.tensor.block import document_ids
+from fourfold.parallel import comm
+from fourfold.parallel.model import Model, shard_rows
 
 
 def window_count(tokens: int, seq: int) -> int:
@@ -31,17 +29,17 @@ def windows(tokens: np.ndarray, seq: int, indices) -> np.ndarray:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module | Pipeline, grid: Grid, tokens: np.ndarray, seq: int, batch_per_rank: int = 1,
-             max_tokens: int = 0, end_of_document: int | None = None) -> dict:
-    """{"loss", "perplexity", "tokens"} of `model` (a whole model, or this rank's pipeline
-    stages) on `tokens` (a 1-D array of ids; `max_tokens` > 0: only the first windows, up to that
-    many scored tokens). With `end_of_document` (data.attention = document), each token attends
+def evaluate(model: Model, tokens: np.ndarray, seq: int, batch_per_rank: int = 1, max_tokens: int = 0,
+             end_of_document: int | None = None) -> dict:
+    """{"loss", "perplexity", "tokens"} of this rank's `model` (through its pipeline stages when it
+    has them) on `tokens` (a 1-D array of ids; `max_tokens` > 0: only the first windows, up to
+    that many scored tokens). With `end_of_document` (data.attention = document), each token attends
     to its own document only, the documents of each whole window found as in training.
 
     Windows are dealt to the dp*z token shards in turn, each cut into cp chunks as in training;
     the last batch is padded with windows whose targets are -1 (scored 0, not counted). Through a
     pipeline, each batch is one micro-batch, forward only; the ranks of its last stage score it."""
-    cp = grid.group("cp")
+    grid = model.grid
     count = window_count(len(tokens), seq)
     if max_tokens:
         count = min(count, max(1, max_tokens // seq))
@@ -49,22 +47,17 @@ def evaluate(model: torch.nn.Module | Pipeline, grid: Grid, tokens: np.ndarray, 
     shard = grid.coords["dp"] * grid.size("z") + grid.coords["z"]
     per_step = shards * batch_per_rank
     steps = -(-count // per_step)
-    score = model.losses if isinstance(model, Pipeline) else model
     total = torch.zeros(2, dtype=torch.float64, device=grid.device)  # loss sum, scored tokens
     for step in range(steps):
         ids = np.full((batch_per_rank, seq + 1), -1, dtype=np.int64)
         # this shard's windows of the step: every shards-th from its own (each rank reads only those)
         chunk = windows(tokens, seq, range(step * per_step + shard, min((step + 1) * per_step, count), shards))
         ids[: len(chunk)] = chunk
-        mine = torch.from_numpy(ids)
-        inputs = context.shard_sequence(mine[:, :-1].clamp_min(0), cp).to(grid.device)
-        targets = context.shard_sequence(mine[:, 1:], cp).to(grid.device)
-        documents = None if end_of_document is None else context.shard_sequence(
-            document_ids(mine[:, :-1].clamp_min(0), end_of_document), cp).to(grid.device)
-        losses = score(inputs, targets, documents)
+        batch = shard_rows(torch.from_numpy(ids), grid, end_of_document)
+        losses = model.losses(batch)
         if losses is not None:  # (None: a pipeline rank without the last stage)
             total[0] += losses.double().sum()
-            total[1] += (targets >= 0).sum()
+            total[1] += (batch.targets >= 0).sum()
     comm.all_reduce(total, grid.group(("dp", "pp", "cp", "z")))
     mean = (total[0] / total[1]).item()
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": int(total[1].item())}

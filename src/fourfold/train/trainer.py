@@ -25,24 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from fourfold import checkpoint
 from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
-from fourfold.parallel import comm, context
+from fourfold.parallel import comm
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
+from fourfold.parallel.model import Model, local_batch
 from fourfold.parallel.optimizer import AdamW
-from fourfold.parallel.overlap import OverlapOptions
-from fourfold.parallel.pipeline import Pipeline
-from fourfold.parallel.tensor.block import TensorOptions, document_ids, torch_dtype
+from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.parallel.tensor.params import Replicas
-from fourfold.parallel.transformer import Transformer
 from fourfold.spec.counts import flops_per_token
-from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS
 from fourfold.spec.trainconfig import ConfigError, TrainConfig, validate
 from fourfold.train import metrics
@@ -190,63 +186,6 @@ def tokens_files(cfg: TrainConfig) -> tuple[Path, Path]:
                               tokenizer=cfg.tokenizer, field=d.field, skip_bad=d.skip_bad_records, workers=d.workers)
     except ValueError as e:  # a corpus file the checks before launch could not see into
         raise ConfigError(f"data: {e}") from None
-
-
-class Model:
-    """This rank's part of the model, run the same way with or without pipeline stages."""
-
-    def __init__(self, grid: Grid, job: Job, model_cfg: ModelConfig, *, dtype: torch.dtype, overlap: bool = True,
-                 seed: int = 0, std: float = 0.02, compile: bool = False, capacity_factor: float = 0.0):
-        opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=OverlapOptions(overlap, overlap, overlap),
-                             keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile,
-                             capacity_factor=capacity_factor)
-        common = dict(seed=seed, std=std, recompute=job.recompute)
-        self.grid, self.microbatches = grid, job.microbatches
-        self.pipeline = None
-        if job.pp > 1:
-            self.pipeline = Pipeline(grid, model_cfg, opts, schedule=job.schedule, microbatches=self.microbatches,
-                                     micro_batch=job.micro_batch // job.z, seq=job.seq // job.cp,
-                                     virtual=job.virtual, stage_layers=list(job.stage_layers) or None, **common)
-            self.module = self.pipeline.module
-        else:
-            with torch.device(grid.device):  # initialised where it lives (a pipeline stage is too)
-                self.module = Transformer(grid, model_cfg, opts, **common)
-
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: GradientSync, scale: float,
-             documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of this rank's micro-batches; returns its share of the mean loss.
-        `documents` (`local_documents`): attention within each document only."""
-        if self.pipeline is not None:
-            return self.pipeline.step(inputs, targets, scale, documents)
-        total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
-        docs = [None] * self.microbatches if documents is None else documents.chunk(self.microbatches)
-        for m, (x, y, d) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches), docs)):
-            sync.sync = m == self.microbatches - 1  # reduce gradients in the last backward only
-            # a mixture's load-balancing loss: each micro-batch's, averaged as the token losses are
-            loss = self.module(x, y, d).sum() * scale + self.module.router_loss() / self.microbatches
-            loss.backward()
-            total += loss.detach()
-        return total
-
-
-def local_batch(job: Job, grid: Grid, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's inputs and targets: its z part of each micro-batch, its cp chunks of each sequence."""
-    c, z = grid.coords, grid.size("z")
-    parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // job.micro_batch)]
-    ids = torch.cat(parts)
-    if grid.device.type == "cuda":  # from pinned memory, without waiting for the GPU's queue
-        ids = ids.pin_memory().to(grid.device, non_blocking=True)
-    cp = grid.group("cp")
-    return context.shard_sequence(ids[:, :-1], cp), context.shard_sequence(ids[:, 1:], cp)
-
-
-def local_documents(job: Job, grid: Grid, ids: np.ndarray, end_of_document: int) -> torch.Tensor:
-    """This rank's document ids of its inputs, cut as `local_batch` cuts them: computed over each
-    whole sequence (`block.document_ids`), then its z part and cp chunks."""
-    c, z = grid.coords, grid.size("z")
-    parts = [torch.from_numpy(m).chunk(z)[c["z"]] for m in np.split(ids, len(ids) // job.micro_batch)]
-    documents = document_ids(torch.cat(parts)[:, :-1], end_of_document).to(grid.device)
-    return context.shard_sequence(documents, grid.group("cp"))
 
 
 def peak_memory_gib(grid: Grid) -> float:
@@ -574,7 +513,7 @@ class Trainer:
             if cfg.model.hf:
                 from fourfold.checkpoint.hf import load_hf
 
-                for part in getattr(self.model.pipeline, "models", [self.model.module]):
+                for part in self.model.parts:
                     load_hf(part, cfg.model.hf, replicas=self.replicas)
             return 0, 0, {}
         meta = checkpoint.load_checkpoint(self.source, self.model.module, self.opt, replicas=self.replicas)
@@ -590,11 +529,8 @@ class Trainer:
         self.opt.lr = learning_rate(cfg, step)
         ids = self.loader.batch_at(self.position, grid.coords["dp"], grid.size("dp"))
         self.position += cfg.batch.global_batch
-        inputs, targets = local_batch(self.job, grid, ids)
-        documents = None if self.end_of_document is None else local_documents(self.job, grid, ids,
-                                                                                self.end_of_document)
-        loss = self.model.step(inputs, targets, self.sync, math.nan if step in cfg.fault.nan_steps else self.scale,
-                               documents)
+        batch = local_batch(self.job, grid, ids, self.end_of_document)
+        loss = self.model.step(batch, self.sync, math.nan if step in cfg.fault.nan_steps else self.scale)
         loss = comm.all_reduce(loss.double().reshape(1), self.everything)[0]
         # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
         updated = self.opt.step(loss_finite=torch.isfinite(loss))
@@ -625,9 +561,9 @@ class Trainer:
 
     def evaluate(self, done: int) -> None:
         """The held-out loss after `done` steps, through the pipeline stages when there are."""
-        held_out = evaluate(self.model.pipeline or self.model.module, self.grid, self.loader.held_out(),
-                            self.cfg.batch.seq, max(1, self.cfg.batch.micro_batch // self.grid.size("z")),
-                            self.cfg.train.eval_tokens, self.end_of_document)
+        held_out = evaluate(self.model, self.loader.held_out(), self.cfg.batch.seq,
+                            max(1, self.cfg.batch.micro_batch // self.grid.size("z")), self.cfg.train.eval_tokens,
+                            self.end_of_document)
         self.reporter.evaluation(done, held_out)
 
     def save(self, done: int) -> str:
