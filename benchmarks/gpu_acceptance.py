@@ -73,12 +73,13 @@ from fourfold.spec.job import Job  # noqa: E402
 from fourfold.spec.layout import Layout  # noqa: E402
 from fourfold.spec.trainconfig import TrainConfig  # noqa: E402
 from fourfold.tools.measure import GPU_ONLY_TERMS  # noqa: E402
-from fourfold.train.trainer import learning_rate  # noqa: E402
+from fourfold.train.schedule import learning_rate  # noqa: E402
 from gpu.kernel_checks import BLOCKS, SHAPES, Shape, check_block  # noqa: E402
 from gpu.ring_checks import check_ring  # noqa: E402
 
 DEFAULTS = TrainConfig()  # the trainer's defaults: optimizer, overlap, initialisation
-LR = learning_rate(DEFAULTS, DEFAULTS.optimizer.warmup)  # the peak rate (a step's cost does not depend on it)
+# the peak rate (a step's cost does not depend on it)
+LR = learning_rate(DEFAULTS.optimizer, DEFAULTS.train.steps, DEFAULTS.optimizer.warmup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +261,8 @@ def fourfold_step(cfg: ModelConfig, job: Job, ids: torch.Tensor, *, compile: boo
         load_hf(model.module, load)
     sync = GradientSync(model.module, grid, shard=DEFAULTS.optimizer.zero1)
     o = DEFAULTS.optimizer
-    opt = AdamW(sync, lr=LR, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, clip_norm=o.clip or None)
+    opt = AdamW(sync, lr=LR, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
+                decay_vectors=o.decay_norms_and_biases, clip_norm=o.clip or None)
     batch = local_batch(job, grid, ids.numpy())
     scale = 1.0 / (job.global_batch * job.seq)
 

@@ -10,13 +10,14 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.model import Model
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions
-from fourfold.parallel.tensor.params import full_weights, layouts, sum_replicated_grads
+from fourfold.parallel.tensor.params import full_weights, layouts
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives
 from fourfold.train.evaluate import evaluate
+from serial_reference import sum_replicated_grads
 
 
 def run_families(paths, ids, sizes, seq_parallel, microbatches, schedule="1f1b", virtual=1):

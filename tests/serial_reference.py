@@ -128,3 +128,34 @@ def saved_gradients(model, path) -> dict:
             p.copy_(p.grad)
     model.save_pretrained(path / "grads")
     return load_file(path / "grads" / "model.safetensors")
+
+
+def adamw_groups(model, weight_decay: float) -> list[dict]:
+    """torch AdamW's parameter groups for fourfold's own model on one rank: weight decay on the
+    matrices (parameters whose serial tensor has two dims; the local ones are flat), none on norms
+    and biases, as fourfold's AdamW decays them."""
+    from fourfold.parallel.tensor.params import layouts
+
+    matrix = {p: all(len(piece.serial_shape) >= 2 for piece in layout.pieces) for p, layout in layouts(model).items()}
+    return [{"params": [p for p, m in matrix.items() if m], "weight_decay": weight_decay},
+            {"params": [p for p, m in matrix.items() if not m], "weight_decay": 0.0}]
+
+
+def hf_adamw_groups(model, weight_decay: float) -> list[dict]:
+    """The same groups for a transformers model (as Hugging Face's Trainer makes them): no decay on
+    1-D parameters (norms, biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def sum_replicated_grads(module, grid) -> None:
+    """All-reduce the gradient of each replicated parameter over its layout's `grad_sum` dims
+    (the dims its tokens or its filled slice were split over), as GradientSync's buckets sum them
+    in a run; for tests that call backward without GradientSync. Weight shards need nothing here."""
+    from fourfold.parallel import comm
+    from fourfold.parallel.tensor.params import layouts
+
+    for p, layout in layouts(module).items():
+        if p.grad is not None and layout.grad_sum:
+            comm.all_reduce(p.grad, grid.group(layout.grad_sum))

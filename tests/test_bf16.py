@@ -23,6 +23,7 @@ from fourfold.parallel.optimizer import AdamW
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives
+from serial_reference import hf_adamw_groups
 
 HF = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
           intermediate_size=256, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=128)
@@ -44,7 +45,7 @@ def _target_index():
 def _transformers_losses(path, dtype, autocast):
     """Per-token losses [STEPS, BATCH * SEQ] of transformers' model, loaded in `dtype`, trained on the batch."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa")
-    opt = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    opt = torch.optim.AdamW(hf_adamw_groups(model, OPTIMIZER["weight_decay"]), **OPTIMIZER)
     ids = torch.from_numpy(_batch())
     losses = []
     for _ in range(STEPS):

@@ -69,9 +69,9 @@ def test_a_changed_byte_is_found_by_the_ranks_before_any_reads(ranks, tmp_path):
 
 def _source(run_dir, *options):
     from fourfold.spec.trainconfig import load_train_config
-    from fourfold.train.trainer import _agreed_source
+    from fourfold.train.resume import agreed_source
 
-    return _agreed_source(load_train_config(None, ["--log.run_dir", str(run_dir), *options]), None)
+    return agreed_source(load_train_config(None, ["--log.run_dir", str(run_dir), *options]), None)
 
 
 def _save_steps(root, steps):

@@ -194,7 +194,7 @@ def test_errors_name_the_fix(tokenizer, inputs, tmp_path):
 
 
 def test_config_checks_the_inputs_before_launch(inputs, tmp_path):
-    from fourfold.train.trainer import tokens_files
+    from fourfold.data.prepare import tokens_files
 
     spec, _ = inputs
     cases = [(["--data.files", f"{tmp_path}/none/*.jsonl"], "data.files: pattern .* matches no file"),
@@ -205,7 +205,7 @@ def test_config_checks_the_inputs_before_launch(inputs, tmp_path):
             validate(load_train_config(None, overrides), 1)
     cfg = load_train_config(None, ["--data.files", spec, "--data.cache_dir", str(tmp_path), "--data.workers", "1"])
     with pytest.raises(ConfigError, match="data: .* has no column 'text' .*; set data.field"):
-        tokens_files(cfg)
+        tokens_files(cfg.data, cfg.tokenizer)
 
 
 def test_gzip_files_give_the_tokens_of_the_plain_ones(tokenizer, inputs, tmp_path):

@@ -13,6 +13,7 @@ from fourfold.parallel.tensor.linear import ParallelLinear
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
+from serial_reference import adamw_groups
 
 CFG = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
                   tied=False, eps=1e-5)
@@ -26,13 +27,14 @@ def _batches(cfg):
     return [torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS * ACCUMULATE)]
 
 
-def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOptions(), recompute="none", compile=False):
+def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOptions(), recompute="none", compile=False,
+           decay_vectors=False):
     layout = Layout(**sizes)
     grid = Grid(layout)
     opts = TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel, overlap=overlap, compile=compile)
     model = Transformer(grid, cfg, opts, seed=5, std=0.3, recompute=recompute)
     sync = GradientSync(model, grid, shard=shard, bucket_mb=bucket_mb)
-    opt = AdamW(sync, lr=1e-2, weight_decay=0.1, clip_norm=clip)
+    opt = AdamW(sync, lr=1e-2, weight_decay=0.1, decay_vectors=decay_vectors, clip_norm=clip)
     c = grid.coords
     norms = []
     for step in range(STEPS):
@@ -47,11 +49,13 @@ def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOpti
     return full_weights(model), norms, sent
 
 
-def _serial(cfg, clip):
-    """The same model on one rank with torch's own AdamW and clip_grad_norm_."""
+def _serial(cfg, clip, decay_vectors=False):
+    """The same model on one rank with torch's own AdamW (weight decay on the matrices; with
+    `decay_vectors`, on every parameter) and clip_grad_norm_."""
     grid = Grid(Layout())
     model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64), seed=5, std=0.3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    groups = [{"params": model.parameters(), "weight_decay": 0.1}] if decay_vectors else adamw_groups(model, 0.1)
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     norms = []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
@@ -116,6 +120,19 @@ def test_compiled_norms_rope_and_activations_change_nothing(ranks, serial):
         _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
 
 
+def test_weight_decay_on_norms_and_biases_when_asked(ranks, serial):
+    """optimizer.decay_norms_and_biases (AdamW's decay_vectors): every parameter decays, as torch's
+    AdamW over one group does; by default the norms' weights and biases do not (the serial
+    reference's groups), so the two runs differ."""
+    weights, norms, _ = ranks.run(_train, 2, GPT, dict(x=2), True, None, True, 25.0, OverlapOptions(), "none", False,
+                                  True)[0]
+    everything = ranks.run(_serial, 1, GPT, None, True)[0]
+    _assert_equal(GPT, (weights, norms), everything)
+    default = serial[(GPT.family, None)][0]
+    differ = {name for name in default if not torch.allclose(everything[0][name], default[name], rtol=1e-9, atol=0)}
+    assert any(name.endswith("norm.weight") for name in differ), differ
+
+
 def _overflowing_gradient_step():
     """Two steps on dp2 z2; in the second one rank's gradient holds an inf (the loss is finite)."""
     grid = Grid(Layout(dp=2, z=2))
@@ -129,10 +146,10 @@ def _overflowing_gradient_step():
         model(ids[:, :-1], ids[:, 1:]).sum().backward()
         if overflow is not None:
             overflow.remove()
-        before = [{k: t.clone() for k, t in s.items() if k != "copies"} for s in opt.state]
+        before = [{k: t.clone() for k, t in s.items() if isinstance(t, torch.Tensor)} for s in opt.state]
         weights = [p.detach().clone() for p in model.parameters()]
         results.append(bool(opt.step()))  # decided on the device, read here
-    after = [{k: t for k, t in s.items() if k != "copies"} for s in opt.state]
+    after = [{k: t for k, t in s.items() if isinstance(t, torch.Tensor)} for s in opt.state]
     unchanged = all(torch.equal(a[k], b[k]) for a, b in zip(after, before) for k in a)
     return results, unchanged, all(torch.equal(p, w) for p, w in zip(model.parameters(), weights)), opt.step_count
 

@@ -18,7 +18,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
-from fourfold.train.trainer import tokenizer_files
+from fourfold.train.resume import tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 

@@ -381,13 +381,13 @@ def test_prepare_tokenizes_and_packs_into_the_cache_train_reads(tmp_path, capsys
     assert main(["prepare", *options, "--grid.cp", "2"]) == 0  # (a GPU grid's rules are not asked on this machine)
     out = capsys.readouterr().out
     assert "packed windows:" in out and "--data.tokens" in out
+    from fourfold.data.prepare import packed_windows, tokens_files
     from fourfold.spec.trainconfig import load_train_config
-    from fourfold.train.trainer import packed_windows, tokens_files
 
     monkeypatch.setattr(corpus, "_tokenize", None)  # found in the cache: nothing is tokenized again
     monkeypatch.setattr(corpus, "pack_documents", None)
     cfg = load_train_config(None, options)
-    tokenizer, tokens = tokens_files(cfg)
-    assert str(tokens.resolve()) in out and packed_windows(cfg, tokenizer, tokens).is_file()
+    tokenizer, tokens = tokens_files(cfg.data, cfg.tokenizer)
+    assert str(tokens.resolve()) in out and packed_windows(cfg.data, cfg.batch.seq, tokenizer, tokens).is_file()
     assert main(["prepare", "--data.text", str(tmp_path / "none.txt")]) == 2
     assert "data.text names" in capsys.readouterr().err

@@ -14,12 +14,13 @@ from fourfold.models.config import ModelConfig, load_config, preset_names
 from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
-from fourfold.parallel.tensor.params import Replicas, full_weights, sum_replicated_grads
+from fourfold.parallel.tensor.params import Replicas, full_weights
 from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import GridError, Layout
 from fourfold.spec.rules import padded_vocab
 from fourfold.spec.volumes import ledger_bytes, model_collectives
+from serial_reference import sum_replicated_grads
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,6 +20,7 @@ from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import split_layers
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import ledger_bytes, model_collectives, pipeline_sends
+from serial_reference import adamw_groups
 
 LLAMA = ModelConfig("llama", hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,
                     tied=False, eps=1e-5)
@@ -102,7 +103,7 @@ def _train(cfg, sizes, schedule=None, virtual=1, microbatches=1, seq_parallel=Fa
 def _serial(cfg):
     grid = Grid(Layout())
     model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64), seed=5, std=0.3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = torch.optim.AdamW(adamw_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     losses, grads = [], None
     for ids in _batches(cfg):
         loss = model(ids[:, :-1], ids[:, 1:]).mean()

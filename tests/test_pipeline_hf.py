@@ -119,17 +119,17 @@ def _train(options):
 
 def _score_on_dp(options, path):
     """The held-out loss of checkpoint `path` on dp alone, as the trainer scores it."""
+    from fourfold.data.prepare import packed_windows, tokens_files
     from fourfold.parallel.grid import Grid
     from fourfold.parallel.model import Model
     from fourfold.train.evaluate import evaluate
-    from fourfold.train.trainer import packed_windows, tokens_files
 
     cfg = load_train_config(None, options)
     model = Model(Grid(Layout(dp=2)), cfg.job().with_layout(dp=2), cfg.model_config(), dtype=torch.float64)
     checkpoint.load_checkpoint(path, model.module)
-    files = tokens_files(cfg)
+    files = tokens_files(cfg.data, cfg.tokenizer)
     loader = corpus.TokenLoader(files[1], cfg.batch.seq, cfg.batch.global_batch, seed=cfg.data.seed,
-                                packing=cfg.data.packing, windows=packed_windows(cfg, *files))
+                                packing=cfg.data.packing, windows=packed_windows(cfg.data, cfg.batch.seq, *files))
     return evaluate(model, loader.held_out(), cfg.batch.seq, cfg.batch.micro_batch, cfg.train.eval_tokens)
 
 

@@ -6,11 +6,12 @@ import torch.nn.functional as F
 
 from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
-from fourfold.parallel.tensor.params import full_weights, layouts, load_full, sum_replicated_grads
+from fourfold.parallel.tensor.params import full_weights, layouts, load_full
 from fourfold.parallel.tensor.regions import all_gather
 from fourfold.parallel.tensor.vocab import LMHead, ParallelEmbedding, vocab_parallel_cross_entropy
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import padded_vocab
+from serial_reference import sum_replicated_grads
 
 VOCAB, HIDDEN, SEQ = 40, 24, 8
 GRIDS = [dict(x=1), dict(y=2), dict(x=2, y=2), dict(y=4, z=2), dict(x=2, y=2, z=2), dict(x=2, z=4), dict(y=8),

@@ -464,7 +464,7 @@ def test_the_run_starts_from_its_own_latest_checkpoint_then_from_checkpoint_load
     directory; a checkpoint of another model is refused before launch, naming the fix."""
     import dataclasses as dc
 
-    from fourfold.train.trainer import check_checkpoint, checkpoint_source
+    from fourfold.train.resume import check_checkpoint, checkpoint_source
 
     def fake_checkpoint(root, step, **model_changes):
         path = root / f"step-{step:08d}"

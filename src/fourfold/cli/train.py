@@ -124,7 +124,7 @@ def _before_launch(cfg) -> list[str]:
     0 does not prepare it while every other rank waits at the start-up barrier (whose timeout a
     large corpus would pass)."""
     from fourfold.spec.trainconfig import check_data_files
-    from fourfold.train.trainer import check_checkpoint
+    from fourfold.train.resume import check_checkpoint
 
     check_data_files(cfg)
     changed = check_checkpoint(cfg)
@@ -137,10 +137,10 @@ def _before_launch(cfg) -> list[str]:
 def _prepared_data(cfg) -> tuple[list[str], Path | None]:
     """The corpus tokenized (and, for data.packing = documents, packed) into the cache, where the
     job's rank 0 finds it: the overrides that hand the ranks its files, and the windows file."""
-    from fourfold.train.trainer import packed_windows, tokens_files
+    from fourfold.data.prepare import packed_windows, tokens_files
 
-    tokenizer, tokens = tokens_files(cfg)
-    windows = packed_windows(cfg, tokenizer, tokens)
+    tokenizer, tokens = tokens_files(cfg.data, cfg.tokenizer)
+    windows = packed_windows(cfg.data, cfg.batch.seq, tokenizer, tokens)
     return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())], windows
 
 

@@ -7,6 +7,13 @@ once (`torch.optim.adamw.adamw(fused=True)`, CPU and CUDA). Whether a step is sk
 non-finite gradient norm or loss) is decided on the device, so a step needs no host sync. The
 global norm counts every element once: each is weighted by 1/(number of ranks holding it), from
 the parameter layouts' `replicated` dims.
+
+Weight decay applies to the matrices only (every parameter whose serial tensor has two dims or
+more: linears, embeddings, experts), not to norms' weights and biases, as Megatron-Core and
+Hugging Face's Trainer do; `decay_vectors=True` decays every parameter (fourfold before
+2026-12-04). The decay is decoupled, applied to the decayed runs of each shard before the fused
+update (which then runs without decay): the same arithmetic as torch's AdamW, in one more pass over
+those runs of the master weights, and no per-element mask in memory.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ class AdamW:
     rank updates its shard of each bucket and the updated parameters are all-gathered."""
 
     def __init__(self, sync: GradientSync, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, clip_norm: float | None = None, skip_non_finite: bool = True):
+                 weight_decay: float = 0.0, decay_vectors: bool = False, clip_norm: float | None = None,
+                 skip_non_finite: bool = True):
         self.sync, self.lr, self.betas, self.eps, self.wd, self.clip = sync, lr, betas, eps, weight_decay, clip_norm
+        self.decay_vectors = decay_vectors
         # False: update even from a non-finite gradient (it then reaches the moments); for callers
         # whose values are not real (FakeTensorMode), which need no check.
         self.skip_non_finite = skip_non_finite
@@ -70,6 +79,19 @@ class AdamW:
                         / (bucket.group.size if self.sync.shard else 1)))
         return out
 
+    def _decayed(self, bucket: Bucket, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The (start, end) runs of this rank's range [lo, hi) of the bucket that weight decay
+        applies to: its matrices' elements (all of them with `decay_vectors`), adjacent ones merged."""
+        runs: list[tuple[int, int]] = []
+        for p, a, b, at in bucket.segments(lo, hi):
+            pieces = self.sync.layouts[p].pieces
+            if self.decay_vectors or all(len(piece.serial_shape) >= 2 for piece in pieces):
+                if runs and runs[-1][1] == at:
+                    runs[-1] = (runs[-1][0], at + b - a)
+                else:
+                    runs.append((at, at + b - a))
+        return runs
+
     def global_norm(self, buckets: list[Bucket]) -> torch.Tensor:
         """Exact global gradient norm: each element counted once over every shard and replica."""
         total = torch.zeros((), dtype=torch.float64, device=self.sync.grid.device)
@@ -89,7 +111,8 @@ class AdamW:
     def _init_state(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
             lo, hi = bucket.shard_range(self.sync.shard)
-            s = {"master": self._shard(bucket, lambda p: p, lo, hi), "copies": self._copies(bucket, lo, hi)}
+            s = {"master": self._shard(bucket, lambda p: p, lo, hi), "copies": self._copies(bucket, lo, hi),
+                 "decayed": self._decayed(bucket, lo, hi)}
             s["m"], s["v"] = torch.zeros_like(s["master"]), torch.zeros_like(s["master"])
             # The fused kernel's bias-correction count, one per shard (it increments each).
             s["step"] = torch.full((), self._steps, dtype=torch.float32, device=s["master"].device)
@@ -115,10 +138,16 @@ class AdamW:
         if self.clip is not None:  # as a tensor (torch's clip_grad_norm_ rule), in the gradients' dtype (a
             # float64 scalar on fp32 gradients takes CUDA's slow path)
             torch._foreach_mul_(grads, (self.clip / (self.norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+        if self.wd:  # decoupled: p *= 1 - lr * wd on the decayed runs (not on a skipped step)
+            runs = [s["master"][a:b] for s in self.state for a, b in s["decayed"]]
+            if runs:
+                decay = torch.full((), 1 - self.lr * self.wd, dtype=runs[0].dtype, device=runs[0].device)
+                keep = torch.where(updated, decay, 1.0)  # (a Python float in where would make it float32)
+                torch._foreach_mul_(runs, keep)
         b1, b2 = self.betas
         adamw([s["master"] for s in self.state], grads, [s["m"] for s in self.state], [s["v"] for s in self.state],
               [], [s["step"] for s in self.state], fused=True, amsgrad=False, beta1=b1, beta2=b2, lr=self.lr,
-              weight_decay=self.wd, eps=self.eps, maximize=False,
+              weight_decay=0.0, eps=self.eps, maximize=False,
               found_inf=(~updated).float() if self.skip_non_finite else None)
         for bucket, s in zip(buckets, self.state):
             self.sync.release(bucket)

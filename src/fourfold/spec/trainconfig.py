@@ -58,7 +58,9 @@ class OptimizerSection:
     lr: float = 3e-3  # peak learning rate, after the warmup
     min_lr: float = 3e-4  # where the cosine decay ends, at train.steps
     warmup: int = 10  # steps of linear warmup
-    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on the weight matrices and embeddings
+    # weight decay on norms' weights and biases too (as fourfold did before 2026-12-04; Megatron and HF exclude them)
+    decay_norms_and_biases: bool = False
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay
     clip: float = 1.0  # the global gradient norm is clipped to this (0: no clipping)

@@ -226,11 +226,3 @@ def full_weights(module: nn.Module, grads: bool = False, pick: Pick | None = Non
     for shard in shards:
         out.update(shard.full_weights(pick))
     return out
-
-
-def sum_replicated_grads(module: nn.Module, grid: Grid) -> None:
-    """All-reduce the gradient of each replicated parameter over its layout's `grad_sum` dims
-    (the dims its tokens or its filled slice were split over). Weight shards need nothing here."""
-    for p, layout in layouts(module).items():
-        if p.grad is not None and layout.grad_sum:
-            comm.all_reduce(p.grad, grid.group(layout.grad_sum))
