@@ -19,7 +19,11 @@ from fourfold.spec.layout import Layout
 from fourfold.spec.schedule import schedule_order
 from fourfold.spec.volumes import ledger_bytes, pipeline_sends
 from fourfold.tools.measure import measure_peak
-from fourfold.tools.simulate import TRAINER_GROUPS, simulate
+from fourfold.tools.simulate import simulate
+
+# The trainer's groups: each dim's, and its roles' (replicas, losses, tokens, the world)
+TRAINER_GROUPS = ("dp", "pp", "cp", "x", "y", "z", ("dp", "cp"), ("dp", "pp", "cp", "z"), ("dp", "cp", "z"),
+                  ("dp", "pp", "cp", "x", "y", "z"))
 
 
 def test_grid_on_a_fake_world_of_4096_ranks_builds_only_its_own_groups():
@@ -32,6 +36,8 @@ def test_grid_on_a_fake_world_of_4096_ranks_builds_only_its_own_groups():
             group = grid.group(dims)
             assert list(group.ranks) == layout.group_ranks(dims, rank)
             assert group.ranks[group.rank] == rank
+        roles = (grid.replica_group(), grid.loss_group(), grid.token_group(), grid.world_group())
+        assert roles == tuple(grid.group(dims) for dims in TRAINER_GROUPS[6:])
     finally:
         dist.destroy_process_group()
 

@@ -130,6 +130,26 @@ class Grid:
             self._groups[key] = self._build_group(key)
         return self._groups[key]
 
+    # ----- groups by role (as torchtitan's parallel_dims names its meshes) ------------------------
+    def loss_group(self) -> Group:
+        """The ranks holding different tokens' losses (dp, pp, cp, z): a loss summed over them is
+        the global batch's (on ranks without the last pipeline stage, theirs is zero)."""
+        return self.group(("dp", "pp", "cp", "z"))
+
+    def token_group(self) -> Group:
+        """The ranks holding different tokens of the same layer (dp, cp, z): a mixture's routing
+        statistics are summed over them."""
+        return self.group(("dp", "cp", "z"))
+
+    def replica_group(self) -> Group:
+        """The ranks holding the same (dense) parameters (dp, cp): their gradients are summed, their
+        optimizer state is sharded, their checkpoint writes are shared."""
+        return self.group(("dp", "cp"))
+
+    def world_group(self) -> Group:
+        """Every rank (all six dims): a global gradient norm is summed over it."""
+        return self.group(DIMS)
+
     def _build_group(self, dims: tuple[str, ...]) -> Group:
         name = "_".join(dims)
         # Dims of size 1 add no rank: a combined group over them is the group of the other dims

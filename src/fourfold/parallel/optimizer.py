@@ -74,7 +74,7 @@ class AdamW:
         grid, out = self.sync.grid, []
         for p, a, b, at in bucket.segments(lo, hi):
             layout = self.sync.layouts[p]
-            replicas = grid.expert_group("edp").size if layout.expert else grid.size(("dp", "cp"))
+            replicas = (grid.expert_group("edp") if layout.expert else grid.replica_group()).size
             out.append((at, at + b - a, grid.size(layout.replicated) * replicas
                         / (bucket.group.size if self.sync.shard else 1)))
         return out
@@ -98,7 +98,7 @@ class AdamW:
         for bucket, state in zip(buckets, self.state):
             for a, b, copies in state["copies"]:  # accumulated in float64, no float64 copy made
                 total += torch.linalg.vector_norm(bucket.reduced[a:b], dtype=torch.float64).square() / copies
-        comm.all_reduce(total, self.sync.grid.group(("dp", "pp", "cp", "x", "y", "z")))
+        comm.all_reduce(total, self.sync.grid.world_group())
         return total.sqrt()
 
     STATE = ("master", "m", "v")

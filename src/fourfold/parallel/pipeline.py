@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm
@@ -153,7 +154,8 @@ class Pipeline:
         stages = [_LedgerStage(m, i, n_stages, grid.device, input_args=inputs[i], output_args=outputs[i],
                                group=pp.process_group, pp=pp) for m, i in zip(modules, self.indices)]
         kind = SCHEDULE_CLASSES[schedule]
-        self.schedule = kind(stages if schedule == "interleaved-1f1b" else stages[0], microbatches,
+        # a schedule of several stages a rank takes them all; a single-stage one its one
+        self.schedule = kind(stages if issubclass(kind, PipelineScheduleMulti) else stages[0], microbatches,
                              loss_fn=self._loss, scale_grads=False)
         self._scale = 1.0
 

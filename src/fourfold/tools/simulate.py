@@ -38,15 +38,20 @@ from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.parallel.tensor.params import Replicas
 from fourfold.parallel.tensor.vocab import vocab_parallel_cross_entropy
 from fourfold.spec.job import Job
+from fourfold.spec.layout import DIMS
 from fourfold.spec.rules import check
 from fourfold.spec.schedule import schedule_order
 from fourfold.tools.fake import fake_world
 from fourfold.tools.measure import LiveBytes
 
-# Every group the trainer, its optimizer and its evaluation ask for (the combined ones are the
-# expensive kind to create).
-TRAINER_GROUPS = ("dp", "pp", "cp", "x", "y", "z", ("dp", "cp"), ("dp", "pp", "cp", "z"), ("dp", "cp", "z"),
-                  ("dp", "pp", "cp", "x", "y", "z"))
+
+def trainer_groups(grid: Grid) -> None:
+    """Every group the trainer, its optimizer and its evaluation ask for, made now (the combined
+    ones by role are the expensive kind to create)."""
+    for dim in DIMS:
+        grid.group(dim)
+    for role in (grid.replica_group, grid.loss_group, grid.token_group, grid.world_group):
+        role()
 
 
 @dataclass
@@ -135,8 +140,7 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
         startup["process group"] = time.perf_counter() - begun
         with _timed(startup, "grid and groups"):
             grid = Grid(job.layout)  # outside fake mode: DeviceMesh reads its rank tensor's values
-            for dims in TRAINER_GROUPS:
-                grid.group(dims)
+            trainer_groups(grid)
             if job.layout.ep > 1:  # a mixture's token exchange and expert replicas (Grid.expert_group)
                 for kind in ("ep", "edp"):
                     grid.expert_group(kind)

@@ -58,6 +58,6 @@ def evaluate(model: Model, tokens: np.ndarray, seq: int, batch_per_rank: int = 1
         if losses is not None:  # (None: a pipeline rank without the last stage)
             total[0] += losses.double().sum()
             total[1] += (batch.targets >= 0).sum()
-    comm.all_reduce(total, grid.group(("dp", "pp", "cp", "z")))
+    comm.all_reduce(total, grid.loss_group())
     mean = (total[0] / total[1]).item()
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": int(total[1].item())}

@@ -119,7 +119,7 @@ class Trainer:
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         generation, self.pad_token_id = generation_settings(cfg.model.hf)
         self.copied = tokenizer_files(tokenizer_path) | generation
-        self.everything = grid.group(("dp", "pp", "cp", "z"))  # the ranks holding different tokens' losses
+        self.loss_group = grid.loss_group()  # (made here: every rank makes its groups in one order)
         self.scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
         self.bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
         self.window: list[dict] = []  # the steps not read yet, their numbers on the device
@@ -151,7 +151,7 @@ class Trainer:
         self.position += cfg.batch.global_batch
         batch = local_batch(self.job, grid, ids, self.end_of_document)
         loss = self.model.step(batch, self.sync, math.nan if step in cfg.fault.nan_steps else self.scale)
-        loss = comm.all_reduce(loss.double().reshape(1), self.everything)[0]
+        loss = comm.all_reduce(loss.double().reshape(1), self.loss_group)[0]
         # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
         updated = self.opt.step(loss_finite=torch.isfinite(loss))
         self.bad = torch.where(updated, 0, self.bad + 1)

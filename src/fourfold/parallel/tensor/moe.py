@@ -266,7 +266,7 @@ def stage_stats(layers: list[ParallelMoE]) -> torch.Tensor:
 def balance_loss(counts: torch.Tensor, probs: torch.Tensor, rows: int, grid: Grid, coef: float) -> torch.Tensor:
     """This rank's share of the load-balancing loss from every layer's `stage_stats` summed, over
     `rows` = layers x this rank's tokens (see `router_loss`)."""
-    tokens = grid.group(("dp", "cp", "z"))
+    tokens = grid.token_group()
     rows *= tokens.size  # every rank holds as many tokens
     counts = comm.all_reduce(counts.detach().clone(), tokens)
     return coef * (torch.sum((counts / rows) * (probs / rows)) * len(counts))

@@ -158,7 +158,7 @@ class Replicas:
 
     @classmethod
     def of_grid(cls, grid: Grid) -> "Replicas":
-        return cls(grid.group(("dp", "cp")), grid.expert_group("edp"))
+        return cls(grid.replica_group(), grid.expert_group("edp"))
 
     @classmethod
     def one_group(cls, group: comm.Group) -> "Replicas":
