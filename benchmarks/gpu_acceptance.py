@@ -59,6 +59,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 # The kernel and ring checks live with the tests that share them (tests/gpu/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fourfold.checkpoint.hf import load_hf  # noqa: E402
+from fourfold.config import TrainConfig  # noqa: E402
 from fourfold.models.config import ModelConfig  # noqa: E402
 from fourfold.parallel.data import GradientSync  # noqa: E402
 from fourfold.parallel.grid import Grid  # noqa: E402
@@ -71,7 +72,6 @@ from fourfold.plan.perf import model_flops_per_token  # noqa: E402
 from fourfold.spec.hardware import GPUS  # noqa: E402
 from fourfold.spec.job import Job  # noqa: E402
 from fourfold.spec.layout import Layout  # noqa: E402
-from fourfold.spec.trainconfig import TrainConfig  # noqa: E402
 from fourfold.tools.measure import GPU_ONLY_TERMS  # noqa: E402
 from fourfold.train.schedule import learning_rate  # noqa: E402
 from gpu.kernel_checks import BLOCKS, SHAPES, Shape, check_block  # noqa: E402

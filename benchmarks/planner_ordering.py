@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fourfold.config import BatchSection, GridSection, TrainConfig, TrainSection
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid, init_process_group
@@ -30,7 +31,6 @@ from fourfold.plan.perf import UNCALIBRATED, Profile, step_time
 from fourfold.spec.hardware import GPU, Cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS, Layout
-from fourfold.spec.trainconfig import BatchSection, GridSection, TrainConfig, TrainSection
 
 CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=8, ffn=704, vocab=4096, max_positions=512,
                   tied=False, eps=1e-5)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fourfold.cli.main import main
+from fourfold.config import TrainConfig
 from fourfold.models.config import load_config
 from fourfold.plan import perf
 from fourfold.plan.calibrate import (
@@ -36,7 +37,6 @@ from fourfold.plan.search import search
 from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.spec.trainconfig import TrainConfig
 
 needs_data = pytest.mark.skipif(not (DATA / "megatron_llama31_8b_a100.csv").is_file(),
                                 reason=f"the published calibration runs are not at {DATA}")

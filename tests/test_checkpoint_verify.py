@@ -68,7 +68,7 @@ def test_a_changed_byte_is_found_by_the_ranks_before_any_reads(ranks, tmp_path):
 
 
 def _source(run_dir, *options):
-    from fourfold.spec.trainconfig import load_train_config
+    from fourfold.config import load_train_config
     from fourfold.train.resume import agreed_source
 
     return agreed_source(load_train_config(None, ["--log.run_dir", str(run_dir), *options]), None)

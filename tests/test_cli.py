@@ -68,8 +68,8 @@ def test_the_ranks_run_the_job_the_planner_chose():
     import dataclasses
 
     from fourfold.cli.train import _resolved
+    from fourfold.config import load_train_config
     from fourfold.spec.layout import Layout
-    from fourfold.spec.trainconfig import load_train_config
 
     cfg = load_train_config(None, ["--grid.auto", "true"])
     layout = Layout(dp=2, pp=2, x=2, y=2, order=("y", "x", "z", "cp", "dp", "pp"))
@@ -83,7 +83,7 @@ def test_the_ranks_run_the_job_the_planner_chose():
 
 
 def test_every_config_key_is_explained_in_the_help():
-    from fourfold.spec.trainconfig import config_keys, key_help, sections_help
+    from fourfold.config import config_keys, key_help, sections_help
 
     meaning = key_help()
     assert [k for k in config_keys() if not meaning.get(k)] == []

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models, pre_tokenizers, processors
 
+from fourfold.config import PACKINGS, ConfigError, load_train_config, validate
 from fourfold.data import corpus
-from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
 
 WORDS = ["the", "cat", "sat", "on", "mat", "déjà", "vu", "naïve", "中文", "字", "2024", "x1", "it's", "co-op",
          "(ok)", "end.", "\t"]
@@ -194,15 +194,17 @@ def test_errors_name_the_fix(tokenizer, inputs, tmp_path):
 
 
 def test_config_checks_the_inputs_before_launch(inputs, tmp_path):
+    from fourfold.data.checks import check_data_files
     from fourfold.data.prepare import tokens_files
 
     spec, _ = inputs
-    cases = [(["--data.files", f"{tmp_path}/none/*.jsonl"], "data.files: pattern .* matches no file"),
-             (["--data.files", spec, "--data.text", __file__], "data.text and data.files both name a corpus; give one"),
+    cases = [(["--data.files", spec, "--data.text", __file__], "data.text and data.files both name a corpus; give one"),
              (["--data.workers", "-1"], "data.workers must be >= 0")]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_train_config(None, overrides), 1)
+    with pytest.raises(ConfigError, match="data.files: pattern .* matches no file"):  # where the files are read
+        check_data_files(load_train_config(None, ["--data.files", f"{tmp_path}/none/*.jsonl"]))
     cfg = load_train_config(None, ["--data.files", spec, "--data.cache_dir", str(tmp_path), "--data.workers", "1"])
     with pytest.raises(ConfigError, match="data: .* has no column 'text' .*; set data.field"):
         tokens_files(cfg.data, cfg.tokenizer)
@@ -320,7 +322,7 @@ def test_packing_order_is_fixed_by_the_seed_and_resumes(tmp_path):
     window; the replicas' parts make the global batch. "stream" keeps its windows (i * seq)."""
     seq, batch = 8, 4
     path = _documents_file(tmp_path / "t.npy", seq)
-    for packing in corpus.PACKINGS:
+    for packing in PACKINGS:
         def make(seed=0):
             return corpus.TokenLoader(path, seq, batch, seed=seed, packing=packing, eos=0)
 
@@ -358,7 +360,7 @@ def test_document_windows_are_made_once_and_read_by_every_loader(tmp_path, monke
 
 def test_document_packing_errors_name_the_fix(tokenizer, tmp_path):
     """Token files without an end-of-document id fail with the fix, the trainer's before launch."""
-    from fourfold.spec.trainconfig import check_data_files
+    from fourfold.data.checks import check_data_files
 
     np.save(tmp_path / "flat.npy", np.arange(300, dtype=np.uint16) % 50 + 10)  # (the tokenizer's ids 0-2 are special)
     with pytest.raises(ValueError, match=r'holds no end-of-document id \(0\), so data.packing = "documents" finds no '

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.parallel import grid
 from fourfold.spec.layout import GridError
-from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
 
 
 @pytest.fixture

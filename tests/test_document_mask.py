@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from families_on_grids import serial_grads
+from fourfold.config import ConfigError
 from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
@@ -25,7 +26,6 @@ from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
-from fourfold.spec.trainconfig import ConfigError
 from fourfold.train.evaluate import evaluate, windows
 
 LLAMA = ModelConfig("llama", hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, max_positions=32,

@@ -17,8 +17,8 @@ import pytest
 
 from fourfold import checkpoint
 from fourfold.cli.main import main
+from fourfold.config import TrainConfig
 from fourfold.data import corpus
-from fourfold.spec.trainconfig import TrainConfig
 
 STEPS = 6
 EXAMPLE = Path(__file__).parents[1] / "examples" / "llama3-8b-8gpu.toml"
@@ -381,8 +381,8 @@ def test_prepare_tokenizes_and_packs_into_the_cache_train_reads(tmp_path, capsys
     assert main(["prepare", *options, "--grid.cp", "2"]) == 0  # (a GPU grid's rules are not asked on this machine)
     out = capsys.readouterr().out
     assert "packed windows:" in out and "--data.tokens" in out
+    from fourfold.config import load_train_config
     from fourfold.data.prepare import packed_windows, tokens_files
-    from fourfold.spec.trainconfig import load_train_config
 
     monkeypatch.setattr(corpus, "_tokenize", None)  # found in the cache: nothing is tokenized again
     monkeypatch.setattr(corpus, "pack_documents", None)

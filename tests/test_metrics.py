@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fourfold.data import corpus
-from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
+from fourfold import extras as pins
+from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.train import metrics
 
 
@@ -25,10 +25,10 @@ def test_wandb_asked_for_but_not_installed_fails_before_launch(monkeypatch):
 def test_pins_named_in_messages_are_pyproject_extras():
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert extras["metrics"] == [metrics.TENSORBOARD]
-    assert extras["wandb"] == [metrics.WANDB]
-    assert extras["parquet"] == [corpus.PYARROW]
-    assert {metrics.TENSORBOARD, corpus.PYARROW} <= set(extras["test"])
+    assert extras["metrics"] == [pins.TENSORBOARD]
+    assert extras["wandb"] == [pins.WANDB]
+    assert extras["parquet"] == [pins.PYARROW]
+    assert {pins.TENSORBOARD, pins.PYARROW} <= set(extras["test"])
 
 
 def test_the_trajectory_counts_the_attempt_that_went_on(tmp_path):

@@ -396,7 +396,7 @@ def test_expert_parallel_grids_that_cannot_work_are_refused_with_the_fix():
 
 
 def test_a_negative_capacity_factor_is_refused_by_name():
-    from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
+    from fourfold.config import ConfigError, load_train_config, validate
 
     with pytest.raises(ConfigError, match="model.capacity_factor=-1.0 must be a number >= 0"):
         validate(load_train_config(None, ["--model.capacity_factor", "-1"]), 1)

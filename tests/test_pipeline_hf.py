@@ -24,10 +24,10 @@ import transformers
 from families_on_grids import evaluate_families, run_families
 from fourfold import checkpoint
 from fourfold.checkpoint.hf import to_hf_tensors
+from fourfold.config import load_train_config
 from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
 from fourfold.spec.layout import Layout
-from fourfold.spec.trainconfig import load_train_config
 from serial_reference import relative_error, saved_random_model
 from test_models import _rms_norm_in_input_dtype
 

@@ -8,7 +8,7 @@ import pytest
 
 from fourfold.cli.main import main
 from fourfold.cli.train import _resolved, resolve_auto_grid
-from fourfold.spec.trainconfig import load_train_config
+from fourfold.config import load_train_config
 
 CASES = [("llama-3.1-8b", 64, "dgx-h100", 8192, 256), ("gpt-20b", 32, "dgx-a100", 2048, 512)]
 
@@ -40,8 +40,8 @@ def test_a_plan_row_is_what_estimate_and_train_run(model, gpus, cluster, seq, ba
 def test_the_hardware_section_is_the_planners_machine():
     """[hardware] cluster alone takes that cluster's GPUs (the default gpu, H100, replaced an A100
     cluster's, so grid.auto planned another machine than `plan --cluster dgx-a100`)."""
+    from fourfold.config import ConfigError, validate
     from fourfold.spec.hardware import make_cluster
-    from fourfold.spec.trainconfig import ConfigError, validate
 
     assert load_train_config(None, ["--hardware.cluster", "dgx-a100"]).cluster() == make_cluster("dgx-a100")
     assert load_train_config(None, []).cluster() == make_cluster()

@@ -138,8 +138,8 @@ def test_split_layers():
 
 
 def test_config_parsing_and_rules_need_no_torch():
-    code = ("import sys, fourfold.spec.trainconfig, fourfold.spec.rules, fourfold.cli.main; "
-            "fourfold.spec.trainconfig.validate(fourfold.spec.trainconfig.load_train_config(None), 1); "
+    code = ("import sys, fourfold.config, fourfold.spec.rules, fourfold.cli.main; "
+            "fourfold.config.validate(fourfold.config.load_train_config(None), 1); "
             "print(any(m.startswith('torch') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
@@ -178,7 +178,7 @@ def test_launcher_options_stay_with_the_launcher():
 
 @pytest.mark.parametrize("field", ["job_name", "time", "partition", "account", "run_dir", "workdir"])
 def test_sbatch_values_with_control_characters_are_refused(field):
-    from fourfold.spec.trainconfig import ConfigError
+    from fourfold.config import ConfigError
     from fourfold.train.slurm import sbatch_script
 
     where = dict(nodes=1, gpus_per_node=8, cpus_per_task=8, run_dir="/runs/a", workdir="/home/me")

@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fourfold import checkpoint
+from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.data import corpus
-from fourfold.spec.trainconfig import ConfigError, load_train_config, validate
 from fourfold.train.slurm import sbatch_script
 
 STEPS = 6

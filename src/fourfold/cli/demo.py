@@ -24,7 +24,7 @@ def add_parser(commands) -> None:
 
 def run(overrides: list[str]) -> int:
     from fourfold.cli.train import train
-    from fourfold.spec.trainconfig import load_train_config
+    from fourfold.config import load_train_config
 
     # Every demo run trains from scratch in its own directory (a user's --log.run_dir still wins).
     overrides = ["--log.run_dir", time.strftime("runs/demo-%Y%m%d-%H%M%S"), *overrides]

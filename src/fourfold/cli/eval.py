@@ -8,10 +8,11 @@ import math
 from pathlib import Path
 
 from fourfold.cli.options import add_grid_options, launcher_options_removed
+from fourfold.config import ATTENTIONS, ConfigError
+from fourfold.spec.hardware import DEVICES
 from fourfold.spec.job import PRECISIONS, Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import JobError, with_flags
-from fourfold.spec.trainconfig import ATTENTIONS, DEVICES, ConfigError
 from fourfold.train.launch import inside_torchrun, relaunch_with_torchrun
 
 
@@ -109,8 +110,8 @@ def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
     """Every problem of `fourfold eval`, found before any process starts."""
     import numpy as np
 
+    from fourfold.data.checks import check_token_ids
     from fourfold.spec.rules import check
-    from fourfold.spec.trainconfig import check_token_ids
     from fourfold.train.evaluate import window_count
 
     if args.max_tokens < 0:

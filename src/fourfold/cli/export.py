@@ -6,7 +6,7 @@ import argparse
 import shlex
 import warnings
 
-from fourfold.spec.trainconfig import ConfigError
+from fourfold.config import ConfigError
 
 
 def add_parser(commands) -> None:

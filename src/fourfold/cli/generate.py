@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fourfold.spec.trainconfig import ConfigError
+from fourfold.config import ConfigError
 
 
 def add_parser(commands) -> None:

@@ -9,9 +9,9 @@ import sys
 from fourfold.cli import demo, export, generate, plan, simulate, train
 from fourfold.cli import eval as evaluation
 from fourfold.cli.options import Parser, split_overrides
+from fourfold.config import ConfigError
 from fourfold.spec.layout import GridError
 from fourfold.spec.rules import JobError
-from fourfold.spec.trainconfig import ConfigError
 
 TAKE_OVERRIDES = ("train", "slurm", "demo", "prepare")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from fourfold.config import config_keys, did_you_mean
 from fourfold.spec.layout import DEFAULT_ORDER
-from fourfold.spec.trainconfig import config_keys, did_you_mean
 
 
 class Parser(argparse.ArgumentParser):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from fourfold.cli.options import layer_counts
+from fourfold.config import as_overrides, job_settings
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.memory import FRAMEWORKS, GIB
 from fourfold.plan.perf import Calibration
@@ -19,7 +20,6 @@ from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
 from fourfold.spec.job import PRECISIONS, RECOMPUTE, Job
 from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout
 from fourfold.spec.rules import problems, with_flags
-from fourfold.spec.trainconfig import as_overrides, job_settings
 
 # The rules name the training config's keys; the planner's commands take these flags instead.
 FLAGS = {"batch.global_batch": "--global-batch", "batch.micro_batch": "--micro-batch", "batch.seq": "--seq",

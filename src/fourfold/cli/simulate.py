@@ -6,9 +6,9 @@ import argparse
 import json
 
 from fourfold.cli.options import layer_counts
+from fourfold.config import ConfigError
 from fourfold.spec.job import PRECISIONS, RECOMPUTE
 from fourfold.spec.layout import DEFAULT_ORDER, Layout
-from fourfold.spec.trainconfig import ConfigError
 
 
 def add_parser(commands) -> None:

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from fourfold.cli.options import launcher_options_removed
+from fourfold.config import ConfigError, TrainConfig, as_overrides, job_settings, sections_help
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.spec.trainconfig import ConfigError, TrainConfig, as_overrides, job_settings, sections_help
 from fourfold.train.launch import StopRequest, inside_torchrun, relaunch_with_torchrun
 
 # train, slurm, prepare and demo take the config's overrides: their --help lists them
@@ -48,7 +48,7 @@ def add_parsers(commands) -> None:
 
 
 def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> int:
-    from fourfold.spec.trainconfig import load_train_config, validate
+    from fourfold.config import load_train_config, validate
 
     cfg = load_train_config(args.config, overrides)
     if not inside_torchrun():  # check everything and prepare the data before any process starts
@@ -95,8 +95,8 @@ def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
     use (the search returns only jobs the rule function accepts); returns it."""
     import dataclasses
 
+    from fourfold.config import validate
     from fourfold.plan.search import search
-    from fourfold.spec.trainconfig import validate
 
     for candidate in search(cfg.model_config(), world, cfg.cluster(), cfg.job()):
         trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
@@ -123,7 +123,7 @@ def _before_launch(cfg) -> list[str]:
     Returns the overrides that hand the ranks the files. No rank then reads the corpus, and rank
     0 does not prepare it while every other rank waits at the start-up barrier (whose timeout a
     large corpus would pass)."""
-    from fourfold.spec.trainconfig import check_data_files
+    from fourfold.data.checks import check_data_files
     from fourfold.train.resume import check_checkpoint
 
     check_data_files(cfg)
@@ -147,7 +147,8 @@ def _prepared_data(cfg) -> tuple[list[str], Path | None]:
 def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     """Tokenize (and pack) a config's corpus here, as its own job (a large corpus takes hours on
     many cores: `data.workers`), so that `train` and `slurm` find it in data.cache_dir."""
-    from fourfold.spec.trainconfig import check_data_files, load_train_config, validate_data
+    from fourfold.config import load_train_config, validate_data
+    from fourfold.data.checks import check_data_files
 
     cfg = load_train_config(args.config, overrides)
     validate_data(cfg)
@@ -159,7 +160,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
-    from fourfold.spec.trainconfig import load_train_config, validate
+    from fourfold.config import load_train_config, validate
     from fourfold.train.slurm import sbatch_script
 
     cfg = load_train_config(args.config, overrides)  # fail now, not in the queue

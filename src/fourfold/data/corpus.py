@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fourfold import extras
+from fourfold.config import PACKINGS
 from fourfold.data.shuffle import Permutation
 
 EOS = "<|endoftext|>"
@@ -45,7 +47,6 @@ FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".
 TEXT_TYPES = ("string", "large_string", "string_view")  # the Arrow types of a column of documents
 BLOCK = 1 << 20  # input bytes per work unit: a worker holds ~100 bytes per token of its unit while encoding
 SAMPLE = 100 << 20  # corpus bytes the BPE is trained on when no tokenizer is given
-PYARROW = "pyarrow==26.0.1"  # as pinned in pyproject.toml's `parquet` extra
 _KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 _CUT = re.compile(r"[^\W_](?=\s)")  # a letter or digit followed by whitespace: a long document is cut after it
 
@@ -300,7 +301,7 @@ def _parquet_units(path: Path, field: str, block: int):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"{path} is Parquet, which needs pyarrow: pip install {PYARROW}") from None
+        raise ValueError(f"{path} is Parquet, which needs pyarrow: pip install {extras.PYARROW}") from None
     file = pq.ParquetFile(path)
     _check_column(path, file.schema_arrow, field)
     meta, size = file.metadata, path.stat().st_size
@@ -320,7 +321,7 @@ def _arrow_units(path: Path, field: str, block: int):
         import pyarrow as pa
         import pyarrow.compute as pc
     except ImportError:
-        raise ValueError(f"{path} is an Arrow file, which needs pyarrow: pip install {PYARROW}") from None
+        raise ValueError(f"{path} is an Arrow file, which needs pyarrow: pip install {extras.PYARROW}") from None
     with pa.memory_map(str(path)) as source:
         try:
             reader = pa.ipc.open_stream(source)
@@ -635,8 +636,6 @@ def pack_documents(docs: np.ndarray, end: int, seq: int) -> np.ndarray:
     starts = np.repeat(docs[path], counts) + k * seq
     return starts[starts + seq < end]  # whole windows: seq+1 tokens within tokens[:end]
 
-
-PACKINGS = ("stream", "documents")
 
 
 def _document_windows(tokens: np.ndarray, seq: int, eos: int, train: int) -> tuple[np.ndarray, int]:

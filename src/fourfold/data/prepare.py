@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fourfold.config import ConfigError, DataSection
 from fourfold.data import corpus
-from fourfold.spec.trainconfig import ConfigError, DataSection
 
 
 def tokens_files(data: DataSection, tokenizer: str) -> tuple[Path, Path]:

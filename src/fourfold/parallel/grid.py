@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from fourfold.parallel.comm import Group, Ledger
+from fourfold.spec.hardware import DEVICES
 from fourfold.spec.layout import DIMS, GridError, Layout, _as_dims
-from fourfold.spec.trainconfig import DEVICES
 
 # A test double: the GPUs `train.device auto` sees, on any box. `FOURFOLD_FAKE_GPUS=8 pytest` on
 # a CPU machine makes every test that does not hide the GPUs (tests/conftest.py) choose CUDA and

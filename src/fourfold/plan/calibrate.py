@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fourfold.config import TrainConfig
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile, RunTraits, model_flops_per_token, step_time
 from fourfold.plan.search import check, interleavings, predict, profile_problems, rank
@@ -29,7 +30,6 @@ from fourfold.spec.counts import layer_params
 from fourfold.spec.hardware import GPUS, Cluster, make_cluster, overridden
 from fourfold.spec.job import RECOMPUTE, Job, megatron_stages
 from fourfold.spec.layout import Layout
-from fourfold.spec.trainconfig import TrainConfig
 
 # The published calibration data (outside the repository: ../shared/calibration from its root).
 DATA = Path(__file__).resolve().parents[3].parent / "shared" / "calibration"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+DEVICES = ("auto", "cpu", "cuda")  # where ranks run (train.device); parallel.grid.choose_device resolves auto
+
 
 @dataclass(frozen=True)
 class GPU:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fourfold.spec.trainconfig import FaultSection
+from fourfold.config import FaultSection
 
 
 def maybe_signal(fault: FaultSection, run_dir: str | Path, step: int) -> None:

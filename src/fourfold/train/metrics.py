@@ -17,17 +17,9 @@ lost attempt logged (a loss spike that made someone stop it) and never puts a la
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import uuid
 from pathlib import Path
-
-TENSORBOARD = "tensorboard==2.21.0"  # as pinned in pyproject.toml's `metrics` extra
-WANDB = "wandb==0.31.0"  # as pinned in pyproject.toml's `wandb` extra
-
-
-def installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
 
 
 def scalars(record: dict) -> tuple[int, dict[str, float]]:

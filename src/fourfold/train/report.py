@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fourfold import extras
+from fourfold.config import LogSection, TrainConfig
 from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.spec.layout import DIMS
-from fourfold.spec.trainconfig import LogSection, TrainConfig
 from fourfold.train import metrics
 
 
@@ -39,7 +40,7 @@ class Reporter:
         self.tokens_per_step, self.flops_per_token, self.world = tokens_per_step, flops_per_token, world
         self.peak = peak_tflops
         self.bar = None
-        tensorboard = log.tensorboard and metrics.installed("tensorboard")
+        tensorboard = log.tensorboard and extras.installed("tensorboard")
         if self.rank0:
             self.metrics = metrics.Metrics(Path(log.run_dir), start=start, tensorboard=tensorboard,
                                            wandb_project=log.wandb_project, config=config)
@@ -49,7 +50,7 @@ class Reporter:
                 self.bar = tqdm(total=steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
         if log.tensorboard and not tensorboard:
             self.message(f"no TensorBoard event files: the tensorboard package is not installed (pip install "
-                         f"{metrics.TENSORBOARD}, or --log.tensorboard false to silence this)")
+                         f"{extras.TENSORBOARD}, or --log.tensorboard false to silence this)")
 
     def start(self, event: dict, header: list[str]) -> None:
         """Rank 0: the start's record (log.jsonl, TensorBoard) and its header lines."""

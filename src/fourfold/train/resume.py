@@ -11,8 +11,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from fourfold import checkpoint
+from fourfold.config import ConfigError, TrainConfig
 from fourfold.models.config import ModelConfig
-from fourfold.spec.trainconfig import ConfigError, TrainConfig
 
 
 def checkpoint_source(cfg: TrainConfig) -> tuple[Path | None, list[tuple[Path, str]]]:

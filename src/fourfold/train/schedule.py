@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from fourfold.spec.trainconfig import OptimizerSection
+from fourfold.config import OptimizerSection
 
 
 def learning_rate(o: OptimizerSection, steps: int, step: int) -> float:

@@ -6,7 +6,7 @@ import shlex
 import sys
 import unicodedata
 
-from fourfold.spec.trainconfig import ConfigError
+from fourfold.config import ConfigError
 
 
 def _refuse_control_characters(name: str, value: str) -> None:

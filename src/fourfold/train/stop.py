@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from fourfold import checkpoint
+from fourfold.config import TrainConfig
 from fourfold.parallel import comm
-from fourfold.spec.trainconfig import TrainConfig
 from fourfold.train.launch import StopRequest
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fourfold import checkpoint
+from fourfold.config import TrainConfig, validate
 from fourfold.data import corpus
 from fourfold.data.prepare import packed_windows, tokens_files
 from fourfold.parallel import comm
@@ -36,7 +37,6 @@ from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.parallel.tensor.params import Replicas
 from fourfold.spec.counts import flops_per_token
-from fourfold.spec.trainconfig import TrainConfig, validate
 from fourfold.train import faults
 from fourfold.train.evaluate import evaluate
 from fourfold.train.launch import StopRequest

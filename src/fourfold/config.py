@@ -1,5 +1,8 @@
 """The training configuration: a TOML file, `--section.key value` overrides, and every check that
-can be made before a process group exists (so a bad config fails in seconds, naming the fix)."""
+can be made before a process group exists (so a bad config fails in seconds, naming the fix).
+
+Torch-free and above only `models` and `spec`: the checks that read the data's files are
+`fourfold.data.checks`, where the files are read."""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from fourfold import extras
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.spec.hardware import Cluster, make_cluster
+from fourfold.spec.hardware import DEVICES, Cluster, make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS, GridError, Layout
 from fourfold.spec.rules import describe, problems
@@ -67,7 +71,6 @@ class OptimizerSection:
     zero1: bool = True  # shard the optimizer state over the data-parallel ranks (ZeRO-1)
 
 
-DEVICES = ("auto", "cpu", "cuda")  # train.device; fourfold.parallel.grid.choose_device resolves auto
 
 
 @dataclass
@@ -116,6 +119,7 @@ class DataSection:
 
 
 ATTENTIONS = ("causal", "document")  # data.attention
+PACKINGS = ("stream", "documents")  # data.packing
 
 
 @dataclass
@@ -402,11 +406,9 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     found += _optimizer_problems(cfg.optimizer)
     found += _data_problems(cfg.data, cfg.tokenizer, model.vocab)
     if cfg.log.wandb_project:
-        from fourfold.train.metrics import WANDB, installed
-
-        if not installed("wandb"):
-            found.append(f"log.wandb_project needs the wandb package, which is not installed: pip install {WANDB} "
-                         f"(or leave log.wandb_project empty)")
+        if not extras.installed("wandb"):
+            found.append(f"log.wandb_project needs the wandb package, which is not installed: pip install "
+                         f"{extras.WANDB} (or leave log.wandb_project empty)")
     if cfg.train.compile and not gpu and not shutil.which(os.environ.get("CXX", "g++")):  # inductor's compiler
         found.append(f"train.compile on CPU needs a C++ compiler, and {os.environ.get('CXX', 'g++')} is not on PATH: "
                      f"install g++ (or name one in CXX), or use --train.compile false")
@@ -452,9 +454,7 @@ def _optimizer_problems(o: OptimizerSection) -> list[str]:
 
 
 def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str]:
-    """The data files named, checked before any process starts (`check_data_files` reads them)."""
-    from fourfold.data.corpus import PACKINGS, input_files
-
+    """The data settings, and that the files named exist (`data.checks.check_data_files` reads them)."""
     found = []
     if not tokenizer and d.vocab > model_vocab:  # the tokenizer trained on the corpus has up to data.vocab ids
         found.append(f"data.vocab={d.vocab} is larger than the model's vocabulary of {model_vocab}: the corpus' "
@@ -465,11 +465,6 @@ def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str
             found.append(f"{key} names {path}, which is not a file; give an existing file's path")
     if d.text and d.files:
         found.append("data.text and data.files both name a corpus; give one (data.files takes text files too)")
-    if d.files:
-        try:
-            input_files(d.files)
-        except ValueError as e:
-            found.append(f"data.files: {e}")
     if d.workers < 0:
         found.append("data.workers must be >= 0 (0: one per CPU core)")
     if d.attention not in ATTENTIONS:
@@ -479,57 +474,6 @@ def _data_problems(d: DataSection, tokenizer: str, model_vocab: int) -> list[str
     if d.tokens and not tokenizer:
         found.append("data.tokens needs data.tokenizer; give the tokenizer.json that made the token file")
     return found
-
-
-def check_data_files(cfg: TrainConfig) -> None:
-    """The user's tokenizer and token file (data.tokens) against the model's vocabulary, before any
-    process starts; the token file is read once, chunk by chunk (any size). `validate` has checked
-    that both files exist; a tokenizer trained here is bounded by data.vocab, which it checked too."""
-    from fourfold.data.corpus import load_tokenizer
-
-    d, tokenizer = cfg.data, cfg.tokenizer
-    if not tokenizer:
-        return
-    vocab = cfg.model_config().vocab
-    try:
-        size = load_tokenizer(tokenizer).get_vocab_size()
-    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
-        raise ConfigError(f"tokenizer {tokenizer} is not a tokenizer.json the tokenizers library reads ({e}); "
-                          f"give a tokenizer.json (the one that made data.tokens, if given)") from None
-    if size > vocab:
-        raise ConfigError(f"tokenizer {tokenizer} has {size} tokens, more than the model's vocabulary of "
-                          f"{vocab}; give the model's own tokenizer (its tokenizer.json) and tokens made with it")
-    if d.tokens:
-        check_token_ids(d.tokens, vocab, "data.tokens")
-        if d.packing == "documents":
-            _check_documents(d.tokens, tokenizer)
-
-
-def _check_documents(path: str, tokenizer: str) -> None:
-    """data.packing = "documents" needs the tokenizer's end-of-document id between the documents of
-    data.tokens (fourfold's own token files have one after each document)."""
-    import numpy as np
-
-    from fourfold.data.corpus import check_document_ends, end_of_document
-
-    try:
-        check_document_ends(np.load(path, mmap_mode="r", allow_pickle=False), end_of_document(tokenizer))
-    except ValueError as e:
-        raise ConfigError(f"data.tokens {path}: {e}") from None
-
-
-def check_token_ids(path: str, vocab: int, option: str) -> None:
-    """A token file (given as `option`) against the model's vocabulary, read chunk by chunk: a file
-    of any size is checked without loading it."""
-    from fourfold.data.corpus import token_range
-
-    try:
-        lo, hi = token_range(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{option} {path}: {e}; give a .npy file of token ids (numpy.save of a 1-D array)") from None
-    if lo < 0 or hi >= vocab:
-        raise ConfigError(f"{option} {path} holds id {hi if hi >= vocab else lo}, outside the model's vocabulary "
-                          f"[0, {vocab}); tokenize the data with the model's tokenizer")
 
 
 def job_settings(job: Job) -> dict[str, object]:

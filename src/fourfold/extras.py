@@ -1,0 +1,14 @@
+"""The optional extras of pyproject.toml, pinned as there, and whether a package is installed: the
+messages that ask for one name its pin."""
+
+from __future__ import annotations
+
+import importlib.util
+
+TENSORBOARD = "tensorboard==2.21.0"  # the `metrics` extra
+WANDB = "wandb==0.31.0"  # the `wandb` extra
+PYARROW = "pyarrow==26.0.1"  # the `parquet` extra
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
