@@ -273,21 +273,18 @@ def test_indivisible_heads_name_the_fix(ranks):
     assert all(ranks.run(_indivisible_heads, 8))
 
 
-def test_eval_command_gives_transformers_loss(checkpoint, tmp_path):
-    """`fourfold eval` end to end: torchrun on 4 CPU ranks, against transformers on the same windows."""
-    import subprocess
-    import sys
-
+def test_eval_command_gives_transformers_loss(ranks, checkpoint, tmp_path):
+    """`fourfold eval` on 4 CPU ranks (the pool's; tests/test_trainer.py launches it through
+    torchrun), against transformers on the same windows."""
     import numpy as np
+
+    from fourfold.testing import eval_command
 
     name, path, *_ = checkpoint
     tokens = np.random.default_rng(0).integers(0, 128, size=16 * 10 + 5).astype(np.int32)  # 10 windows, 1 padded
     np.save(tmp_path / "tokens.npy", tokens)
-    cmd = [sys.executable, "-m", "fourfold.cli.main", "eval", "--hf", path, "--tokens", str(tmp_path / "tokens.npy"),
-           "--seq", "16", "--grid", "x=2,z=2", "--precision", "float64", "--json", "--nproc-per-node", "4"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = ranks.run(eval_command, 4, ["--hf", path, "--tokens", str(tmp_path / "tokens.npy"), "--seq", "16",
+                                         "--grid", "x=2,z=2", "--precision", "float64"])[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64,
                                                               attn_implementation="sdpa")
     ids = torch.from_numpy(tokens.astype(np.int64))[torch.arange(10)[:, None] * 16 + torch.arange(17)]

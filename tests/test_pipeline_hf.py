@@ -10,9 +10,6 @@ x2), and `train.eval_every` on pp2 dp2 against the same checkpoint scored on dp 
 checkpoint holding the tied table once and a resumed run repeating a step bit for bit)."""
 
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -100,14 +97,14 @@ def test_evaluation_through_the_stages_equals_transformers(ranks, families, grid
             assert out[name]["loss"] == pytest.approx(ref.eval_loss, rel=1e-10), name
 
 
-def test_fourfold_eval_on_a_pipeline_grid(families, tmp_path):
+def test_fourfold_eval_on_a_pipeline_grid(ranks, families, tmp_path):
+    """`fourfold eval` (on the pool's 8 ranks) through the stages of pp2 cp2 x2."""
+    from fourfold.testing import eval_command
+
     np.save(tmp_path / "tokens.npy", TOKENS)
-    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "eval", "--hf", families["llama-tied"].path,
-                           "--tokens", str(tmp_path / "tokens.npy"), "--seq", str(SEQ), "--batch", "2",
-                           "--grid", "pp=2,cp=2,x=2", "--precision", "float64", "--json"],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = ranks.run(eval_command, 8, ["--hf", families["llama-tied"].path, "--tokens", str(tmp_path / "tokens.npy"),
+                                         "--seq", str(SEQ), "--batch", "2", "--grid", "pp=2,cp=2,x=2",
+                                         "--precision", "float64"])[0]
     assert result["loss"] == pytest.approx(families["llama-tied"].eval_loss, rel=1e-10)
 
 

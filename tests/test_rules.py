@@ -144,29 +144,30 @@ def test_config_parsing_and_rules_need_no_torch():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
-def _cli(*args, **kw):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"))
-    return subprocess.run([sys.executable, "-m", "fourfold.cli.main", *args], capture_output=True, text=True,
-                          timeout=120, env=env, **kw)
+def test_eval_checks_before_it_starts_processes(tmp_path, capsys):
+    """Each mistake exits 2 with one message, before torchrun starts anything (the command run in
+    this process: nothing reaches the launch)."""
+    from fourfold.cli.main import main
 
+    def fails(*args):
+        code = main(["eval", *args])
+        return code, capsys.readouterr().err
 
-def test_eval_checks_before_it_starts_processes(tmp_path):
-    """Each mistake exits 2 with one message, before torchrun starts anything."""
-    missing = _cli("eval", "--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8", "--grid", "x=2",
-                   "--nproc-per-node", "2")
-    assert missing.returncode == 2 and "has no config.json" in missing.stderr and "Traceback" not in missing.stderr
+    code, err = fails("--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8", "--grid", "x=2",
+                      "--nproc-per-node", "2")
+    assert code == 2 and "has no config.json" in err
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    unsupported = _cli("eval", "--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8")
-    assert unsupported.returncode == 2 and "model_type 'bert'" in unsupported.stderr
+    code, err = fails("--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8")
+    assert code == 2 and "model_type 'bert'" in err
     preset = Path(__file__).parents[1] / "src/fourfold/models/presets/tiny-llama.json"
     (tmp_path / "config.json").write_text(preset.read_text())
-    no_tokens = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--json")
-    assert no_tokens.returncode == 2 and "give a .npy file of token ids" in no_tokens.stderr
+    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--json")
+    assert code == 2 and "give a .npy file of token ids" in err
     np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int64) * 100)
-    too_big = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8")
-    assert too_big.returncode == 2 and "outside the model's vocabulary [0, 4096)" in too_big.stderr
-    bad_grid = _cli("eval", "--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--grid", "y=3")
-    assert bad_grid.returncode == 2 and "choose y from 1, 2, 4" in bad_grid.stderr
+    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8")
+    assert code == 2 and "outside the model's vocabulary [0, 4096)" in err
+    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--grid", "y=3")
+    assert code == 2 and "choose y from 1, 2, 4" in err
 
 
 def test_launcher_options_stay_with_the_launcher():

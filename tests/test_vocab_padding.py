@@ -2,9 +2,6 @@
 y: Llama and GPT-2 equal transformers in float64 on y=2 grids, checkpoints hold only the real rows
 and reshard across grids padded differently, and `fourfold eval` gives transformers' loss."""
 
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -92,16 +89,15 @@ def test_checkpoints_hold_the_real_rows_and_reshard_across_paddings(ranks, model
             assert torch.equal(t, original[name]), (sizes, name)
 
 
-def test_eval_command_on_y2_gives_transformers_loss(model, tmp_path):
-    """`fourfold eval DIR` end to end on y=2, z=2 (torchrun, 4 CPU ranks) against transformers."""
+def test_eval_command_on_y2_gives_transformers_loss(ranks, model, tmp_path):
+    """`fourfold eval DIR` on y=2, z=2 (4 CPU ranks, the pool's) against transformers."""
+    from fourfold.testing import eval_command
+
     path, *_ = model
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=SEQ * 6 + 3).astype(np.int32)  # 6 windows, 2 padded
     np.save(tmp_path / "tokens.npy", tokens)
-    cmd = [sys.executable, "-m", "fourfold.cli.main", "eval", path, "--tokens", str(tmp_path / "tokens.npy"),
-           "--seq", str(SEQ), "--grid", "y=2,z=2", "--precision", "float64", "--json", "--nproc-per-node", "4"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = ranks.run(eval_command, 4, [path, "--tokens", str(tmp_path / "tokens.npy"), "--seq", str(SEQ),
+                                         "--grid", "y=2,z=2", "--precision", "float64"])[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
     ids = torch.from_numpy(tokens.astype(np.int64))[torch.arange(6)[:, None] * SEQ + torch.arange(SEQ + 1)]
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:

@@ -128,3 +128,16 @@ class RankPool:
                 parts.append(f"ranks {hung} did not finish (killed after the failure or timeout)")
             raise RankFailure("\n".join(parts))
         return [results[r] for r in range(nranks)]
+
+
+def eval_command(argv: list[str]) -> dict:
+    """`fourfold eval ARGV` as each of its ranks computes it, in the process group that exists (run
+    it on a pool's ranks: `pool.run(eval_command, n, argv)`) instead of under torchrun: the same
+    parser, resolution of MODEL and checks before launch, then every rank's score."""
+    from fourfold.cli import eval as evaluation
+    from fourfold.cli.main import parser
+
+    args = parser()[0].parse_args(["eval", *argv])
+    layout = evaluation.resolve(args)
+    evaluation.check_before_launch(args, layout)
+    return evaluation.score(args, layout)

@@ -51,6 +51,33 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    layout = resolve(args)
+    if not inside_torchrun():
+        if args.text:  # tokenized here, once, with the model's own tokenizer: the ranks get the token file
+            args.tokens = _eval_tokens(args)
+            argv = launcher_options_removed(argv, also=("--text", "--field", "--cache-dir")) + ["--tokens", args.tokens]
+        check_before_launch(args, layout)
+        return relaunch_with_torchrun(args.nproc_per_node or layout.world_size, launcher_options_removed(argv))
+    import json
+
+    import torch.distributed as dist
+
+    from fourfold.parallel.grid import init_process_group
+
+    init_process_group(device=args.device)
+    result = score(args, layout)
+    if dist.get_rank() == 0:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  over {result['tokens']} tokens")
+    dist.destroy_process_group()
+    return 0
+
+
+def resolve(args: argparse.Namespace) -> Layout:
+    """The grid of `fourfold eval`, with MODEL resolved into --hf or --checkpoint (a run's checkpoint
+    directory: its latest step), as the launcher and every rank resolve it."""
     if args.model:
         from fourfold.checkpoint import CheckpointError
         from fourfold.checkpoint.hf import model_directory
@@ -60,34 +87,29 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         except CheckpointError as err:
             raise ConfigError(str(err)) from None
         args.hf, args.checkpoint = (str(path), None) if hf else (None, str(path))
-    elif args.checkpoint:  # a run's checkpoint directory: its latest step
+    elif args.checkpoint:
         from fourfold import checkpoint
 
         args.checkpoint = str(checkpoint.latest(args.checkpoint) or args.checkpoint)
-    layout = Layout.parse(args.grid, args.order)
-    if not inside_torchrun():
-        if args.text:  # tokenized here, once, with the model's own tokenizer: the ranks get the token file
-            args.tokens = _eval_tokens(args)
-            argv = launcher_options_removed(argv, also=("--text", "--field", "--cache-dir")) + ["--tokens", args.tokens]
-        _eval_job(args, layout)
-        return relaunch_with_torchrun(args.nproc_per_node or layout.world_size, launcher_options_removed(argv))
-    model_cfg = _eval_model_config(args)
-    import json
+    return Layout.parse(args.grid, args.order)
 
+
+def score(args: argparse.Namespace, layout: Layout) -> dict:
+    """What every rank of `fourfold eval` computes, in the process group that exists (torchrun's,
+    or a test's rank pool): the model built and loaded on this rank, then `evaluate`'s
+    {"loss", "perplexity", "tokens"} of the token file."""
     import numpy as np
-    import torch.distributed as dist
 
     from fourfold.checkpoint.hf import load_hf
-    from fourfold.parallel.grid import Grid, init_process_group
+    from fourfold.parallel.grid import Grid
     from fourfold.parallel.model import Model
     from fourfold.parallel.tensor.block import torch_dtype
     from fourfold.train.evaluate import evaluate
 
-    init_process_group(device=args.device)
     grid = Grid(layout)
     # with pp, this rank's stages, the layers split evenly; scored forward only
-    model = Model(grid, _scoring_job(args, layout), model_cfg, dtype=torch_dtype(args.precision, grid.device),
-                  capacity_factor=_capacity_factor(args))
+    model = Model(grid, _scoring_job(args, layout), _eval_model_config(args),
+                  dtype=torch_dtype(args.precision, grid.device), capacity_factor=_capacity_factor(args))
     if args.hf:
         for part in model.parts:
             load_hf(part, args.hf)
@@ -96,17 +118,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
         checkpoint.load_checkpoint(args.checkpoint, model.module)
     tokens = np.load(args.tokens, mmap_mode="r")
-    result = evaluate(model, tokens, args.seq, args.batch, args.max_tokens, _end_of_document(args))
-    if grid.rank == 0:
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print(f"loss {result['loss']:.6f}  perplexity {result['perplexity']:.4f}  over {result['tokens']} tokens")
-    dist.destroy_process_group()
-    return 0
+    return evaluate(model, tokens, args.seq, args.batch, args.max_tokens, _end_of_document(args))
 
 
-def _eval_job(args: argparse.Namespace, layout: Layout) -> None:
+def check_before_launch(args: argparse.Namespace, layout: Layout) -> None:
     """Every problem of `fourfold eval`, found before any process starts."""
     import numpy as np
 
