@@ -390,8 +390,9 @@ def test_sbatch_script_quotes_every_user_value(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
-def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
-    """`fourfold eval --checkpoint` on x2 gives the loss the same checkpoint gives on one rank."""
+def test_eval_a_checkpoint_on_another_grid(ranks, reference, data, tmp_path):
+    """`fourfold eval --checkpoint` on x2 (the pool's ranks) and `fourfold eval RUN --text` (the
+    command through torchrun) give the loss the same checkpoint gives on one rank."""
     import numpy as np
     import torch.distributed as dist
 
@@ -400,19 +401,18 @@ def test_eval_a_checkpoint_on_another_grid(reference, data, tmp_path):
     from fourfold.parallel.model import Model
     from fourfold.spec.job import Job
     from fourfold.spec.layout import Layout
+    from fourfold.testing import eval_command
     from fourfold.train.evaluate import evaluate
     from fourfold.train.generate import _single_process_group
 
     _, tokens_path = corpus.prepare(data[1], 1024, data[5])
     tokens = np.load(tokens_path)[:2000]
     np.save(tmp_path / "val.npy", tokens)
-    done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "eval", "--checkpoint",
-                           str(reference / "checkpoints"), "--tokens", str(tmp_path / "val.npy"), "--seq", "32",
-                           "--batch", "4", "--grid", "x=2", "--json"], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    parallel = json.loads(done.stdout.strip().splitlines()[-1])
-    # the text itself, tokenized by eval with the checkpoint's tokenizer: the same first windows
+    on_x2 = ["--checkpoint", str(reference / "checkpoints"), "--tokens", str(tmp_path / "val.npy"), "--seq", "32",
+             "--batch", "4", "--grid", "x=2"]
+    parallel = ranks.run(eval_command, 2, on_x2)[0]
+    # the text itself, tokenized by eval with the checkpoint's tokenizer (the command end to end,
+    # through torchrun): the same first windows
     done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "eval", str(reference / "checkpoints"), "--text",
                            data[1], "--cache-dir", str(tmp_path / "cache"), "--max-tokens", str(62 * 32), "--seq", "32",
                            "--batch", "4", "--json"], capture_output=True, text=True, timeout=300,
