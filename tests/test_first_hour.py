@@ -4,6 +4,7 @@ a checkpoint to a Hugging Face directory and a fine-tuning run from it."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -219,13 +220,19 @@ def test_resume_with_another_schedule_says_what_changed(data, stopped, tmp_path)
     run, _ = stopped
     shutil.copytree(run / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
     done = _fourfold("train", "--grid.dp", "2", *data["options"], *_options(tmp_path, "--train.steps", "8",
-                                                                           "--optimizer.lr", "1e-3"))
+                                                                           "--optimizer.lr", "1e-3",
+                                                                           "--batch.global_batch", "16"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("train.steps 6 -> 8, optimizer.lr 0.003 -> 0.001") == 1
     assert "the learning-rate schedule differs from the checkpoint's" in done.stdout
+    # another global batch: said, and the header's epochs count each step at its own batch
+    assert done.stdout.count("batch.global_batch 8 -> 16: from step 3 on each step takes 16 sequences, the data "
+                             "order going on from sequence 24, where the checkpoint left it") == 1
+    assert "train.steps=8: 24 sequences before step 3, then 16 a step = " in done.stdout
     assert checkpoint.latest(tmp_path / "checkpoints").name == "step-00000008"
     again = _fourfold("train", "--grid.dp", "2", *data["options"], *_options(tmp_path, "--train.steps", "8",
-                                                                            "--optimizer.lr", "1e-3"))
+                                                                            "--optimizer.lr", "1e-3",
+                                                                            "--batch.global_batch", "16"))
     assert again.returncode == 0 and "nothing to train" in again.stdout
     def no_nan(token):
         raise ValueError(f"{token} is not JSON")
@@ -391,3 +398,45 @@ def test_prepare_tokenizes_and_packs_into_the_cache_train_reads(tmp_path, capsys
     assert str(tokens.resolve()) in out and packed_windows(cfg.data, cfg.batch.seq, tokenizer, tokens).is_file()
     assert main(["prepare", "--data.text", str(tmp_path / "none.txt")]) == 2
     assert "data.text names" in capsys.readouterr().err
+
+
+def test_directories_the_run_cannot_write_are_refused_before_launch(tmp_path, no_launch, capsys):
+    """A run directory under a file, or a checkpoint directory that cannot be created, fails in one
+    line before torchrun starts (not at the first save, after the steps before it)."""
+    (tmp_path / "afile").write_text("not a directory")
+    err = _error(capsys, ["train", "--log.run_dir", str(tmp_path / "afile" / "run")])
+    assert f"log.run_dir {tmp_path / 'afile' / 'run'} cannot be written" in err and "give a directory" in err
+    err = _error(capsys, ["train", "--log.run_dir", str(tmp_path / "run"), "--checkpoint.dir", "/proc/fourfold/ckpt"])
+    assert "checkpoint.dir /proc/fourfold/ckpt cannot be written (No such file or directory)" in err
+    assert not list((tmp_path / "run").iterdir())  # the check's probe file is gone
+
+
+def test_a_corpus_smaller_than_one_global_batch_is_refused_before_launch(tmp_path, no_launch, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text(corpus.bundled_text()[:3000])
+    err = _error(capsys, ["train", "--data.text", str(text), "--data.vocab", "300", "--data.cache_dir",
+                          str(tmp_path / "cache"), "--log.run_dir", str(tmp_path / "run"), "--batch.seq", "128",
+                          "--batch.global_batch", "64"])
+    assert "fewer than one global batch of 64; use a larger corpus, shorter sequences or a smaller global batch" in err
+
+
+def test_a_run_of_non_finite_losses_stops_in_one_line_with_strict_json_records(data, tmp_path):
+    """optimizer.max_bad_steps non-finite steps in a row stop every rank: one line naming the fix
+    (rank 0's) and one from the launcher, no traceback; log.jsonl stays strict JSON, the skipped
+    steps' losses null with why they were skipped."""
+    done = _fourfold("train", "--grid.dp", "2", *data["options"],
+                     *_options(tmp_path, "--fault.nan_steps", "1,2", "--train.max_bad_steps", "2"))
+    assert done.returncode == 1
+    assert done.stderr.count("fourfold: error: 2 non-finite steps in a row (last at step 2: loss is nan); lower "
+                             "optimizer.lr") == 1, done.stderr[-3000:]
+    # the launcher's line: the first rank to exit failed, the other stopped by torchrun or failed too
+    assert re.search(r"^fourfold: [12] ranks? failed: .*rank [01] \(exit code 1\).*; each one's own message is above$",
+                     done.stderr, re.M), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "exitcode" not in done.stderr, done.stderr[-3000:]
+
+    def no_nan(token):
+        raise ValueError(f"{token} is not JSON")
+    records = [json.loads(line, parse_constant=no_nan) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r.get("skipped")]
+    assert [(r["step"], r["loss"], r["skipped_because"]) for r in skipped] == [(1, None, "loss is nan"),
+                                                                              (2, None, "loss is nan")]

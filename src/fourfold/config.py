@@ -125,7 +125,7 @@ PACKINGS = ("stream", "documents")  # data.packing
 @dataclass
 class CheckpointSection:
     dir: str = ""  # default: RUN/checkpoints
-    every: int = 50  # save every N steps (and at the end)
+    every: int = 50  # save every N steps (and at the end, and on SIGTERM); 0: never
     keep: int = 2  # the newest checkpoints kept
     resume: bool = True  # continue from the latest complete checkpoint in `dir`
     load: str = ""  # start from this checkpoint (any grid; or a run's checkpoint dir: its latest) when `dir` has none
@@ -414,10 +414,11 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
                      f"install g++ (or name one in CXX), or use --train.compile false")
     if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
         found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
-    for name, value in (("train.steps", cfg.train.steps), ("checkpoint.every", cfg.checkpoint.every),
-                        ("log.every", cfg.log.every)):
+    for name, value in (("train.steps", cfg.train.steps), ("log.every", cfg.log.every)):
         if value < 1:
             found.append(f"{name} must be >= 1")
+    if cfg.checkpoint.every < 0:
+        found.append(f"checkpoint.every must be >= 0 (0: no checkpoints), not {cfg.checkpoint.every}")
     if found:
         raise ConfigError(describe(found, "this run cannot start:"))
 

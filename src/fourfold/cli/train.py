@@ -52,13 +52,17 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
 
     cfg = load_train_config(args.config, overrides)
     if not inside_torchrun():  # check everything and prepare the data before any process starts
+        from fourfold.parallel.grid import choose_device
+
         world = args.nproc_per_node or cfg.layout().world_size
         if cfg.grid.auto:
             refuse_dims_with_auto(overrides)
             chosen = resolve_auto_grid(cfg, world)
             print(f"grid.auto: the planner's choice on {world} x {cfg.cluster().gpu.name}: {chosen}")
+            if choose_device(cfg.train.device, world) == "cpu":
+                print(f"grid.auto: (this run is on CPU; the planner planned {cfg.cluster().gpu.name} GPUs, the "
+                      f"[hardware] preset's, and its memory and speed figures are theirs)")
             argv = _resolved(argv, cfg)
-        from fourfold.parallel.grid import choose_device
 
         validate(cfg, world, gpu=choose_device(cfg.train.device, world) == "cuda")  # too few GPUs: refused here
         argv = argv + _before_launch(cfg)
@@ -67,11 +71,17 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
     import torch.distributed as dist
 
     from fourfold.parallel.grid import init_process_group
+    from fourfold.train.trainer import TrainingError
     from fourfold.train.trainer import train as run_training
 
     init_process_group(device=cfg.train.device)
     try:
         summary = run_training(cfg, stop)
+    except TrainingError as err:  # every rank stops at the same step: rank 0 says why, once
+        if int(os.environ["RANK"]) == 0:
+            print(f"fourfold: error: {err}", file=sys.stderr, flush=True)
+        dist.barrier()  # said before any rank exits (torchrun then stops the others)
+        return 1
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
@@ -123,25 +133,54 @@ def _before_launch(cfg) -> list[str]:
     Returns the overrides that hand the ranks the files. No rank then reads the corpus, and rank
     0 does not prepare it while every other rank waits at the start-up barrier (whose timeout a
     large corpus would pass)."""
+    from fourfold.data import corpus
     from fourfold.data.checks import check_data_files
     from fourfold.train.resume import check_checkpoint
 
+    check_writable(cfg)
     check_data_files(cfg)
     changed = check_checkpoint(cfg)
     if changed:
         print(f"the model's settings differ from its checkpoint's ({'; '.join(changed)}): training goes on with "
               f"this config's", file=sys.stderr)  # (slurm prints its script on stdout)
-    return _prepared_data(cfg)[0]
+    files, tokens, windows = _prepared_data(cfg)
+    try:  # a corpus of fewer windows than one global batch: known now, not on rank 0 after the launch
+        corpus.TokenLoader(tokens, cfg.batch.seq, cfg.batch.global_batch, packing=cfg.data.packing, windows=windows)
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from None
+    return files
 
 
-def _prepared_data(cfg) -> tuple[list[str], Path | None]:
+def check_writable(cfg: TrainConfig) -> None:
+    """log.run_dir and the checkpoint directory (with checkpoint.every > 0), created now and a file
+    written in each, so that a directory the run cannot write is refused before any rank starts,
+    not at the first save after the steps before it were trained."""
+    import tempfile
+
+    places = [("log.run_dir", Path(cfg.log.run_dir))]
+    if cfg.checkpoint.every > 0:
+        places.append(("checkpoint.dir" if cfg.checkpoint.dir else "the checkpoint directory", cfg.checkpoint_dir))
+    for key, folder in places:
+        folder = folder.expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{key} {folder} cannot be written ({e.strerror or e}): give a directory this user can "
+                              f"create and write to") from None
+
+
+def _prepared_data(cfg) -> tuple[list[str], Path, Path | None]:
     """The corpus tokenized (and, for data.packing = documents, packed) into the cache, where the
-    job's rank 0 finds it: the overrides that hand the ranks its files, and the windows file."""
+    job's rank 0 finds it: the overrides that hand the ranks its files, the token file, and the
+    windows file."""
     from fourfold.data.prepare import packed_windows, tokens_files
 
     tokenizer, tokens = tokens_files(cfg.data, cfg.tokenizer)
     windows = packed_windows(cfg.data, cfg.batch.seq, tokenizer, tokens)
-    return ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())], windows
+    files = ["--data.tokenizer", str(Path(tokenizer).resolve()), "--data.tokens", str(Path(tokens).resolve())]
+    return files, tokens, windows
 
 
 def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -153,7 +192,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_train_config(args.config, overrides)
     validate_data(cfg)
     check_data_files(cfg)
-    files, windows = _prepared_data(cfg)
+    files, _, windows = _prepared_data(cfg)
     print(f"prepared in {cfg.data.cache_dir}, where `fourfold train` and `fourfold slurm` with this config find it"
           f"{f' (packed windows: {windows})' if windows else ''}; or give them {shlex.join(files)}")
     return 0

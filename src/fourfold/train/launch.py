@@ -76,11 +76,13 @@ class StopRequest:
             signal.signal(s, handler)
 
 
-class _QuietOnSignal(logging.Filter):
-    """Drops torchrun's warnings that it got a signal and passes it to each rank."""
+class _Quiet(logging.Filter):
+    """Drops torchrun's warnings that it got a signal and passes it to each rank, and its error line
+    for a failed rank (the launcher's own line, `failed_ranks`, names every one)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal"))
+        return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal",
+                                               "failed (exitcode: %s)"))
 
 
 def torchrun() -> int:
@@ -108,15 +110,26 @@ def _stop_with_the_launcher() -> None:
 
 def _torchrun() -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
-        logging.getLogger(name).addFilter(_QuietOnSignal())
+        logging.getLogger(name).addFilter(_Quiet())
     try:
         main()
     except SignalException as e:
         return 128 + e.sigval
+    except ChildFailedError as e:  # the ranks said why on their own output: one line here, not a traceback
+        print(f"fourfold: {failed_ranks(e.failures)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def failed_ranks(failures: dict) -> str:
+    """One line for torchrun's failed ranks ({rank: ProcessFailure}): which ranks, and how each ended."""
+    how = [f"rank {rank} ({f'signal {f.signal_name()}' if f.exitcode < 0 else f'exit code {f.exitcode}'})"
+           for rank, f in sorted(failures.items())]
+    return f"{len(how)} rank{'s' * (len(how) > 1)} failed: {', '.join(how)}; each one's own message is above"
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ one scalar to TensorBoard (RUN/tensorboard) and to Weights & Biases, when they a
 
 A training record's field F is the scalar "train/F" at its "step"; a held-out record's field
 eval_F is "eval/F" at the index of the last step it follows (eval_after_step - 1), as loss.png
-plots it. A skipped step's `skipped` is 1, and a None (no MFU on CPU) is no scalar.
+plots it. A skipped step's `skipped` is 1, and a None (no MFU on CPU, a skipped step's non-finite
+loss: log.jsonl is strict JSON) or a text (`skipped_because`) is no scalar.
 
 Each start of the trainer, the first or a resume, writes an event record first ({"event": "start"
 or "resume", "step": N, "from": the checkpoint, "grid", ...}; in TensorBoard a text at step N under
@@ -18,6 +19,7 @@ lost attempt logged (a loss spike that made someone stop it) and never puts a la
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from pathlib import Path
 
@@ -30,7 +32,7 @@ def scalars(record: dict) -> tuple[int, dict[str, float]]:
     else:
         step, prefix = record["step"], "train/"
         values = {k: v for k, v in record.items() if k != "step"}
-    return step, {prefix + k: float(v) for k, v in values.items() if v is not None}
+    return step, {prefix + k: float(v) for k, v in values.items() if v is not None and not isinstance(v, str)}
 
 
 class Metrics:
@@ -72,7 +74,9 @@ class Metrics:
             self.tensorboard.flush()
 
     def write(self, record: dict) -> None:
-        self.jsonl.write(json.dumps(record) + "\n")
+        # strict JSON (no NaN, no Infinity: a parser may refuse them): a non-finite number is null
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self.jsonl.flush()
         step, values = scalars(record)
         if self.tensorboard is not None:

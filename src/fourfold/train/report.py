@@ -68,7 +68,8 @@ class Reporter:
         self.metrics.write(record)
         if self.bar is not None:
             mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a (CPU)"
-            self.bar.set_postfix_str(f"loss {record['loss']:.3f} | {record['tokens_per_s']:.0f} tok/s | "
+            loss = f"{record['loss']:.3f}" if record["loss"] is not None else "n/a (skipped)"
+            self.bar.set_postfix_str(f"loss {loss} | {record['tokens_per_s']:.0f} tok/s | "
                                      f"{record['tflops_per_gpu']:.3f} TFLOP/s/rank | MFU {mfu} | "
                                      f"mem {record['peak_memory_gib']:.2f} GiB")
             self.bar.update(1)
@@ -163,17 +164,21 @@ def start_event(cfg: TrainConfig, source: Path | None, skipped: list[tuple[Path,
 
 
 def header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader, tokens_path: Path, event: dict,
-            device: torch.device) -> list[str]:
-    """Rank 0's lines at the start: what runs, where on, on what data, from where."""
+            device: torch.device, position: int = 0) -> list[str]:
+    """Rank 0's lines at the start: what runs, where on, on what data, from where. `position`: the
+    sequences of the data order trained before the first step (a resume's)."""
     source = cfg.model.hf or f"preset {cfg.model.preset}"
-    windows = loader.train_sequences
-    epochs = cfg.train.steps * cfg.batch.global_batch / windows
+    windows, steps, batch, start = loader.train_sequences, cfg.train.steps, cfg.batch.global_batch, event["step"]
+    sequences = position + max(0, steps - start) * batch  # a resume with another global batch: each at its own
+    epochs = sequences / windows
+    schedule = (f"train.steps={steps} x {batch} sequences" if position == start * batch else
+                f"train.steps={steps}: {position:,} sequences before step {start}, then {batch} a step")
     lines = [f"model: {model_cfg.family}, {model_cfg.layers} layers, hidden {model_cfg.hidden}, "
              f"{model_cfg.parameter_count() / 1e6:,.1f}M parameters ({source})",
              f"grid: {event['grid']} ({dist.get_world_size()} rank{'s' * (dist.get_world_size() > 1)}), "
              f"precision {str(torch_dtype(cfg.train.precision, device)).removeprefix('torch.')}",
              f"data: {len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows of {cfg.batch.seq}: "
-             f"train.steps={cfg.train.steps} x {cfg.batch.global_batch} sequences = {epochs:.3g} epochs"]
+             f"{schedule} = {epochs:.3g} epochs"]
     if event["from"] is None:
         lines.append("start: step 0" + (f", {cfg.model.hf}'s weights" if cfg.model.hf else ", random weights"))
         return lines

@@ -108,11 +108,17 @@ class Trainer:
                                  peak_tflops=cfg.cluster().gpu.bf16_tflops if grid.device.type == "cuda" else None)
         if self.reporter.rank0:  # (reads log.jsonl: one rank does)
             event = start_event(cfg, self.source, self.skipped, self.start, saved_config)
-            self.reporter.start(event, header(cfg, model_cfg, self.loader, tokens_path, event, grid.device))
+            self.reporter.start(event, header(cfg, model_cfg, self.loader, tokens_path, event, grid.device,
+                                              self.position))
         changed = schedule_changes(saved_config, cfg.to_dict())
         if changed:
             self.reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): "
                                   f"from step {self.start} on the rate follows the new one")
+        batch_before = saved_config.get("batch", {}).get("global_batch")
+        if batch_before not in (None, cfg.batch.global_batch):
+            self.reporter.message(f"batch.global_batch {batch_before} -> {cfg.batch.global_batch}: from step "
+                                  f"{self.start} on each step takes {cfg.batch.global_batch} sequences, the data order "
+                                  f"going on from sequence {self.position:,}, where the checkpoint left it")
         if self.start >= cfg.train.steps:
             self.reporter.message(f"the checkpoint is at step {self.start} of train.steps={cfg.train.steps}: nothing "
                                   f"to train; raise --train.steps, or start over with another --log.run_dir")
@@ -168,15 +174,21 @@ class Trainer:
                                for w in self.window]).tolist()
         seconds = (time.perf_counter() - self.window[0]["began"]) / len(self.window)
         for w, (loss, norm, updated, in_a_row) in zip(self.window, numbers):
-            step = w["step"]
+            step, finite = w["step"], math.isfinite(loss) and math.isfinite(norm)
+            # (JSON has no NaN: a non-finite loss or norm is recorded as null, with why the step was skipped)
+            record = dict(step=step, loss=loss if math.isfinite(loss) else None, lr=w["lr"],
+                          grad_norm=norm if finite else None, seconds=seconds, skipped=not updated,
+                          peak_memory_gib=w["peak_memory_gib"])
             if not updated:
                 why = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
+                record["skipped_because"] = why
+                self.reporter.step(record)
                 self.reporter.message(f"step {step}: {why}; update skipped ({int(in_a_row)} in a row)")
                 if in_a_row >= self.cfg.train.max_bad_steps:
                     raise TrainingError(f"{int(in_a_row)} non-finite steps in a row (last at step {step}: {why}); "
                                         f"lower optimizer.lr, check the data, or resume from an earlier checkpoint")
-            self.reporter.step(dict(step=step, loss=loss, lr=w["lr"], grad_norm=norm if math.isfinite(loss) else None,
-                                    seconds=seconds, skipped=not updated, peak_memory_gib=w["peak_memory_gib"]))
+            else:
+                self.reporter.step(record)
         self.window.clear()
 
     def evaluate(self, done: int) -> None:
@@ -211,7 +223,7 @@ class Trainer:
                 self.step(step)
                 done = step + 1
                 evaluating = cfg.train.eval_every and done % cfg.train.eval_every == 0
-                saving = done % cfg.checkpoint.every == 0 or done == cfg.train.steps
+                saving = cfg.checkpoint.every > 0 and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps)
                 if evaluating or saving or done % cfg.log.every == 0:
                     self.read_window()
                 if evaluating:
@@ -221,7 +233,7 @@ class Trainer:
                     saved_at = done
             self.read_window()  # the steps before a stop
             agreement.finish()
-            if stopped == signal.SIGTERM and saved_at != done:
+            if stopped == signal.SIGTERM and saved_at != done and cfg.checkpoint.every > 0:
                 self.save(done)
         finally:
             if self.saver:  # a save in flight ends (or fails) before the process group goes away
