@@ -124,3 +124,14 @@ def test_small_mistakes_get_their_fix(tmp_path, capsys):
     assert not json.loads(capsys.readouterr().out)["fits"]
     assert main(["train", "--train.steps", "x"]) == 2
     assert "train.steps takes an int, not 'x'" in capsys.readouterr().err
+
+
+def test_grid_auto_on_cpu_says_it_planned_gpus(monkeypatch, capsys):
+    """Issue #41, item 12: on a CPU run the planner's choice is for the [hardware] preset's GPUs, said."""
+    monkeypatch.setattr("fourfold.cli.train._before_launch", lambda cfg: [])
+    monkeypatch.setattr("fourfold.cli.train.relaunch_with_torchrun", lambda *args, **kwargs: 0)
+    assert main(["train", "--grid.auto", "true", "--train.device", "cpu", "--nproc-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "grid.auto: the planner's choice on 2 x h100-80gb: " in out
+    assert ("grid.auto: (this run is on CPU; the planner planned h100-80gb GPUs, the [hardware] preset's, and its "
+            "memory and speed figures are theirs)") in out
