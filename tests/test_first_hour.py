@@ -440,3 +440,30 @@ def test_a_run_of_non_finite_losses_stops_in_one_line_with_strict_json_records(d
     skipped = [r for r in records if r.get("skipped")]
     assert [(r["step"], r["loss"], r["skipped_because"]) for r in skipped] == [(1, None, "loss is nan"),
                                                                               (2, None, "loss is nan")]
+
+
+def test_a_terminal_gets_a_live_progress_bar(data, tmp_path):
+    """Under a real pseudo-terminal (one that reports no size, as `script` and containers make):
+    the bar, with its loss, tokens/s and time left, not the JSON lines a pipe gets."""
+    import pty
+
+    main_fd, rank_fd = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "fourfold.cli.main", "train", *data["options"],
+                             *_options(tmp_path)[:2], "--train.steps", "4", "--batch.global_batch", "4",
+                             "--batch.micro_batch", "2", "--batch.seq", "32", "--checkpoint.every", "0"],
+                            stdin=subprocess.DEVNULL, stdout=rank_fd, stderr=rank_fd,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    os.close(rank_fd)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 4096)
+        except OSError:  # the terminal closed: every process that held it has exited
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(timeout=300) == 0, seen[-3000:]
+    text = seen.decode(errors="replace")
+    assert "train: 100%" in text and "4/4" in text and "tok/s" in text and "loss " in text, text[-3000:]
+    assert '"tokens_per_s"' not in text  # the step records go to log.jsonl, not the terminal

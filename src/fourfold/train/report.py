@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,11 @@ class Reporter:
             if log.progress and sys.stderr.isatty():  # redirected (a scheduler's log): the JSON lines instead
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+                # The terminal's size, each dim 0 falling back to 80 x 24: a pseudo-terminal that reports
+                # no size (`script`, a container's) would otherwise make tqdm draw nothing at all.
+                size = shutil.get_terminal_size()
+                self.bar = tqdm(total=steps, initial=start, desc="train", unit="step", ncols=size.columns,
+                                nrows=size.lines)
         if log.tensorboard and not tensorboard:
             self.message(f"no TensorBoard event files: the tensorboard package is not installed (pip install "
                          f"{extras.TENSORBOARD}, or --log.tensorboard false to silence this)")
