@@ -467,3 +467,17 @@ def test_a_terminal_gets_a_live_progress_bar(data, tmp_path):
     text = seen.decode(errors="replace")
     assert "train: 100%" in text and "4/4" in text and "tok/s" in text and "loss " in text, text[-3000:]
     assert '"tokens_per_s"' not in text  # the step records go to log.jsonl, not the terminal
+
+
+def test_a_hugging_face_directory_without_its_weights_is_refused_before_launch(data, tmp_path, no_launch, capsys):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    shutil.copy(Path(corpus.__file__).parents[1] / "models/presets/tiny-llama.json", hub / "config.json")
+    shutil.copy(data["tokenizer"], hub / "tokenizer.json")
+    argv = ["train", "--model.hf", str(hub), "--log.run_dir", str(tmp_path / "run")]
+    err = _error(capsys, argv)
+    assert f"model.hf: {hub} has neither model.safetensors nor model.safetensors.index.json" in err
+    (hub / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    err = _error(capsys, argv)
+    assert "names model-00001-of-00002.safetensors, which is not there; copy the whole model directory" in err

@@ -35,6 +35,16 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def check_weights(directory: str | os.PathLike) -> None:
+    """That a Hugging Face directory holds its weights: model.safetensors, or every file its index
+    names (raises CheckpointError naming what is missing), checked before a run starts from it."""
+    directory = Path(directory).expanduser()
+    missing = sorted({f.name for f in _tensor_files(directory).values() if not f.is_file()})
+    if missing:
+        raise CheckpointError(f"{directory}: model.safetensors.index.json names {', '.join(missing)}, which "
+                              f"{'is' if len(missing) == 1 else 'are'} not there; copy the whole model directory")
+
+
 def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype) -> Read:
     """A `Read` over a Hugging Face checkpoint directory; checks that every tensor the model needs
     is there before any is read (on every rank alike: with shared reading a rank reads only some),
