@@ -283,6 +283,37 @@ def test_checkpoints_can_be_turned_off(ranks, data, tmp_path):
         validate(load_train_config(None, ["--checkpoint.every", "-1"]), 1)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real size-limited filesystem: a 30 MiB tmpfs (mounting needs root, as CI runs), room for one
+    checkpoint of the test model (22 MiB) and not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_fails_the_save_in_one_line_and_loses_nothing(ranks, data, reference, small_disk, tmp_path):
+    """The step-6 save finds the disk full: one line naming the directory, no traceback, its partial
+    files removed, step 3 intact and resuming bitwise; with checkpoint.on_failure = continue the run
+    trains on and says so."""
+    grid = ["--grid.dp", "2", "--grid.x", "2", "--checkpoint.dir", str(small_disk)]
+    command = [sys.executable, "-m", "fourfold.cli.main", "train", *_options(tmp_path / "run", data, *grid)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 1
+    said = f"fourfold: error: checkpoint step-00000006 could not be written in {small_disk}: the disk is full ("
+    assert done.stderr.count(said) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000003"]  # no partial directory left
+    shutil.copytree(small_disk, tmp_path / "roomy")  # where there is room: the last checkpoint resumes bitwise
+    ranks.run(_train, 4, _options(tmp_path / "resumed", data, *grid[:4], "--checkpoint.dir", str(tmp_path / "roomy")))
+    assert _losses(tmp_path / "resumed")[0] == {s: _losses(reference)[0][s] for s in (3, 4, 5)}
+    goes_on = ranks.run(_train, 4, _options(tmp_path / "goes-on", data, *grid, "--checkpoint.on_failure", "continue"))
+    assert goes_on[0]["step"] == STEPS and sorted(p.name for p in small_disk.iterdir()) == ["step-00000003"]
+
+
 def test_failed_save_keeps_the_last_good_checkpoint(ranks, data, reference, tmp_path):
     shutil.copytree(reference / "checkpoints", tmp_path / "checkpoints")
     (tmp_path / "checkpoints" / ".step-00000009.partial").mkdir()  # a crash during a save left this

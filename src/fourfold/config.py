@@ -130,6 +130,9 @@ class CheckpointSection:
     resume: bool = True  # continue from the latest complete checkpoint in `dir`
     load: str = ""  # start from this checkpoint (any grid; or a run's checkpoint dir: its latest) when `dir` has none
     async_save: bool = False  # write in the background (host memory: one rank's share of the state)
+    # a save that fails (a full disk): "stop" the run (resume it from the last checkpoint), or "continue"
+    # training and save again at the next checkpoint.every (its partial files are removed either way)
+    on_failure: str = "stop"
 
 
 @dataclass
@@ -417,6 +420,8 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     for name, value in (("train.steps", cfg.train.steps), ("log.every", cfg.log.every)):
         if value < 1:
             found.append(f"{name} must be >= 1")
+    if cfg.checkpoint.on_failure not in ("stop", "continue"):
+        found.append(f"checkpoint.on_failure {cfg.checkpoint.on_failure!r} is neither stop nor continue; use one")
     if cfg.checkpoint.every < 0:
         found.append(f"checkpoint.every must be >= 0 (0: no checkpoints), not {cfg.checkpoint.every}")
     if found:

@@ -26,6 +26,7 @@ the files, so that the whole checkpoint is read once across the job rather than 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pickle
@@ -276,14 +277,43 @@ def save(root: str | Path, step: int, module: nn.Module, opt: AdamW | None, meta
     `replicas`: see `local_rectangles`."""
     root = Path(root)
     final, partial = _prepare(root, step)
-    dcp.save({}, checkpoint_id=partial,
-             planner=RectangleSavePlanner(local_rectangles(module, opt, replicas=replicas)))
+    try:
+        dcp.save({}, checkpoint_id=partial,
+                 planner=RectangleSavePlanner(local_rectangles(module, opt, replicas=replicas)))
+    except CheckpointException as e:  # raised on every rank when any rank's write failed
+        raise _failed_save(root, partial, step, e) from None
     written = _gathered(_written_here(partial, dist.get_rank()))  # (after every rank's write: DCP's last step)
     if dist.get_rank() == 0:
         _publish(root, final, partial, dict(meta, step=step, optimizer_steps=opt.step_count if opt else 0), keep,
                  files or {}, written)
     dist.barrier()
     return final
+
+
+def _failed_save(root: Path, partial: Path, step: int, error: CheckpointException) -> CheckpointError:
+    """The error of a save that some rank could not write (collective: every rank has it), its
+    partial directory removed (it would keep a full disk full); the last checkpoint is untouched."""
+    dist.barrier()  # every rank's writing has ended
+    written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+    full = shutil.disk_usage(root).free == 0
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    reasons = sorted({_write_failure(exc, full) for exc, _ in error.failures.values()})
+    mib, free = 2**20, shutil.disk_usage(root).free
+    return CheckpointError(f"checkpoint step-{step:08d} could not be written in {root}: {'; '.join(reasons)} "
+                           f"({written / mib:.1f} MiB written before it failed; its partial files are removed, "
+                           f"{free / mib:.1f} MiB free there now) and the last checkpoint is intact: free space "
+                           f"there or give another --checkpoint.dir")
+
+
+def _write_failure(exc: BaseException, full: bool) -> str:
+    """What stopped a rank's write, in a few words: a full disk (torch's zip writer says "unexpected
+    pos" when a write comes up short), else the error's first line."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "unexpected pos" in str(exc) or full:
+        return "the disk is full"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 class AsyncSaver:

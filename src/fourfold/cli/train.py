@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -177,6 +178,16 @@ def check_writable(cfg: TrainConfig) -> None:
         except OSError as e:
             raise ConfigError(f"{key} {folder} cannot be written ({e.strerror or e}): give a directory this user can "
                               f"create and write to") from None
+    if cfg.checkpoint.every > 0:  # room for one checkpoint: said now, not found at the first save
+        from fourfold.spec.job import ELEMENT_BYTES
+
+        element = ELEMENT_BYTES[cfg.train.precision] if cfg.train.precision != "auto" else 4  # (CPU's float32)
+        size = cfg.model_config().parameter_count() * (element + 3 * max(4, element))  # weights, master, m, v
+        free = shutil.disk_usage(cfg.checkpoint_dir.expanduser()).free
+        if free < size:
+            print(f"warning: {cfg.checkpoint_dir} has {free / 2**30:.2f} GiB free, and one checkpoint of this model "
+                  f"takes about {size / 2**30:.2f} GiB: its saves will fail (checkpoint.on_failure decides whether "
+                  f"training goes on)", file=sys.stderr)
 
 
 def _prepared_data(cfg) -> tuple[list[str], Path, Path | None]:

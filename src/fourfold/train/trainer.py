@@ -207,6 +207,19 @@ class Trainer:
                                                                     files=self.copied, replicas=self.replicas)
         return f"{path} (being written in the background)" if self.saver else str(path)
 
+    def save_or_go_on(self, done: int) -> bool:
+        """A checkpoint after `done` steps, said; a save that could not be written stops the run, or
+        with checkpoint.on_failure = continue is said and training goes on. Whether it was written."""
+        try:
+            self.reporter.message(f"checkpoint {self.save(done)}")
+            return True
+        except checkpoint.CheckpointError as err:
+            if self.cfg.checkpoint.on_failure != "continue":
+                raise TrainingError(str(err)) from None
+            self.reporter.message(f"{err}; training goes on (checkpoint.on_failure = continue), saving again after "
+                                  f"step {done + self.cfg.checkpoint.every}")
+            return False
+
     def run(self, stop: StopRequest) -> dict:
         """Steps until train.steps or an agreed stop signal, evaluating, recording and saving on
         their schedules; returns the run's summary."""
@@ -228,13 +241,12 @@ class Trainer:
                     self.read_window()
                 if evaluating:
                     self.evaluate(done)
-                if saving:
-                    self.reporter.message(f"checkpoint {self.save(done)}")
+                if saving and self.save_or_go_on(done):
                     saved_at = done
             self.read_window()  # the steps before a stop
             agreement.finish()
             if stopped == signal.SIGTERM and saved_at != done and cfg.checkpoint.every > 0:
-                self.save(done)
+                self.save_or_go_on(done)
         finally:
             if self.saver:  # a save in flight ends (or fails) before the process group goes away
                 self.saver.wait()
