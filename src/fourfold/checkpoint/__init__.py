@@ -294,14 +294,15 @@ def _failed_save(root: Path, partial: Path, step: int, error: CheckpointExceptio
     """The error of a save that some rank could not write (collective: every rank has it), its
     partial directory removed (it would keep a full disk full); the last checkpoint is untouched."""
     dist.barrier()  # every rank's writing has ended
-    written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
-    full = shutil.disk_usage(root).free == 0
-    dist.barrier()
-    if dist.get_rank() == 0:
+    found = [None]
+    if dist.get_rank() == 0:  # one rank walks the directory (every rank's files are there) and removes it
+        written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+        full = shutil.disk_usage(root).free == 0
         shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier()
+        found = [(written, full, shutil.disk_usage(root).free)]
+    dist.broadcast_object_list(found, src=0)
+    (written, full, free), mib = found[0], 2**20
     reasons = sorted({_write_failure(exc, full) for exc, _ in error.failures.values()})
-    mib, free = 2**20, shutil.disk_usage(root).free
     return CheckpointError(f"checkpoint step-{step:08d} could not be written in {root}: {'; '.join(reasons)} "
                            f"({written / mib:.1f} MiB written before it failed; its partial files are removed, "
                            f"{free / mib:.1f} MiB free there now) and the last checkpoint is intact: free space "
