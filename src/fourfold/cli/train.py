@@ -136,19 +136,11 @@ def _before_launch(cfg) -> list[str]:
     large corpus would pass)."""
     from fourfold.data import corpus
     from fourfold.data.checks import check_data_files
-    from fourfold.train.resume import check_checkpoint, checkpoint_source
+    from fourfold.train.resume import check_checkpoint
 
     check_writable(cfg)
     check_data_files(cfg)
-    changed = check_checkpoint(cfg)
-    if cfg.model.hf and checkpoint_source(cfg)[0] is None:  # the run starts from its weights: they must be there
-        from fourfold.checkpoint import CheckpointError
-        from fourfold.checkpoint.hf import check_weights
-
-        try:
-            check_weights(cfg.model.hf)
-        except CheckpointError as e:
-            raise ConfigError(f"model.hf: {e}") from None
+    changed = check_checkpoint(cfg)  # (and model.hf's weights, when the run starts from them)
     if changed:
         print(f"the model's settings differ from its checkpoint's ({'; '.join(changed)}): training goes on with "
               f"this config's", file=sys.stderr)  # (slurm prints its script on stdout)

@@ -66,12 +66,19 @@ SHAPES = ("family", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "ti
 
 
 def check_checkpoint(cfg: TrainConfig) -> list[str]:
-    """The checkpoint the run would start from, before any process starts: every file there with its
-    size (`checkpoint_source`), and of the configured model's shapes (raises ConfigError naming the
-    fix). Returns the other settings that differ from the checkpoint's, as "key there -> here", for
-    the user to see."""
+    """The weights the run would start from, before any process starts: its checkpoint, every file
+    there with its size (`checkpoint_source`), and of the configured model's shapes; else model.hf's
+    safetensors (raises ConfigError naming the fix). Returns the other settings that differ from the
+    checkpoint's, as "key there -> here", for the user to see."""
     source, _ = checkpoint_source(cfg)  # (the ranks say which damaged ones they pass over)
     if source is None:
+        if cfg.model.hf:  # the run starts from its weights: they must be there
+            from fourfold.checkpoint.hf import check_weights
+
+            try:
+                check_weights(cfg.model.hf)
+            except checkpoint.CheckpointError as e:
+                raise ConfigError(f"model.hf: {e}") from None
         return []
     own = source.parent == Path(cfg.checkpoint_dir)
     saved = ModelConfig.from_dict(checkpoint.read_meta(source)["model"])

@@ -182,13 +182,12 @@ class Trainer:
             if not updated:
                 why = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
                 record["skipped_because"] = why
-                self.reporter.step(record)
+            self.reporter.step(record)
+            if not updated:
                 self.reporter.message(f"step {step}: {why}; update skipped ({int(in_a_row)} in a row)")
                 if in_a_row >= self.cfg.train.max_bad_steps:
                     raise TrainingError(f"{int(in_a_row)} non-finite steps in a row (last at step {step}: {why}); "
                                         f"lower optimizer.lr, check the data, or resume from an earlier checkpoint")
-            else:
-                self.reporter.step(record)
         self.window.clear()
 
     def evaluate(self, done: int) -> None:
