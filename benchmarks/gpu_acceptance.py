@@ -23,7 +23,7 @@ Sections (each {"error": ...} if it raised; the others still run):
   throughput      tokens/s and MFU of fourfold, transformers like for like (fp32 master weights, bf16
                   autocast, fused AdamW) and transformers in pure bf16 (bf16 weights and moments)
   memory          fourfold's peak at recompute none / selective / full x micro-batch 1 / 8 against the
-                  planner's estimate (fourfold.plan.memory.estimate_memory)
+                  planner's estimate (fourfold.plan.memory.fourfold_memory)
   compile         train.compile off and on: compile seconds, tokens/s
   flash           fourfold's attention forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)): a
                   silent fall-back to another kernel would raise here
@@ -67,7 +67,7 @@ from fourfold.parallel.model import Model, local_batch  # noqa: E402
 from fourfold.parallel.optimizer import AdamW  # noqa: E402
 from fourfold.parallel.tensor.block import TensorOptions  # noqa: E402
 from fourfold.parallel.transformer import Transformer  # noqa: E402
-from fourfold.plan.memory import GIB, estimate_memory  # noqa: E402
+from fourfold.plan.memory import GIB, fourfold_memory  # noqa: E402
 from fourfold.plan.perf import model_flops_per_token  # noqa: E402
 from fourfold.spec.hardware import GPUS  # noqa: E402
 from fourfold.spec.job import Job  # noqa: E402
@@ -430,7 +430,7 @@ def memory_section(setup: Setup, device: torch.device, memory_gib: float) -> dic
     for micro_batch in MICRO_BATCHES:
         for recompute in RECOMPUTE:
             job = job_for(setup, micro_batch, recompute)
-            estimate = estimate_memory(setup.model, job, memory_gib)
+            estimate = fourfold_memory(setup.model, job, memory_gib)
             allocator = sum(v for k, v in estimate.terms.items() if k not in GPU_ONLY_TERMS)
             row = {"micro_batch": micro_batch, "recompute": recompute,
                    "estimate_gib": {"allocator_terms": gib(allocator), "total": gib(estimate.total)}}

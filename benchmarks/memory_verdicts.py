@@ -1,5 +1,5 @@
 """Can modelled memory terms judge "fits" better than the seed's 80% rule? Cross-validated on the
-published Megatron-LM outcomes of ../shared/calibration (docs/planner.md, "Memory verdicts").
+published Megatron-LM outcomes shipped with fourfold (fourfold/plan/data; docs/planner.md, "Memory verdicts").
 
 Each verdict model adds up to two terms to the seed's estimate (the CSV's fujii_estimate_gib,
 which the megatron profile reproduces) and says "fits" when the sum is at most a fitted limit.
@@ -8,7 +8,7 @@ passes no failed run; each configuration (tp, cp, pp, micro-batch) is left out i
 rows are judged by the fit on the others. Issue #17 asks for no "fits" on a failed run and
 fewer refusals of runs that ran than the 80% rule.
 
-    python benchmarks/memory_verdicts.py [--data ../shared/calibration]
+    python benchmarks/memory_verdicts.py [--data DIR]   # default: the shipped fourfold/plan/data
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fourfold.models.config import load_config
-from fourfold.plan.calibrate import DATA
+from fourfold.plan.measured import DATA
 from fourfold.plan.memory import GIB, layer_params
 
 FILE = "megatron_llama31_8b_a100.csv"

@@ -1,7 +1,7 @@
 """Do the planner's step times and rankings hold on runs it was not fitted on? Cross-validated on
-the published runs of ../shared/calibration (docs/planner.md, "Calibration").
+the published runs shipped with fourfold (fourfold/plan/data, docs/planner.md, "Calibration").
 
-1. The constants fitted on every run, as `perf.Calibration`'s defaults are written.
+1. The constants fitted on every run, as `constants.Calibration`'s defaults are written.
 2. Leave one source out: each published table (a file, or a document of context_parallel.csv)
    predicted by constants fitted on the others, its groups ranked by the predicted step time, as
    `fourfold plan` lists them (ties within the per-kind band of the other sources' held-out
@@ -10,7 +10,7 @@ the published runs of ../shared/calibration (docs/planner.md, "Calibration").
 3. Llama 3 405B's long-context run (131,072 tokens, tp8 cp16 pp16 dp8 on 16,384 H100s, 380
    TFLOP/s a GPU, arXiv 2407.21783 Table 4): a check, never fitted.
 
-    python benchmarks/planner_calibration.py [--data ../shared/calibration]
+    python benchmarks/planner_calibration.py [--data DIR]   # default: the shipped fourfold/plan/data
 """
 
 from __future__ import annotations
@@ -21,19 +21,11 @@ import dataclasses
 import numpy as np
 
 from fourfold.models.config import load_config
-from fourfold.plan.calibrate import (
-    DATA,
-    NOT_PRICED,
-    fit,
-    flops_per_sequence,
-    generation,
-    held_out_table,
-    kind_errors,
-    leave_out,
-    predicted_seconds,
-    shipped_runs,
-)
-from fourfold.plan.perf import Calibration, RunTraits, step_time
+from fourfold.plan.calibrate import fit, generation, held_out_table, kind_errors, leave_out, predicted_seconds
+from fourfold.plan.constants import Calibration
+from fourfold.plan.frameworks import MEGATRON
+from fourfold.plan.measured import DATA, NOT_PRICED, flops_per_sequence, shipped_runs
+from fourfold.plan.perf import RunTraits, step_time
 from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job, megatron_stages
 from fourfold.spec.layout import Layout
@@ -52,7 +44,7 @@ def llama3_long_context(cal: Calibration) -> list[str]:
                   schedule="interleaved-1f1b" if virtual > 1 else "1f1b",
                   stage_layers=megatron_stages(cfg.layers, 16 * virtual))
         for comm in ("all_gather", "p2p"):
-            seconds = step_time(cfg, job, cluster, cal, "megatron", RunTraits(cp_comm=comm)).total
+            seconds = step_time(cfg, job, cluster, cal, MEGATRON, RunTraits(cp_comm=comm)).total
             per_gpu = [flops_per_sequence(c, cfg, job.seq) * job.global_batch / LLAMA3_LONG["gpus"] / seconds / 1e12
                        for c in ("fourfold", "megatron")]
             lines.append(f"{virtual:>11} {comm:>11} {seconds:8.2f} {per_gpu[0]:11.0f} ({per_gpu[0] / 380 - 1:+.0%})"
@@ -78,7 +70,7 @@ def main() -> None:
     print("\n" + held_out_table(by_generation, "GPU generation"))
     print("\nLlama 3 405B, 131,072 tokens, tp8 cp16 pp16 dp8 on 16,384 H100s: 380 TFLOP/s measured (not fitted)")
     print("\n".join(llama3_long_context(cal)))
-    print("\nfitted on every run (perf.Calibration's defaults; cv_error and cv_errors: leave one source out):")
+    print("\nfitted on every run (constants.Calibration's defaults; cv_error and cv_errors: leave one source out):")
     for field in dataclasses.fields(Calibration):
         value = getattr(cal, field.name)
         if field.name == "profiles":

@@ -27,7 +27,8 @@ from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid, init_process_group
 from fourfold.parallel.model import Model, local_batch
 from fourfold.parallel.optimizer import AdamW
-from fourfold.plan.perf import UNCALIBRATED, Profile, step_time
+from fourfold.plan.constants import UNCALIBRATED, Profile
+from fourfold.plan.perf import step_time
 from fourfold.spec.hardware import GPU, Cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS, Layout

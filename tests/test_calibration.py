@@ -15,31 +15,26 @@ from fourfold.config import TrainConfig
 from fourfold.models.config import load_config
 from fourfold.plan import perf
 from fourfold.plan.calibrate import (
-    DATA,
     HARDWARE_KNOBS,
     PROFILE_RUNS,
     SOFTWARE_KNOBS,
     calibrate,
     fit,
     kind_errors,
-    make_run,
     mfu_baseline,
     model_scores,
     plan_scores,
     predicted_seconds,
-    read_csv,
-    read_run_dir,
     rule_scores,
-    shipped_runs,
 )
-from fourfold.plan.perf import UNCALIBRATED, Calibration, Profile
+from fourfold.plan.constants import UNCALIBRATED, Calibration, Profile, constants
+from fourfold.plan.costs import linear_tflops
+from fourfold.plan.frameworks import FOURFOLD, MEGATRON
+from fourfold.plan.measured import DATA, make_run, read_csv, read_run_dir, shipped_runs
 from fourfold.plan.search import search
 from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-
-needs_data = pytest.mark.skipif(not (DATA / "megatron_llama31_8b_a100.csv").is_file(),
-                                reason=f"the published calibration runs are not at {DATA}")
 
 # docs/planner.md, "Calibration": `python benchmarks/planner_calibration.py`, NeMo's long-sequence
 # tables held out (fitted on the other sources' runs)
@@ -52,15 +47,13 @@ def published():
     return shipped_runs()
 
 
-@needs_data
 def test_the_defaults_are_the_fit_on_every_published_run(published):
-    """perf.Calibration's defaults are this fit (rounded) and carry the leave-one-source-out errors."""
+    """constants.Calibration's defaults are this fit (rounded) and carry the leave-one-source-out errors."""
     cal, default = fit(published), Calibration()
     assert all(predicted_seconds(r, default) == pytest.approx(predicted_seconds(r, cal), rel=0.005) for r in published)
     assert {k for k, _ in default.cv_errors} == {r.kind for r in published} and 0 < default.cv_error < 0.15
 
 
-@needs_data
 def test_long_sequences_and_context_parallelism_hold_on_a_source_left_out(published):
     """NeMo's long-sequence tables (Llama 2 7B and 70B, Llama 3 8B and 70B at 16k to 1M tokens, cp 2
     to 32), fitted on the other sources only: their step times and the order of each table's
@@ -86,7 +79,7 @@ def test_a_fit_changes_only_the_profiles_of_its_clusters():
     cfg, a100, h100 = load_config("llama-3.1-8b"), make_cluster("dgx-a100"), make_cluster("dgx-h100")
     job = Job(Layout(dp=4, y=4), global_batch=64, micro_batch=1, seq=4096, seq_parallel=True, precision="bf16")
     runs = [make_run(cfg, dataclasses.replace(job, layout=Layout(dp=16 // tp, y=tp), micro_batch=mb), a100,
-                     "megatron", seconds, "made")
+                     MEGATRON, seconds, "made")
             for tp, (mb, seconds) in itertools.product((2, 4), ((1, 3.0), (2, 2.8), (4, 2.7)))]
     assert len(runs) == PROFILE_RUNS
     cal = fit(runs)
@@ -95,7 +88,6 @@ def test_a_fit_changes_only_the_profiles_of_its_clusters():
     assert cal.profile(h100).efficiency_max == h100.gpu.gemm_efficiency
 
 
-@needs_data
 def test_the_seed_headline_from_the_perlmutter_profile_alone():
     """GPT 80B on 1,024 Perlmutter A100s: the seed paper measured its algorithm at 57% of peak and
     Megatron-LM 26% below (57% / 1.26). Nothing was fitted on Perlmutter: its profile is the preset's
@@ -106,11 +98,11 @@ def test_the_seed_headline_from_the_perlmutter_profile_alone():
     cfg, cluster = load_config("gpt-80b"), make_cluster("perlmutter")
     base = Job(global_batch=2048, seq=2048, seq_parallel=True, precision="bf16")
 
-    def fastest(framework: str) -> float:
+    def fastest(framework) -> float:
         return max(r["mfu"] for r in search(cfg, 1024, cluster, base, framework=framework, top=10)
                    if r["fits"] and not r["tight"])
 
-    fourfold, megatron = fastest("fourfold"), fastest("megatron")
+    fourfold, megatron = fastest(FOURFOLD), fastest(MEGATRON)
     assert abs(fourfold / 0.57 - 1) <= 0.2
     assert abs(megatron / (0.57 / 1.26) - 1) <= 0.2
     assert abs(fourfold / megatron / 1.26 - 1) <= Calibration().cv_error
@@ -121,14 +113,13 @@ def test_fourfold_prices_megatrons_grid_as_megatron():
     runtime overlaps what Megatron's does (the column-parallel input re-gather behind the dX GEMM, the
     input-gradient reduce-scatter behind the dW GEMM): the two profiles' exposed tensor traffic agree."""
     cfg, cluster = load_config("gpt-80b"), make_cluster("perlmutter")
-    k = perf.constants(Calibration(), cluster)
+    k = constants(Calibration(), cluster)
     for recompute in ("none", "full"):
         job = Job(Layout(dp=32, pp=4, y=8), global_batch=2048, micro_batch=2, seq=2048, seq_parallel=True,
                   precision="bf16", recompute=recompute)
-        forward, peak = perf._compute(cfg, job, cluster, k, "fourfold").forward, perf.linear_tflops(cluster, k, False)
-        fourfold = perf._tensor_comm(cfg, job, cluster, k, forward, "fourfold", peak)
-        assert fourfold > 0 and fourfold == pytest.approx(perf._tensor_comm(cfg, job, cluster, k, forward, "megatron",
-                                                                            peak))
+        forward, peak = perf._compute(cfg, job, cluster, k, FOURFOLD).forward, linear_tflops(cluster, k, False)
+        fourfold = FOURFOLD.tensor_comm(cfg, job, cluster, k, forward, peak)
+        assert fourfold > 0 and fourfold == pytest.approx(MEGATRON.tensor_comm(cfg, job, cluster, k, forward, peak))
 
 
 def test_the_fit_recovers_constants_the_runs_were_made_with():
@@ -145,7 +136,7 @@ def test_the_fit_recovers_constants_the_runs_were_made_with():
             (2, 1, 4, 2, 64, 4096), (4, 1, 1, 1, 128, 4096), (8, 2, 1, 1, 128, 16384), (4, 4, 2, 1, 128, 32768)]:
         job = Job(Layout(dp=world // (tp * cp * pp), pp=pp, cp=cp, y=tp), global_batch=512, micro_batch=mb,
                   seq=seq, seq_parallel=True, precision="bf16")
-        run = make_run(cfg, job, cluster, "megatron", 1.0, "made")
+        run = make_run(cfg, job, cluster, MEGATRON, 1.0, "made")
         runs.append(dataclasses.replace(run, seconds=predicted_seconds(run, truth)))
     fitted = fit(runs[:12])
     assert len(runs[:12]) > len(SOFTWARE_KNOBS + HARDWARE_KNOBS)
@@ -167,7 +158,7 @@ def test_a_profile_refit_keeps_the_software_constants_and_recovers_the_clusters(
                                   (4, 1, 2, 2, 32), (8, 2, 1, 1, 32), (4, 4, 1, 1, 64), (2, 1, 4, 1, 64)]:
         job = Job(Layout(dp=world // (tp * cp * pp), pp=pp, cp=cp, y=tp), global_batch=256, micro_batch=mb,
                   seq=16384, seq_parallel=True, precision="bf16")
-        run = make_run(cfg, job, mine, "megatron", 1.0, "made")
+        run = make_run(cfg, job, mine, MEGATRON, 1.0, "made")
         runs.append(dataclasses.replace(run, seconds=predicted_seconds(run, truth)))
     cal, _ = calibrate(runs[:6], software=False)
     assert [p for p in cal.profiles if p.cluster != "my-h100"] == list(shipped.profiles)
@@ -193,7 +184,6 @@ def _write_csv(path, rows):
                           "flops_convention": "megatron", "outcome": row["outcome"]})
 
 
-@needs_data
 def test_calibrate_command_on_a_csv_predicts_other_runs(tmp_path, capsys):
     """A CSV in the calibration format of the runs on 16 to 64 GPUs -> cal.json -> the runs on 128
     and 256 GPUs, predicted better than by the guesses; plan takes the file and prints its error."""
@@ -245,7 +235,7 @@ def test_a_run_directory_gives_its_job_and_median_step(tmp_path, capsys):
     run = read_run_dir(tmp_path / "a")
     assert run.jobs[0].layout.sizes == dict(dp=2, pp=1, cp=1, x=2, y=1, z=1)
     assert run.jobs[0].precision == "bf16"  # precision auto, on GPUs
-    assert run.seconds == 1.1 and run.framework == "fourfold"  # the first step (warm-up) left out
+    assert run.seconds == 1.1 and run.framework is FOURFOLD  # the first step (warm-up) left out
     _run_dir(tmp_path / "b", {"dp": 4}, [5.0, 2.0, 2.2])
     _run_dir(tmp_path / "c", {"y": 2, "dp": 2}, [5.0, 1.5, 1.5])
     args = ["calibrate", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), "-o", str(tmp_path / "c.json")]
@@ -280,7 +270,7 @@ def test_a_singular_fit_names_the_cause(monkeypatch):
     monkeypatch.setattr(np.linalg, "solve", singular)
     cfg, cluster = load_config("llama-3.1-8b"), make_cluster("dgx-a100")
     job = Job(Layout(dp=2, y=4), global_batch=512, micro_batch=1, seq=4096, seq_parallel=True, precision="bf16")
-    runs = [make_run(cfg, job, cluster, "fourfold", seconds, "made") for seconds in (1.0, 1.1)]
+    runs = [make_run(cfg, job, cluster, FOURFOLD, seconds, "made") for seconds in (1.0, 1.1)]
     constants = len(SOFTWARE_KNOBS)  # (one run: no profile)
     singular = f"the fit on 1 runs is singular: too few distinct runs or groups for {constants}"
     with pytest.raises(ValueError, match=singular):

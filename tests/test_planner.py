@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from fourfold.models.config import load_config
+from fourfold.plan.constants import Calibration
+from fourfold.plan.frameworks import FOURFOLD, MEGATRON
+from fourfold.plan.frameworks.fourfold import ORDERS
 from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
-from fourfold.plan.perf import Calibration, compute_bound, placement_bound, step_time
-from fourfold.plan.search import ORDERS, check, kind, rounded_seconds, search
+from fourfold.plan.perf import compute_bound, placement_bound, step_time
+from fourfold.plan.search import check, kind, rounded_seconds, search
 from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
@@ -72,7 +75,7 @@ CLUSTER = make_cluster("dgx-h100")
 SMALL = load_config("llama-2-7b")
 
 
-@given(gpus=st.sampled_from([8, 16, 32, 64]), framework=st.sampled_from(["fourfold", "megatron"]))
+@given(gpus=st.sampled_from([8, 16, 32, 64]), framework=st.sampled_from([FOURFOLD, MEGATRON]))
 @settings(max_examples=8, deadline=None)
 def test_every_candidate_multiplies_out_and_divides(gpus, framework):
     found = search(SMALL, gpus, CLUSTER, job(seq=2048, global_batch=64), include_unfit=True, framework=framework)
@@ -82,7 +85,7 @@ def test_every_candidate_multiplies_out_and_divides(gpus, framework):
         assert r["job"].layout.sizes == {d: r[d] for d in ("dp", "pp", "cp", "x", "y", "z")}
         assert SMALL.heads % r["y"] == 0 and SMALL.layers % r["pp"] == 0 and r["micro_batch"] % r["z"] == 0
         assert 64 % (r["dp"] * r["micro_batch"]) == 0
-        if framework == "megatron":
+        if framework is MEGATRON:
             assert r["x"] == r["z"] == 1 and SMALL.layers % (r["pp"] * r["virtual"]) == 0  # even stages
         assert (r["virtual"] > 1) == (r["job"].schedule == "interleaved-1f1b") and (r["pp"] > 1 or r["virtual"] == 1)
     if gpus >= 16:  # pipelines exist: the search tries them interleaved too
@@ -103,7 +106,7 @@ def test_every_candidate_multiplies_out_and_divides(gpus, framework):
     assert rest == sorted(rest)
 
 
-@given(gpus=st.sampled_from([16, 64, 128]), framework=st.sampled_from(["fourfold", "megatron"]),
+@given(gpus=st.sampled_from([16, 64, 128]), framework=st.sampled_from([FOURFOLD, MEGATRON]),
        top=st.sampled_from([1, 3, 10]))
 @settings(max_examples=6, deadline=None)
 def test_a_search_for_the_top_few_ranks_them_as_the_whole_search_does(gpus, framework, top):
@@ -123,14 +126,14 @@ SETUPS = st.builds(
     recompute=st.sampled_from(["none", "selective", "full"]))
 
 
-@given(s=SETUPS, framework=st.sampled_from(["fourfold", "megatron"]), per_node=st.sampled_from([2, 4, 8]))
+@given(s=SETUPS, framework=st.sampled_from([FOURFOLD, MEGATRON]), per_node=st.sampled_from([2, 4, 8]))
 @settings(max_examples=150, deadline=None)
 def test_the_search_bounds_are_below_every_placements_step_time(s, framework, per_node):
     # The search stops on these bounds, so a bound above a step time would drop a better job.
-    if framework == "megatron":
+    if framework is MEGATRON:
         s = s.with_layout(x=1, z=1)
     cluster = replace(CLUSTER, gpus_per_node=per_node)
-    variants = [s, replace(s, keep_gathered_inputs=True)] if framework == "fourfold" else [s]
+    variants = [s, replace(s, keep_gathered_inputs=True)] if framework is FOURFOLD else [s]
     loose = compute_bound(SMALL, s, cluster, framework=framework)
     tight = placement_bound(SMALL, variants[-1], cluster, framework=framework)  # as the search asks it
     times = [step_time(SMALL, v.with_layout(order=o), cluster, framework=framework).total
@@ -203,14 +206,14 @@ def test_invalid_configurations_name_the_fix():
                        match="batch.seq=4097 does not divide; use a sequence length that is a multiple of 4"):
         check(SMALL, job(cp=2, seq=4097))
     with pytest.raises(ValueError, match="the megatron profile has 1D tensor parallelism"):
-        check(SMALL, job(x=2), "megatron")
+        check(SMALL, job(x=2), MEGATRON)
     # Megatron-LM builds layers // pp on every stage (layers // (pp * virtual) per chunk); fourfold splits unevenly
     check(SMALL, job(pp=3))
     for uneven in (job(pp=3), replace(job(pp=4), virtual=3, schedule="interleaved-1f1b")):
         with pytest.raises(ValueError, match=f"pp \\* virtual = {uneven.pp * uneven.virtual} does not divide the "
                                              "model's 32 layers; choose --pp"):
-            check(SMALL, uneven, "megatron")
-    megatron = search(SMALL, 24, CLUSTER, job(seq=2048, global_batch=24), framework="megatron", include_unfit=True)
+            check(SMALL, uneven, MEGATRON)
+    megatron = search(SMALL, 24, CLUSTER, job(seq=2048, global_batch=24), framework=MEGATRON, include_unfit=True)
     assert megatron and all(r["pp"] in (1, 2, 4, 8) for r in megatron)
 
 
@@ -240,10 +243,11 @@ def test_planner_does_not_import_torch():
 
 
 def test_volume_functions_are_the_runtimes():
-    import fourfold.plan.perf as perf
+    import fourfold.plan.costs as costs
+    import fourfold.plan.frameworks.fourfold as fourfold_profile
     import fourfold.spec.volumes as volumes
 
-    assert perf.block_passes is volumes.block_passes and perf.bytes_sent is volumes.bytes_sent
+    assert fourfold_profile.block_passes is volumes.block_passes and costs.bytes_sent is volumes.bytes_sent
 
 
 def _cli(*args):

@@ -10,8 +10,12 @@ import pytest
 from fourfold.cli.main import main
 from fourfold.models.config import load_config
 from fourfold.plan import routing
-from fourfold.plan.memory import estimate_memory
-from fourfold.plan.perf import Calibration, comm_seconds, constants, expert_exchange_bytes, step_time
+from fourfold.plan.constants import Calibration, constants
+from fourfold.plan.costs import comm_seconds
+from fourfold.plan.frameworks import FOURFOLD, MEGATRON
+from fourfold.plan.frameworks.fourfold import expert_exchange_bytes
+from fourfold.plan.memory import fourfold_memory
+from fourfold.plan.perf import step_time
 from fourfold.plan.search import check, predict, search
 from fourfold.spec.counts import layer_params, parameter_count
 from fourfold.spec.hardware import make_cluster
@@ -40,7 +44,7 @@ def test_the_mixtral_preset_is_the_published_config():
     assert round(parameter_count(MIXTRAL, active=True) / 1e9, 1) == 12.9
 
 
-@pytest.mark.parametrize("framework", ["fourfold", "megatron"])
+@pytest.mark.parametrize("framework", [FOURFOLD, MEGATRON], ids=lambda f: f.name)
 def test_plan_and_estimate_run_for_mixtral(framework):
     ranking = search(MIXTRAL, 64, H100, job(), framework=framework, top=3)
     assert ranking and any(r["ep"] > 1 for r in ranking)  # both profiles split the experts
@@ -56,7 +60,7 @@ def test_memory_holds_every_expert_and_time_runs_the_active_ones():
     dense = replace(MIXTRAL, family="llama", experts=0, top_k=0, norm_topk=False, ffn=MIXTRAL.top_k * MIXTRAL.ffn)
     assert parameter_count(dense) == pytest.approx(parameter_count(MIXTRAL, active=True), rel=1e-4)
     s = job(dp=8, y=4, z=2, micro_batch=4)
-    moe, base = estimate_memory(MIXTRAL, s, 80), estimate_memory(dense, s, 80)
+    moe, base = fourfold_memory(MIXTRAL, s, 80), fourfold_memory(dense, s, 80)
     ratio = parameter_count(MIXTRAL) / parameter_count(dense)
     for term in ("weights", "gradients", "optimizer"):
         assert moe.terms[term] > base.terms[term]
@@ -69,9 +73,9 @@ def test_memory_holds_every_expert_and_time_runs_the_active_ones():
 
 def test_activations_scale_with_the_experts_a_token_runs():
     s = job(dp=8, y=4, z=2, micro_batch=4)
-    one, two = (estimate_memory(replace(MIXTRAL, top_k=k), s, 80).terms["activations"] for k in (1, 2))
+    one, two = (fourfold_memory(replace(MIXTRAL, top_k=k), s, 80).terms["activations"] for k in (1, 2))
     assert two > one
-    full = estimate_memory(MIXTRAL, replace(s, recompute="full"), 80)
+    full = fourfold_memory(MIXTRAL, replace(s, recompute="full"), 80)
     assert full.terms["activations"] < two  # full recompute keeps each layer's input only
 
 
@@ -79,7 +83,7 @@ def test_a_shared_expert_adds_its_weights_and_activations():
     qwen = replace(MIXTRAL, family="qwen2_moe", norm_topk=False, layers=4)
     shared = replace(qwen, shared_ffn=5632)
     s = job(dp=8, y=4, z=2, micro_batch=4)
-    a, b = estimate_memory(qwen, s, 80), estimate_memory(shared, s, 80)
+    a, b = fourfold_memory(qwen, s, 80), fourfold_memory(shared, s, 80)
     assert b.terms["weights"] > a.terms["weights"] and b.terms["activations"] > a.terms["activations"]
     assert step_time(shared, s, H100).total > step_time(qwen, s, H100).total
 
@@ -98,16 +102,16 @@ def test_tied_pipelines_are_scored():
     assert any(r["pp"] > 1 for r in ranking)
 
 
-@pytest.mark.parametrize("framework", ["fourfold", "megatron"])
+@pytest.mark.parametrize("framework", [FOURFOLD, MEGATRON], ids=lambda f: f.name)
 def test_a_tied_pipelines_step_includes_the_tables_traffic(framework):
-    s = job(dp=16, pp=2, y=2 if framework == "megatron" else 1, z=1 if framework == "megatron" else 2,
+    s = job(dp=16, pp=2, y=2 if framework is MEGATRON else 1, z=1 if framework is MEGATRON else 2,
             micro_batch=4, seq=2048)
     tied, untied = step_time(GPT20, s, H100, framework=framework), step_time(replace(GPT20, tied=False), s, H100,
                                                                              framework=framework)
     assert tied.breakdown()["tied_embedding"] > 0 and untied.tied_embedding == 0
     assert tied.total == pytest.approx(untied.total + tied.tied_embedding)
     assert tied.total == pytest.approx(sum(tied.breakdown().values()))
-    if framework == "fourfold":  # the table's send, exposed; its gradient's hides in half the bubble here
+    if framework is FOURFOLD:  # the table's send, exposed; its gradient's hides in half the bubble here
         k = constants(Calibration(), H100)
         table = comm_seconds(tied_copy_sends(GPT20, dict(s.layout.sizes), [0], 2), s, H100, 2, k)
         assert tied.tied_embedding >= table
@@ -170,13 +174,13 @@ def test_expert_parallelism_holds_a_share_of_the_experts():
     same (1/ep of the experts over 1/ep of the ranks); at a balanced routing the activations too
     (a rank's experts receive top_k * T rows, as many as its tokens chose)."""
     s1 = job(dp=16, y=4, z=2, micro_batch=4)
-    one = estimate_memory(MIXTRAL, s1, 80)
+    one = fourfold_memory(MIXTRAL, s1, 80)
     matrices, _ = layer_params(MIXTRAL)
     experts = MIXTRAL.experts * 3 * MIXTRAL.hidden * MIXTRAL.ffn
     assert routing.expert_params(MIXTRAL.block) == experts and experts < matrices
     for ep in (2, 4, 8):
         s = replace(s1, layout=replace(s1.layout, ep=ep))
-        m = estimate_memory(MIXTRAL, s, 80)
+        m = fourfold_memory(MIXTRAL, s, 80)
         dropped = MIXTRAL.layers * experts / (s.x * s.y * s.z) * (1 - 1 / ep)
         assert one.terms["weights"] - m.terms["weights"] == pytest.approx(2 * dropped)
         assert one.terms["gradients"] - m.terms["gradients"] == pytest.approx(4 * dropped)
@@ -223,13 +227,13 @@ def test_search_tries_expert_parallelism_for_mixtures_only():
     check(MIXTRAL, job(dp=4, cp=2, ep=8, seq=8192))
     with pytest.raises(JobError, match="Megatron-Core splits the experts over data-parallel ranks only: ep=8 does "
                                        "not divide dp=4; choose an ep dividing dp"):
-        check(MIXTRAL, job(dp=4, cp=2, ep=8, seq=8192), framework="megatron")
+        check(MIXTRAL, job(dp=4, cp=2, ep=8, seq=8192), framework=MEGATRON)
     shared = replace(MIXTRAL, family="qwen2_moe", shared_ffn=7168)
     with pytest.raises(JobError, match="Megatron-Core \\(0.8\\) has no shared experts"):
-        check(shared, job(dp=8, ep=8), framework="megatron")
+        check(shared, job(dp=8, ep=8), framework=MEGATRON)
     with pytest.raises(JobError, match="mixture layers need sequence parallelism with tensor parallelism"):
-        check(MIXTRAL, replace(job(dp=4, y=2), seq_parallel=False), framework="megatron")
-    megatron = search(MIXTRAL, 64, H100, job(), micro_batches=(2,), framework="megatron", top=None)
+        check(MIXTRAL, replace(job(dp=4, y=2), seq_parallel=False), framework=MEGATRON)
+    megatron = search(MIXTRAL, 64, H100, job(), micro_batches=(2,), framework=MEGATRON, top=None)
     assert {r["ep"] for r in megatron} == {1, 2, 4, 8}
     assert all(r["dp"] % r["ep"] == 0 and (r["cp"] == 1 or r["ep"] == 1) for r in megatron)
 
@@ -240,7 +244,7 @@ def test_megatrons_expert_parallelism_by_hand():
     and backward, exposed; a rank holds 1/8 of the experts, their optimizer state over the dp/ep = 1
     rank that holds them."""
     one, eight = job(dp=8, micro_batch=2, global_batch=64), job(dp=8, ep=8, micro_batch=2, global_batch=64)
-    t1, t8 = step_time(MIXTRAL, one, H100, framework="megatron"), step_time(MIXTRAL, eight, H100, framework="megatron")
+    t1, t8 = step_time(MIXTRAL, one, H100, framework=MEGATRON), step_time(MIXTRAL, eight, H100, framework=MEGATRON)
     tokens, h = 2 * 4096, MIXTRAL.hidden
     message = 7 / 8 * tokens * MIXTRAL.top_k * h * 2  # bytes a rank sends to the other 7, bf16
     k = constants(Calibration(), H100)
@@ -248,7 +252,7 @@ def test_megatrons_expert_parallelism_by_hand():
     per_step = MIXTRAL.layers * one.microbatches * 4 * a2a  # out and back, forward and backward
     assert t8.exposed_comm - t1.exposed_comm == pytest.approx(per_step, rel=1e-9)
     experts = routing.expert_params(MIXTRAL.block) * MIXTRAL.layers
-    m1, m8 = (estimate_memory(MIXTRAL, s, 80, framework="megatron") for s in (one, eight))
+    m1, m8 = (MEGATRON.memory(MIXTRAL, s, 80) for s in (one, eight))
     assert m1.terms["weights_and_grads"] - m8.terms["weights_and_grads"] == pytest.approx(6 * experts * 7 / 8)
     # 1/8 of the experts' state either way: sharded over the 8 replicas, or whole on the one rank holding those experts
     assert m1.terms["optimizer"] == pytest.approx(m8.terms["optimizer"])

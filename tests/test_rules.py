@@ -205,7 +205,7 @@ def test_a_model_config_that_cannot_split_its_heads_is_a_problem_not_a_traceback
 
 
 def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_largest_stage():
-    from fourfold.plan.memory import estimate_memory
+    from fourfold.plan.frameworks import MEGATRON
     from fourfold.plan.search import predict
     from fourfold.spec.hardware import make_cluster
     from fourfold.spec.job import default_stage_layers, most_layers_on_a_rank
@@ -219,10 +219,10 @@ def test_uneven_layer_counts_split_like_llama_3_and_the_planner_counts_the_large
     assert problems(model, job, gpu=True) == []
     assert predict(model, job, make_cluster("dgx-h100"))["fits"]
     with pytest.raises(JobError, match="Megatron-LM builds the same number of layers on every pipeline stage"):
-        predict(model, job, make_cluster("dgx-h100"), framework="megatron")  # Megatron cannot split 126 over 16
+        predict(model, job, make_cluster("dgx-h100"), framework=MEGATRON)  # Megatron cannot split 126 over 16
     # the estimate follows the most loaded stage: 8 layers, as 128 layers on 16 stages would give
-    as_128 = estimate_memory(dataclasses.replace(model, layers=128), job, 80, framework="megatron")
-    assert estimate_memory(model, job, 80, framework="megatron").terms == as_128.terms
+    as_128 = MEGATRON.memory(dataclasses.replace(model, layers=128), job, 80)
+    assert MEGATRON.memory(model, job, 80).terms == as_128.terms
 
 
 def test_dynamic_rope_may_run_past_the_trained_positions_and_nothing_else_may():

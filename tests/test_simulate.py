@@ -13,7 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from fourfold.cli.main import main
 from fourfold.models.config import load_config
 from fourfold.parallel.grid import Grid
-from fourfold.plan.memory import estimate_memory
+from fourfold.plan.memory import fourfold_memory
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.schedule import schedule_order
@@ -77,7 +77,7 @@ def test_simulated_step_peaks_where_the_measured_one_does():
     assert sim.device_peak_bytes["checkpoint save"] < measured.peak_bytes  # the save adds nothing over the step
     assert sim.save["chunks"] > 0 and sim.save["bytes_written"] > 0
     # the dp replicas share the weights' writing: a rank stages its optimizer share and about half the weights
-    assert sim.save["bytes_written"] == pytest.approx(estimate_memory(cfg, job, 80.0).checkpoint_host_bytes, rel=0.01)
+    assert sim.save["bytes_written"] == pytest.approx(fourfold_memory(cfg, job, 80.0).checkpoint_host_bytes, rel=0.01)
     ops = {(c["group"], c["op"]) for c in sim.collectives_per_step}
     assert ("cp_dp", "reduce_scatter") in ops  # ZeRO-1: the weight gradients reduced over the replicas
 
@@ -141,7 +141,7 @@ def test_simulated_expert_parallel_rank_exchanges_what_the_planner_prices():
     replicas the experts')."""
     import dataclasses
 
-    from fourfold.plan.perf import expert_exchange_bytes
+    from fourfold.plan.frameworks.fourfold import expert_exchange_bytes
     from fourfold.tools.measure import GPU_ONLY_TERMS
 
     cfg = dataclasses.replace(load_config("mixtral-8x7b"), layers=2)
@@ -151,7 +151,7 @@ def test_simulated_expert_parallel_rank_exchanges_what_the_planner_prices():
     priced = expert_exchange_bytes(cfg, job)
     assert ledger["all_to_all_v"] == priced["all_to_all_v"] > 0  # two micro-batches, 4 exchanges a layer
     assert ledger["all_to_all"] == int(priced["all_to_all"])  # the routing counts (int64)
-    estimate = estimate_memory(cfg, job, 80.0)
+    estimate = fourfold_memory(cfg, job, 80.0)
     step_peak = max(v for k, v in sim.device_peak_bytes.items() if k.startswith("step"))
     assert sum(v for k, v in estimate.terms.items() if k not in GPU_ONLY_TERMS) == pytest.approx(step_peak, rel=0.05)
     # replicas write whole parameters: a rank stages its share give or take one (the embedding's y part)

@@ -50,7 +50,7 @@ def show_samples(checkpoints: str) -> None:
 def print_plan(model: str = "llama-3.1-70b", gpus: int = 512, cluster: str = "dgx-h100") -> None:
     """What the planner recommends for a large model on a large cluster (same as `fourfold plan`)."""
     from fourfold.cli.plan import HEADER, error_note, row
-    from fourfold.plan.perf import Calibration
+    from fourfold.plan.constants import Calibration
     from fourfold.plan.search import search
     from fourfold.spec.hardware import make_cluster
     from fourfold.spec.job import Job

@@ -13,8 +13,9 @@ from pathlib import Path
 from fourfold.cli.options import layer_counts
 from fourfold.config import as_overrides, job_settings
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.plan.memory import FRAMEWORKS, GIB
-from fourfold.plan.perf import Calibration
+from fourfold.plan.constants import Calibration
+from fourfold.plan.frameworks import FRAMEWORKS, named
+from fourfold.plan.memory import GIB
 from fourfold.plan.search import HEADROOM, as_json, predict, search
 from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
 from fourfold.spec.job import PRECISIONS, RECOMPUTE, Job
@@ -47,7 +48,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="sequence parallelism (default on)")
     p.add_argument("--precision", choices=[p for p in PRECISIONS if p != "auto"], default="bf16",
                    help="parameters and activations (default bf16)")
-    p.add_argument("--framework", choices=FRAMEWORKS, default="fourfold")
+    p.add_argument("--framework", choices=list(FRAMEWORKS), default="fourfold")
     p.add_argument("--no-80-rule", action="store_true", help="megatron profile: compare with the whole card")
     p.add_argument("--calibrate", help="JSON of the step-time model's constants (`fourfold calibrate` writes one)")
     p.add_argument("--json", action="store_true")
@@ -110,7 +111,7 @@ def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
         sizes.update(x=1, y=args.tp, z=1)
     order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
     job = _job(args, Layout(**sizes, order=order, ep=args.ep), args.virtual)
-    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, args.framework), cal
+    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, named(args.framework)), cal
 
 
 def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         # a plot and --all need every candidate.
         top = None if args.plot or args.all else args.top if args.json else args.top or 10
         found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
-                       rule80=not args.no_80_rule, include_unfit=args.all, framework=args.framework, top=top,
+                       rule80=not args.no_80_rule, include_unfit=args.all, framework=named(args.framework), top=top,
                        virtuals=tuple(dict.fromkeys(args.virtual)) if args.virtual else None)
         if not found.considered:  # not a question of memory: say what the rules refuse, with its fix
             simplest = problems(cfg, _job(args, Layout(dp=args.gpus)), gpu=True)
@@ -308,13 +309,16 @@ NO_FIT = 3
 
 def _calibrate(args) -> int:
     """`fourfold calibrate`: fit the constants to the runs given, cross-validate, write the JSON."""
-    from fourfold.plan.calibrate import calibrate, comparison, knobs, read_csv, read_run_dir
+    from fourfold.plan.calibrate import calibrate, comparison, knobs
+    from fourfold.plan.measured import read_csv, read_run_dir, shipped_runs
 
     machine = (args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
     cluster = make_cluster(*machine) if any(v is not None for v in machine) else None
     runs = [read_run_dir(d, cluster) for d in args.runs] + [r for f in args.csv for r in read_csv(f, cluster)]
+    if args.shipped:
+        runs += shipped_runs()
     if not runs:
-        raise ValueError("no runs: give `fourfold train` run directories and/or --csv files")
+        raise ValueError("no runs: give `fourfold train` run directories, --csv files and/or --shipped")
     software = args.refit == "all"
     cal, cross = calibrate(runs, software)
     n_groups = len({r.group for r in runs})
@@ -365,6 +369,8 @@ def add_commands(commands) -> None:
                                                 "write them for plan/estimate --calibrate.")
     calibrate.add_argument("runs", nargs="*", metavar="RUN_DIR", help="`fourfold train` run directories")
     calibrate.add_argument("--csv", action="append", default=[], help="a CSV in the calibration format (repeatable)")
+    calibrate.add_argument("--shipped", action="store_true",
+                           help="also the published runs shipped with fourfold (docs/planner.md, Calibration)")
     calibrate.add_argument("-o", "--output", required=True, help="the JSON file to write")
     calibrate.add_argument("--refit", choices=("profile", "all"), default="profile",
                            help="profile (default): only the hardware profile of the runs' clusters, the software "

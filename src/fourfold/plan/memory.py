@@ -1,6 +1,6 @@
 """Memory per GPU of one training configuration.
 
-Two profiles:
+The two framework profiles' formulas (`plan.frameworks` chooses):
 - `megatron`: the closed formulas of arXiv 2411.06465 for Megatron-LM (bf16, flash attention,
   sequence parallelism, distributed optimizer, 1F1B), reproduced exactly; first pipeline stage;
   with the seed paper's rule that a configuration fits when the estimate is under 80% of the card.
@@ -22,7 +22,6 @@ from fourfold.spec.rules import padded_vocab
 from fourfold.spec.schedule import held_layers
 
 GIB = 2**30
-FRAMEWORKS = ("fourfold", "megatron")
 
 # Terms the 80% rule stands for, modelled (assumptions to calibrate; docs/planner.md).
 CUDA_CONTEXT_BYTES = 0.5 * GIB
@@ -249,10 +248,3 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     return Memory(terms, memory_gib * GIB, replicas=replicas, expert_replicas=replicas // ep,
                   expert_weights=e * expert_held)
 
-
-def estimate_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = True,
-                    framework: str = "fourfold", flash_attention: bool = True) -> Memory:
-    """Bytes per GPU of `s` under a framework's profile; `flash_attention` False: CPU's math path."""
-    if framework == "megatron":
-        return megatron_memory(cfg, s, memory_gib, rule80)
-    return fourfold_memory(cfg, s, memory_gib, flash_attention)

@@ -10,88 +10,47 @@ import math
 from dataclasses import replace
 
 from fourfold.models.config import ModelConfig
-from fourfold.plan.memory import GIB, Memory, estimate_memory
-from fourfold.plan.perf import Calibration, StepTime, compute_bound, group_bandwidth, placement_bound, step_time
+from fourfold.plan.constants import Calibration
+from fourfold.plan.costs import group_bandwidth
+from fourfold.plan.frameworks import FOURFOLD, Framework
+from fourfold.plan.memory import GIB, Memory
+from fourfold.plan.perf import StepTime, compute_bound, placement_bound, step_time
 from fourfold.spec.hardware import Cluster
-from fourfold.spec.job import RECOMPUTE, Job, megatron_stages
-from fourfold.spec.layout import DEFAULT_ORDER, Layout, factorisations
-from fourfold.spec.rules import JobError, Problem, problems
+from fourfold.spec.job import RECOMPUTE, Job
+from fourfold.spec.layout import Layout, factorisations
+from fourfold.spec.rules import JobError
 
-# Placement orders the search tries: each tensor dim innermost, then context, data, pipeline.
-ORDERS = [DEFAULT_ORDER, ("y", "x", "z", "cp", "dp", "pp"), ("z", "x", "y", "cp", "dp", "pp"),
-          ("x", "y", "cp", "z", "dp", "pp")]
-# A mixture's also: the data dims innermost, so that an expert group (ep consecutive dp*cp ranks)
-# exchanges its tokens inside a node while the tensor dims cross nodes.
-EXPERT_ORDERS = [("cp", "dp", "x", "y", "z", "pp")]
 # every group the perf model times (ep, edp: a mixture's expert groups, `perf.group_ranks`)
 COMM_GROUPS = [("x",), ("y",), ("z",), ("cp",), ("pp",), ("dp", "cp"), ("ep",), ("edp",)]
 # A candidate that fits but leaves less than this fraction of the card free is "tight": the estimate's
 # error, allocator fragmentation or a longer batch can push it over. Shown, and ranked after the others.
 HEADROOM = 0.05
-VIRTUALS = (2, 4)  # interleaved stages per pipeline rank the search tries (fourfold's profile)
 ROUNDING = 1e-3  # step times equal to four digits are equally fast (`rounded_seconds`)
 
 
-def profile_problems(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> list[Problem]:
-    """What stops the runtime (or, for the megatron profile, Megatron-LM) from running `job`, each with its fix."""
-    found = problems(cfg, job, gpu=True)
-    if framework != "megatron":
-        return found
-    if job.x != 1 or job.z != 1:
-        found.append(Problem("the megatron profile has 1D tensor parallelism",
-                             "give --tp (y) and leave x = z = 1"))
-    if job.layout.ep > 1 and job.dp % job.layout.ep:
-        found.append(Problem(f"Megatron-Core splits the experts over data-parallel ranks only: ep={job.layout.ep} "
-                             f"does not divide dp={job.dp}", "choose an ep dividing dp, or --framework fourfold "
-                             "(ep over dp*cp)"))
-    if job.layout.ep > 1 and cfg.block.shared_ffn:
-        found.append(Problem("Megatron-Core (0.8) has no shared experts: the megatron profile prices a mixture with "
-                             "one as a dense MLP beside the experts, without expert parallelism",
-                             "leave --ep 1, or --framework fourfold"))
-    if cfg.block.moe and job.y > 1 and not job.seq_parallel:
-        found.append(Problem("Megatron-Core's mixture layers need sequence parallelism with tensor parallelism",
-                             "give --seq-parallel (the default), or --tp 1"))
-    if job.layout.ep > 1 and job.cp > 1:
-        found.append(Problem("the megatron profile prices expert parallelism without context parallelism (Megatron's "
-                             "ep ranks sit between cp and dp, a placement it does not model)",
-                             "leave --cp 1 with --ep, or --framework fourfold"))
-    chunks = job.pp * job.virtual
-    bridge = megatron_stages(cfg.layers, chunks)
-    if cfg.layers % chunks and not (bridge and job.stage_layers == bridge):
-        # Megatron-Core (to 0.9) builds num_layers // pp layers on every pipeline rank, and // virtual
-        # per chunk (transformer_block.get_num_layers_to_build): no uneven stages, but for the split of
-        # later versions that count the embedding and the loss as a layer each (Megatron-Bridge's)
-        split = f", or give the split that counts the embedding and the loss as a layer each: {list(bridge)}"
-        found.append(Problem(f"Megatron-LM builds the same number of layers on every pipeline stage: pp * virtual = "
-                             f"{chunks} does not divide the model's {cfg.layers} layers",
-                             "choose --pp (and --virtual) dividing the layers, or --framework fourfold "
-                             f"(uneven stages){split if bridge else ''}"))
-    return found
-
-
-def check(cfg: ModelConfig, job: Job, framework: str = "fourfold") -> None:
-    """Raise JobError naming each fix when the runtime (or the profile) cannot run `job`."""
-    if found := profile_problems(cfg, job, framework):
+def check(cfg: ModelConfig, job: Job, framework: Framework = FOURFOLD) -> None:
+    """Raise JobError naming each fix when the framework cannot run `job`."""
+    if found := framework.problems(cfg, job):
         raise JobError(found)
 
 
 def predict(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration = Calibration(), rule80: bool = True,
-             framework: str = "fourfold") -> dict:
+             framework: Framework = FOURFOLD) -> dict:
     """Memory and speed of one job, as the JSON object the CLI prints (plus the `job` itself,
     which the JSON printers leave out)."""
     check(cfg, job, framework)
     return _result(cfg, job, cluster, cal, rule80, framework)
 
 
-def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule80: bool, framework: str,
+def _result(cfg: ModelConfig, job: Job, cluster: Cluster, cal: Calibration, rule80: bool, framework: Framework,
             t: StepTime | None = None, mem: Memory | None = None) -> dict:
-    mem = mem or estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
+    mem = mem or framework.memory(cfg, job, cluster.gpu.memory_gib, rule80)
     t = t or step_time(cfg, job, cluster, cal, framework)
     tokens = job.global_batch * job.seq
     tflops = t.flops_per_gpu / t.total / 1e12
     g = job.layout
     return {
-        "job": job, "framework": framework, "dp": g.dp, "pp": g.pp, "cp": g.cp, "x": g.x, "y": g.y, "z": g.z,
+        "job": job, "framework": framework.name, "dp": g.dp, "pp": g.pp, "cp": g.cp, "x": g.x, "y": g.y, "z": g.z,
         "ep": g.ep, "virtual": job.virtual, "order": ",".join(g.order), "micro_batch": job.micro_batch,
         "recompute": job.recompute, "seq_parallel": job.seq_parallel, "keep_gathered_inputs": job.keep_gathered_inputs,
         "memory_gib": mem.gib, "memory_limit_gib": mem.limit_bytes / 2**30, "fits": mem.fits,
@@ -114,7 +73,7 @@ def rounded_seconds(seconds: float) -> float:
 
 
 def _best_placement(cfg: ModelConfig, job: Job, mem: Memory, orders, cluster: Cluster, cal: Calibration,
-                    rule80: bool, framework: str) -> dict:
+                    rule80: bool, framework: Framework) -> dict:
     """The fastest placement order of `job` (whose memory, `mem`, no order changes). The order
     changes time only through the bandwidth each group gets: one order is evaluated per distinct
     set of bandwidths."""
@@ -145,31 +104,32 @@ class Ranking(list):
 
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False,
-           framework: str = "fourfold", top: int | None = None, virtuals: tuple[int, ...] | None = None) -> Ranking:
-    """Every job the rules accept on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, pipeline schedule
-    (`schedules`; `virtuals`: the stages per pipeline rank to try instead of its own), order and
-    recompute option of `base`, and for a mixture of experts each expert parallelism ep dividing the
-    experts and dp*cp (the megatron profile: dp, with cp 1), ranked (`rank`); each result's `job` is the
-    job itself. `top`: only the first `top` results (and every tie of the first) are wanted, exactly
-    as a full search ranks them: jobs are evaluated in the order of a lower bound of their step time
-    (`compute_bound`), and the search stops where that bound passes every time it keeps."""
-    orders = (ORDERS + EXPERT_ORDERS * bool(cfg.experts)) if framework == "fourfold" else [DEFAULT_ORDER]
+           framework: Framework = FOURFOLD, top: int | None = None, virtuals: tuple[int, ...] | None = None) -> Ranking:
+    """Every job the framework accepts on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, pipeline
+    schedule (`schedules`; `virtuals`: the stages per pipeline rank to try instead of its own), order
+    and recompute option of `base`, and for a mixture of experts each expert parallelism ep dividing
+    the experts and the framework's expert replicas (fourfold: dp*cp; megatron: dp, with cp 1),
+    ranked (`rank`); each result's `job` is the job itself. `top`: only the first `top` results (and
+    every tie of the first) are wanted, exactly as a full search ranks them: jobs are evaluated in
+    the order of a lower bound of their step time (`compute_bound`), and the search stops where
+    that bound passes every time it keeps."""
+    orders = framework.placement_orders(cfg)
     # (bound, arrival, memory, job): a heap. A job enters with its compute bound; when it first
     # reaches the top its memory is estimated and, if it fits, it goes back with its tighter
     # placement bound. A job's heavier recompute enters when a lighter one does not fit.
     queue = []
     arrival = itertools.count()
     for dp, pp, cp, x, y, z in factorisations(gpus):
-        if framework == "megatron" and (x != 1 or z != 1 or cfg.layers % pp):
-            continue  # 1D tensor parallelism, even stages (`profile_problems`)
-        for ep in expert_parallel_sizes(cfg, dp * cp if framework == "fourfold" else dp if cp == 1 else 1):
+        if not framework.runs_grid(cfg, pp, x, z):
+            continue
+        for ep in expert_parallel_sizes(cfg, framework.expert_replicas(dp, cp)):
             layout = Layout(dp=dp, pp=pp, cp=cp, x=x, y=y, z=z, ep=ep)
             for mb in micro_batches:
                 if base.global_batch % (dp * mb) or mb % z:
                     continue  # two of the rules, asked first: most of a large GPU count's grids fail them
                 for pipeline in schedules(cfg, base, pp, framework, virtuals):
                     job = replace(base, layout=layout, micro_batch=mb, recompute=recomputes[0], **pipeline)
-                    if not profile_problems(cfg, job, framework):
+                    if not framework.problems(cfg, job):
                         queue.append((compute_bound(cfg, job, cluster, cal, framework), next(arrival), None, job))
     considered = len(queue)
     heapq.heapify(queue)
@@ -179,7 +139,7 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
         if top and len(kept) >= top and bound > _cutoff(kept, top, cal):
             break  # every job left is slower than what is kept
         if mem is None:
-            mem = estimate_memory(cfg, job, cluster.gpu.memory_gib, rule80, framework)
+            mem = framework.memory(cfg, job, cluster.gpu.memory_gib, rule80)
             heavier = recomputes.index(job.recompute) + 1
             if not mem.fits and heavier < len(recomputes):  # a lighter recompute that fits makes heavier ones pointless
                 next_job = replace(job, recompute=recomputes[heavier])
@@ -188,14 +148,14 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
             if not (mem.fits or include_unfit):
                 continue
             if top:  # kept inputs only take collectives away: its bound holds for both variants
-                lightest = replace(job, keep_gathered_inputs=True) if framework == "fourfold" else job
+                lightest = replace(job, keep_gathered_inputs=True) if framework.keeps_gathered_inputs else job
                 heapq.heappush(queue, (placement_bound(cfg, lightest, cluster, cal, framework), next(arrival), mem,
                                        job))
                 continue
         best = _best_placement(cfg, job, mem, orders, cluster, cal, rule80, framework)
         keep = replace(job, keep_gathered_inputs=True)
-        if (framework == "fourfold" and mem.fits and keep != job
-                and (keep_mem := estimate_memory(cfg, keep, cluster.gpu.memory_gib, rule80, framework)).fits):
+        if (framework.keeps_gathered_inputs and mem.fits and keep != job
+                and (keep_mem := framework.memory(cfg, keep, cluster.gpu.memory_gib, rule80)).fits):
             # Memory allows keeping the linears' gathered inputs: no all-gather again in backward.
             # Taken when faster, unless it gives up the headroom the plain job has.
             kept_inputs = _best_placement(cfg, keep, keep_mem, orders, cluster, cal, rule80, framework)
@@ -207,12 +167,11 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     return Ranking(rank(results, cal), considered)
 
 
-def schedules(cfg: ModelConfig, base: Job, pp: int, framework: str = "fourfold",
+def schedules(cfg: ModelConfig, base: Job, pp: int, framework: Framework = FOURFOLD,
               virtuals: tuple[int, ...] | None = None) -> list[dict]:
     """The pipeline schedules the search tries on pp ranks: `base`'s own without interleaving, and
-    interleaved 1F1B (a smaller bubble for more sends and in-flight activations): fourfold's profile
-    over each of VIRTUALS stages a rank, the megatron profile over those of up to 8 that divide a
-    rank's layers (Megatron's chunks are even); `virtuals`: these stages per rank instead (1: plain).
+    interleaved 1F1B (a smaller bubble for more sends and in-flight activations) over each of the
+    framework's stages per rank (`Framework.virtuals`); `virtuals`: these stages per rank instead (1: plain).
     A base with its own split (`stage_layers`) keeps its schedule, on the pp whose stages it splits."""
     if base.stage_layers:
         own = dict(virtual=base.virtual, schedule=base.schedule)
@@ -221,16 +180,8 @@ def schedules(cfg: ModelConfig, base: Job, pp: int, framework: str = "fourfold",
     if pp == 1:
         return [plain]
     if virtuals is None:
-        virtuals = (1, *VIRTUALS) if framework == "fourfold" else (1, *(v for v in interleavings(cfg.layers, pp)
-                                                                         if v <= 8))
+        virtuals = framework.virtuals(cfg, pp)
     return [plain if v == 1 else dict(virtual=v, schedule="interleaved-1f1b") for v in virtuals]
-
-
-def interleavings(layers: int, pp: int) -> list[int]:
-    """Each v > 1 that divides a pipeline rank's layers: the interleavings Megatron-LM can run (it
-    takes the layers of a virtual stage, --num-layers-per-virtual-pipeline-stage)."""
-    per_rank = layers // pp
-    return [v for v in range(2, per_rank + 1) if per_rank % v == 0]
 
 
 def expert_parallel_sizes(cfg: ModelConfig, replicas: int) -> list[int]:

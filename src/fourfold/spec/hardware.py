@@ -1,7 +1,7 @@
 """GPU and cluster presets. Sources: vendor data sheets and the seed papers (see docs/planner.md,
 "Presets"); bandwidths are link peaks, each with the fraction of it a collective reaches (a
 published measurement, never a fit: a fit of the step-time model to runs on a cluster is that
-cluster's profile in `fourfold.plan.perf.Calibration`). Every figure can be overridden."""
+cluster's profile in `fourfold.plan.constants.Calibration`). Every figure can be overridden."""
 
 from __future__ import annotations
 

@@ -1,0 +1,84 @@
+"""What a framework profile decides: the jobs its framework can run, their memory, and the parts
+of a step's time it does its own way. The rest of the step (GEMMs, attention, the ring, the data-
+parallel collectives, the bubble) is priced alike for every framework by `plan.perf`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from fourfold.models.config import ModelConfig
+from fourfold.plan.constants import Constants
+from fourfold.plan.memory import Memory
+from fourfold.spec.blockspec import BlockConfig
+from fourfold.spec.hardware import Cluster
+from fourfold.spec.job import Job
+from fourfold.spec.rules import Problem
+from fourfold.spec.volumes import Collective
+
+
+class Framework(ABC):
+    """A training framework as the planner prices it. Subclass it in a module of this package and
+    add its instance to `FRAMEWORKS` (fourfold.plan.frameworks)."""
+
+    name: str
+    keeps_gathered_inputs: bool  # its linears can keep their gathered inputs for backward (a search option)
+
+    def __repr__(self) -> str:
+        return f"<{self.name} profile>"
+
+    @abstractmethod
+    def problems(self, cfg: ModelConfig, job: Job) -> list[Problem]:
+        """What stops the framework from running `job`, each with its fix (the rules' included)."""
+
+    @abstractmethod
+    def runs_grid(self, cfg: ModelConfig, pp: int, x: int, z: int) -> bool:
+        """False for a grid no job of the framework runs on (the search skips it before asking `problems`)."""
+
+    @abstractmethod
+    def placement_orders(self, cfg: ModelConfig) -> list[tuple[str, ...]]:
+        """The placement orders the search tries."""
+
+    @abstractmethod
+    def expert_replicas(self, dp: int, cp: int) -> int:
+        """The ranks a mixture's experts may be split over (ep divides it)."""
+
+    @abstractmethod
+    def virtuals(self, cfg: ModelConfig, pp: int) -> tuple[int, ...]:
+        """The stages per pipeline rank the search tries on pp > 1 ranks (1: plain 1F1B)."""
+
+    @abstractmethod
+    def published_stages(self, layers: int, chunks: int) -> tuple[int, ...]:
+        """The layers per stage a published run of `chunks` stages ran with (): an even split."""
+
+    @abstractmethod
+    def memory(self, cfg: ModelConfig, job: Job, memory_gib: float, rule80: bool = True,
+               flash_attention: bool = True) -> Memory:
+        """Bytes per GPU of `job` (`rule80`: the seed's 80% rule, where the profile has it;
+        `flash_attention` False: CPU's math path, where the profile models it)."""
+
+    @abstractmethod
+    def attention_split(self, block: BlockConfig, x: int, y: int) -> int:
+        """The head groups attention is split into over the (x, y) tensor grid."""
+
+    @abstractmethod
+    def head_columns(self, vocab: int, y: int) -> int:
+        """The LM head's GEMM columns (the vocabulary as the framework pads it)."""
+
+    @abstractmethod
+    def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
+                    gemm_tflops: float) -> float:
+        """Exposed tensor-parallel communication of one layer for one micro-batch (forward,
+        backward, and the forward again under full recompute); `forward_seconds`: the layer's
+        forward; `gemm_tflops`: the linear layers' peak."""
+
+    @abstractmethod
+    def head_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, tokens: int) -> float:
+        """The embedding's and the LM head's collectives for one micro-batch of `tokens` on a rank."""
+
+    @abstractmethod
+    def pipeline_sends(self, cfg: ModelConfig, shard: int) -> list[Collective]:
+        """What a pipeline stage sends the next for one micro-batch (an activation shard of `shard` elements)."""
+
+    @abstractmethod
+    def tied_seconds(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, bubble: float) -> float:
+        """A tied embedding over pipeline stages, once per step: the exposed seconds."""
