@@ -87,7 +87,7 @@ def group_size(layout: Layout, group: str | tuple[str, ...]) -> int:
 
 @functools.lru_cache(maxsize=65536)  # the search asks the same question for many candidates
 def bandwidth(layout, cluster: Cluster, dims: tuple[str, ...], intra_efficiency: float,
-               inter_efficiency: float) -> float:
+              inter_efficiency: float) -> float:
     if layout.ep == 1 and dims == ("edp",):  # without expert parallelism an expert's replicas are dp*cp
         dims = ("dp", "cp")
     if dims not in (("ep",), ("edp",)):  # dims of size 1 add no ranks: they must not set the placement

@@ -126,9 +126,9 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     block_attention = attention_seconds(s.seq, s.cp, s.micro_batch / s.z, cfg.heads / tp_heads, cfg.block.head_dim,
                                         cluster.gpu.bf16_tflops, cal) / s.cp
     forward = exposed(totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
-                       cal.ring_overlap)
+                      cal.ring_overlap)
     backward = exposed(totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
-                        2 * (s.cp - 1) * block_attention, cal.ring_overlap)
+                       2 * (s.cp - 1) * block_attention, cal.ring_overlap)
     return forward + backward
 
 

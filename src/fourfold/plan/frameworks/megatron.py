@@ -109,7 +109,7 @@ class Megatron(Framework):
         return exposed
 
     def head_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, tokens: int) -> float:
-        return 0.0  # not priced: the published runs' head is one GEMM of the sequence-parallel stream
+        return 0.0  # not priced: the gather of the sequence-parallel stream before the output layer is left out
 
     def pipeline_sends(self, cfg: ModelConfig, shard: int) -> list[Collective]:
         return [Collective("pp", "send", shard)]
