@@ -427,3 +427,34 @@ def test_a_failed_preparation_leaves_no_cache_directory(tmp_path):
     with pytest.raises(ValueError, match="set data.field to body"):
         corpus.prepare(None, 300, tmp_path / "cache", files=str(path), workers=1)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.parametrize("after_s", [0.0, 1.0])
+def test_ctrl_c_while_tokenizing_stops_in_one_line_and_leaves_no_cache(tokenizer, tmp_path, after_s):
+    """Ctrl-C (SIGINT to the process group, worker processes included) when the token file is
+    begun, as the workers start (0 s) or while they encode (1 s): `fourfold prepare` exits 130 with
+    one line, no traceback from it or a worker, and nothing in the cache but the finished tokenizer."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    docs = _docs(400, 3)
+    big = tmp_path / "big.jsonl"
+    with open(big, "w", encoding="utf-8") as f:  # ~40 MB: far more than 1 s of encoding on 2 workers
+        for i in range(200_000):
+            f.write(json.dumps({"text": docs[i % len(docs)]}) + "\n")
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-m", "fourfold.cli", "prepare", "--data.files", str(big),
+                             "--data.tokenizer", str(tokenizer), "--data.workers", "2", "--data.cache_dir", str(cache),
+                             "--log.progress", "false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("**/*.npy.tmp*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (130, "fourfold: interrupted\n"), out
+    assert [p.name for p in cache.rglob("*") if p.is_file() and p.suffix != ".json"] == []

@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import zlib
 from collections import deque
@@ -419,15 +420,38 @@ def _encoded(units, tokenizer_path: Path, eos: int, dtype, workers: int):
     # (So a script calling this needs `if __name__ == "__main__":`; each worker repeats its imports.)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(*args, True)) as pool:
-        pending = deque()
-        for unit, size in units:
-            pending.append((pool.submit(_encode, unit), size))
-            if len(pending) >= 2 * workers:
+        try:
+            pending = deque()
+            for unit, size in units:
+                pending.append((_submit_deaf_to_ctrl_c(pool, unit), size))
+                if len(pending) >= 2 * workers:
+                    future, done = pending.popleft()
+                    yield future.result(), done
+            while pending:
                 future, done = pending.popleft()
                 yield future.result(), done
-        while pending:
-            future, done = pending.popleft()
-            yield future.result(), done
+        except BaseException:  # Ctrl-C (or an error): the queued units are dropped, not encoded first
+            pool.shutdown(cancel_futures=True)
+            raise
+
+
+def _submit_deaf_to_ctrl_c(pool: ProcessPoolExecutor, unit):
+    """`pool.submit(_encode, unit)`, Ctrl-C held off meanwhile: a worker the pool starts for it
+    inherits SIGINT blocked (across spawn's exec), so Ctrl-C to the process group stops only the
+    parent, which cancels the rest, and no worker prints a KeyboardInterrupt traceback; a SIGINT
+    that comes meanwhile is raised once the pool is consistent again, not in the middle of starting
+    a worker (which would leak its semaphores)."""
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        future = pool.submit(_encode, unit)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+    return future
 
 
 def _npy_header(dtype, count: int) -> bytes:
