@@ -131,6 +131,9 @@ def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, toler
              for r in runs}
     theta = np.clip([k.coordinate(getattr(start, k.name) if c is None else first[c][k.name]) for c, k in fitted],
                     low, high)
+    # a cluster's constants move only its own runs' times: their derivatives elsewhere are zero
+    moves = [np.arange(len(runs)) if c is None else np.array([j for j, run in enumerate(runs) if run.cluster.name == c])
+             for c, _ in fitted]
     r = log_errors(runs, calibration(theta))
     cost, damping = r @ r, 1e-2
     steps = 1e-4 * (high - low)
@@ -140,7 +143,9 @@ def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, toler
             h = -h if theta[i] + h > high[i] else h
             moved = theta.copy()
             moved[i] += h
-            columns.append((log_errors(runs, calibration(moved)) - r) / h)
+            column = np.zeros(len(runs))
+            column[moves[i]] = (log_errors([runs[j] for j in moves[i]], calibration(moved)) - r[moves[i]]) / h
+            columns.append(column)
         jacobian = np.column_stack(columns)
         a, g = jacobian.T @ jacobian, jacobian.T @ r
         while damping < 1e8:
