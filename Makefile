@@ -26,8 +26,10 @@ demo: $(VENV)/.installed
 	$(BIN)/fourfold demo --train.device cpu
 
 # With 2 or more GPUs the NCCL tests run too, one rank per GPU (one GPU: the kernel tests, in the suite).
+# The torch-free tests first, with torch blocked (that they need none is checked so), then the rest.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	FOURFOLD_NO_TORCH=1 $(BIN)/python -m pytest -q -m torch_free
+	$(BIN)/python -m pytest -q -m "not torch_free"
 	$(if $(filter-out 0 1,$(GPUS)),$(BIN)/torchrun --nproc-per-node $(GPUS) -m pytest -q tests/gpu -m gpu)
 
 clean:

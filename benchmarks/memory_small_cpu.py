@@ -1,4 +1,4 @@
-"""The small-model memory check of tests/test_planner_measured.py with its figures printed: the
+"""The small-model memory check of tests/plan/test_planner_measured.py with its figures printed: the
 estimate against torch's MemTracker on 4 gloo ranks, and fourfold.tools.measure's FakeTensorMode peak
 of the same setups. Run from the repository root (it reuses the test's cases and measurement):
 
@@ -8,14 +8,15 @@ of the same setups. Run from the repository root (it reuses the test's cases and
 import sys
 import warnings
 
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests/plan", "tests"]
+
+from test_planner_measured import CASES, CFG, DEVICE_TERMS, MICRO, SEQ, _measured_peak  # noqa: E402
 
 from fourfold.plan.memory import fourfold_memory  # noqa: E402
 from fourfold.spec.job import Job  # noqa: E402
 from fourfold.spec.layout import Layout  # noqa: E402
 from fourfold.testing import RankPool  # noqa: E402
 from fourfold.tools.measure import measure_peak  # noqa: E402
-from test_planner_measured import CASES, CFG, DEVICE_TERMS, MICRO, SEQ, _measured_peak  # noqa: E402
 
 
 def job_of(sizes: dict, seq_parallel: bool, recompute: str) -> Job:

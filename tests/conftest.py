@@ -1,7 +1,37 @@
+"""The suite's fixtures, and FOURFOLD_NO_TORCH: when it is set, torch cannot be imported, so that
+`FOURFOLD_NO_TORCH=1 pytest -m torch_free` shows that the torch_free tests need no torch (`make test`
+runs them that way). A test module that imports torch is skipped at collection (none of its tests
+can be torch-free), and a torch_free test that imports torch fails. This file imports nothing
+that imports torch."""
+
+import importlib.abc
+import os
+import sys
+
 import pytest
 
-from fourfold.parallel.grid import FAKE_GPUS
 from fourfold.testing import RankPool
+
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    collecting = True
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] != "torch":
+            return None
+        if self.collecting:
+            raise pytest.skip.Exception(f"imports {name} (FOURFOLD_NO_TORCH)", allow_module_level=True)
+        raise ModuleNotFoundError(f"FOURFOLD_NO_TORCH is set: this torch_free test imported {name}")
+
+
+NO_TORCH = _NoTorch() if os.environ.get("FOURFOLD_NO_TORCH") else None
+if NO_TORCH:
+    sys.meta_path.insert(0, NO_TORCH)
+
+
+def pytest_collection_finish(session):
+    if NO_TORCH:
+        NO_TORCH.collecting = False
 
 
 @pytest.fixture(autouse=True)
@@ -13,6 +43,8 @@ def cpu_tests_see_no_gpu(request, monkeypatch):
     if request.node.get_closest_marker("gpu") is None and "gpus" not in request.fixturenames:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     else:
+        from fourfold.parallel.grid import FAKE_GPUS
+
         monkeypatch.delenv(FAKE_GPUS, raising=False)
 
 

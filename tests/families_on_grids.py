@@ -1,4 +1,4 @@
-"""What each rank runs in tests/test_model_families.py, in a module without transformers (so
+"""What each rank runs in tests/models/test_model_families.py, in a module without transformers (so
 that the rank workers do not import it): every family loaded from its checkpoint on one grid."""
 
 import torch

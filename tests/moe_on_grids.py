@@ -1,4 +1,4 @@
-"""What each rank runs in tests/test_moe.py, in a module without transformers (so that the rank
+"""What each rank runs in tests/models/test_moe.py, in a module without transformers (so that the rank
 workers do not import it): a mixture-of-experts model loaded from its checkpoint on one grid."""
 
 import torch

@@ -159,3 +159,32 @@ def sum_replicated_grads(module, grid) -> None:
     for p, layout in layouts(module).items():
         if p.grad is not None and layout.grad_sum:
             comm.all_reduce(p.grad, grid.group(layout.grad_sum))
+
+
+# transformers' own arithmetic in the input's dtype (float64 references otherwise float32-accurate)
+
+def rms_norm_in_input_dtype(self, h):
+    # transformers' LlamaRMSNorm computes in float32 whatever the input: a float64 reference
+    # would be float32-accurate. This is the same formula in the input's dtype.
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def router_in_input_dtype(self, hidden_states):
+    # transformers' routers (MixtralTopKRouter, Qwen2MoeTopKRouter) take the softmax in float32
+    # whatever the input; this is the same arithmetic in the input's dtype (fourfold's: float32 at least).
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    values, indices = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+        values = values / values.sum(dim=-1, keepdim=True)
+    return logits, values, indices
+
+
+def load_balancing_in_input_dtype(gate_logits, num_experts, top_k, attention_mask=None):
+    # transformers' load_balancing_loss_func (no mask) accumulated in the logits' dtype instead of float32
+    counts = probs = 0
+    for logits in gate_logits:
+        p = F.softmax(logits, dim=-1)
+        counts = counts + torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1), minlength=num_experts)
+        probs = probs + p.sum(dim=0)
+    rows = sum(len(logits) for logits in gate_logits)
+    return torch.sum(counts / rows * (probs / rows)) * num_experts

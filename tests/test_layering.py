@@ -5,6 +5,10 @@ docs/architecture.md)."""
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.torch_free
+
 CODE = """
 import importlib, pkgutil, sys
 import fourfold.config, fourfold.extras, fourfold.models, fourfold.plan, fourfold.spec

@@ -129,7 +129,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     sharded = params / replicas + expert_held / (replicas // ep)
     params += expert_held
     # Activations saved for backward by one layer on this rank, as measured by autograd's saved
-    # tensors (tests/test_planner_measured.py holds the whole step's peak to these terms).
+    # tensors (tests/plan/test_planner_measured.py holds the whole step's peak to these terms).
     e = s.element_bytes
     T = (s.seq / c) * (s.micro_batch / z)  # tokens on this rank
     Ts = T / y if s.seq_parallel else T  # tokens of the residual stream
@@ -170,7 +170,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
             "down input": routed * saved_input(plan.down),
             # kept by their product with the routing weights (with expert parallelism: as they came back)
             "expert outputs": chosen,
-            # Measured under fake tensors (tests/test_planner_measured.py), missing before: each expert's
+            # Measured under fake tensors (tests/plan/test_planner_measured.py), missing before: each expert's
             # copy of its tokens (flat[token], or with expert parallelism the concatenation of the rows the
             # ep ranks sent it: its gate/up GEMM's input) and the weighted outputs (index_add keeps its
             # source for backward).

@@ -3,7 +3,7 @@
 `problems(model, job)` lists what is wrong, each with the fix; the trainer's validation, the
 planner's search, `fourfold memory --measure`, `eval` and `generate` all ask it before any process
 starts. The runtime's own checks (ShardedMatrix, Pipeline) stay as assertions behind it: a job
-this function accepts builds and trains (tests/test_rules.py runs every accepted grid up to 8
+this function accepts builds and trains (tests/spec/test_rules.py runs every accepted grid up to 8
 ranks).
 """
 

@@ -5,7 +5,7 @@ of every later step) under FakeTensorMode: tensors carry shape, dtype and stride
 a 70B layer costs nothing. The other ranks are a `fake` process group whose collectives return at
 once with outputs of the right shapes. Every storage an operator creates is counted until it is
 freed: the same runtime code as a real run, so this is the check the estimator answers to
-(`fourfold memory --measure`, tests/test_planner_measured.py), and what is alive at the peak is
+(`fourfold memory --measure`, tests/plan/test_planner_measured.py), and what is alive at the peak is
 listed with the line of fourfold that made it.
 
 What it cannot see: the CUDA context, NCCL's workspaces and allocator fragmentation (GPU-only;

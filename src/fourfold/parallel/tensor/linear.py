@@ -172,7 +172,7 @@ class _Linear3D(torch.autograd.Function):
         y = x @ weight.t()
         # bf16 partial outputs are summed in bf16 (as Megatron does): on gloo each sum is rounded
         # once (comm.reduce_scatter sums in fp32; an all-reduce over 2 ranks is one addition), the
-        # same as summing in fp32 (tests/test_bf16.py: equal losses to every digit both ways). fp32
+        # same as summing in fp32 (tests/parallel/test_bf16.py: equal losses to every digit both ways). fp32
         # partial outputs, unrounded, would cost twice the bytes for a per-token loss error of
         # 1.07-1.13x transformers' own instead of 1.18-1.27x (measured there).
         if layer.reduction == "all_reduce":

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fourfold import checkpoint
 from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.data import corpus
 from fourfold.train.slurm import sbatch_script
+from runs import train_run, whole_checkpoint
 
 STEPS = 6
 
@@ -40,12 +40,6 @@ def _options(run_dir, data, *extra):
     return [*data, "--log.run_dir", str(run_dir), "--log.progress", "false", "--log.every", "1000",
             "--train.steps", str(STEPS), "--batch.global_batch", "8", "--batch.micro_batch", "2", "--batch.seq", "32",
             "--optimizer.warmup", "2", "--checkpoint.every", "3", "--checkpoint.keep", "2", *extra]
-
-
-def _train(options):
-    from fourfold.train.trainer import train
-
-    return train(load_train_config(None, options))
 
 
 def _losses(run_dir):
@@ -99,7 +93,7 @@ def _scalars_of_log(run_dir):
 
 
 def _train_with_fake_wandb(options):
-    """_train with a stand-in for the `wandb` module that keeps the calls the trainer makes. Its
+    """train_run with a stand-in for the `wandb` module that keeps the calls the trainer makes. Its
     signatures are wandb 0.31.0's (`wandb.init`'s keywords, `Run.define_metric`, `Run.log(data, step)`,
     `Run.finish()`), so a call real wandb would refuse fails here too."""
     calls = []
@@ -123,7 +117,7 @@ def _train_with_fake_wandb(options):
     fake.init, fake.__spec__ = init, importlib.machinery.ModuleSpec("wandb", None)
     sys.modules["wandb"] = fake
     try:
-        _train(options)
+        train_run(options)
     finally:
         del sys.modules["wandb"]  # (the rank's process runs later tests)
     return calls
@@ -187,12 +181,13 @@ def test_resume_is_bitwise_equal(ranks, data, reference, tmp_path):
     """Continue from the step-3 checkpoint: steps 3..5 give exactly the uninterrupted losses, and
     the step-6 checkpoint, written in the background (checkpoint.async_save), is the reference's."""
     shutil.copytree(reference / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
-    ranks.run(_train, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2", "--checkpoint.async_save", "true"))
+    ranks.run(train_run, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2",
+                                     "--checkpoint.async_save", "true"))
     expected, _ = _losses(reference)
     got, _ = _losses(tmp_path)
     assert list(got) == [3, 4, 5]
     assert all(got[s] == expected[s] for s in got), (got, expected)
-    mine, theirs = (_read_whole(run / "checkpoints" / "step-00000006") for run in (tmp_path, reference))
+    mine, theirs = (whole_checkpoint(run / "checkpoints" / "step-00000006") for run in (tmp_path, reference))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
@@ -200,17 +195,9 @@ def test_a_resume_with_another_global_batch_goes_on_where_the_data_stood(ranks, 
     """The step-3 checkpoint of a global batch of 8 has read 24 sequences: resumed with 16 per step,
     steps 3..5 read sequences 24..71 (not from 3 x 16 = 48 on, skipping 24 of them)."""
     shutil.copytree(reference / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
-    ranks.run(_train, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2", "--batch.global_batch", "16"))
+    ranks.run(train_run, 4, _options(tmp_path, data, "--grid.dp", "2", "--grid.x", "2", "--batch.global_batch", "16"))
     meta = checkpoint.read_meta(tmp_path / "checkpoints" / "step-00000006")
     assert meta["data_position"] == 24 + 3 * 16
-
-
-def _read_whole(path):
-    """Every serial tensor of a checkpoint, whole, on one process."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
 
 
 @pytest.mark.parametrize("grid", [["--grid.pp", "2", "--grid.y", "2", "--train.seq_parallel", "true"],
@@ -220,7 +207,7 @@ def test_load_onto_another_grid(ranks, data, reference, tmp_path, grid):
     cp2 z2 the held-out loss (sequences cut into cp chunks) equals the reference's too."""
     start_at = reference / "checkpoints" / "step-00000003"
     scoring = ["--train.eval_every", "3"] if "--grid.cp" in grid else []
-    ranks.run(_train, 4, _options(tmp_path, data, *grid, *scoring, "--checkpoint.load", str(start_at)))
+    ranks.run(train_run, 4, _options(tmp_path, data, *grid, *scoring, "--checkpoint.load", str(start_at)))
     expected, _ = _losses(reference)
     got, _ = _losses(tmp_path)
     assert list(got) == [3, 4, 5]
@@ -265,18 +252,18 @@ def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
 def test_non_finite_loss_skips_the_step(ranks, data, tmp_path):
     """The skip is decided on the device; the records, read every log.every (4) steps and at each
     checkpoint (3), say which step it was."""
-    ranks.run(_train, 2, _options(tmp_path, data, "--grid.dp", "2", "--fault.nan_steps", "2", "--log.every", "4"))
+    ranks.run(train_run, 2, _options(tmp_path, data, "--grid.dp", "2", "--fault.nan_steps", "2", "--log.every", "4"))
     _, records = _losses(tmp_path)
     assert list(records) == list(range(STEPS))
     assert records[2]["skipped"] and records[2]["grad_norm"] is None and records[2]["loss"] is None
     assert records[2]["skipped_because"] == "loss is nan"
     assert not any(records[s]["skipped"] for s in records if s != 2)
-    # (a run of them that stops the run: tests/test_first_hour.py, through the command)
+    # (a run of them that stops the run: tests/cli/test_first_hour.py, through the command)
 
 
 def test_checkpoints_can_be_turned_off(ranks, data, tmp_path):
     """checkpoint.every 0: the run trains every step and writes no checkpoint, not even at the end."""
-    summary = ranks.run(_train, 1, _options(tmp_path, data, "--checkpoint.every", "0"))[0]
+    summary = ranks.run(train_run, 1, _options(tmp_path, data, "--checkpoint.every", "0"))[0]
     assert summary["step"] == STEPS and checkpoint.latest(tmp_path / "checkpoints") is None
     assert not (tmp_path / "checkpoints").exists()
     with pytest.raises(ConfigError, match=r"checkpoint.every must be >= 0 \(0: no checkpoints\), not -1"):
@@ -308,9 +295,11 @@ def test_a_full_disk_fails_the_save_in_one_line_and_loses_nothing(ranks, data, r
     assert done.stderr.count(said) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000003"]  # no partial directory left
     shutil.copytree(small_disk, tmp_path / "roomy")  # where there is room: the last checkpoint resumes bitwise
-    ranks.run(_train, 4, _options(tmp_path / "resumed", data, *grid[:4], "--checkpoint.dir", str(tmp_path / "roomy")))
+    roomy = str(tmp_path / "roomy")
+    ranks.run(train_run, 4, _options(tmp_path / "resumed", data, *grid[:4], "--checkpoint.dir", roomy))
     assert _losses(tmp_path / "resumed")[0] == {s: _losses(reference)[0][s] for s in (3, 4, 5)}
-    goes_on = ranks.run(_train, 4, _options(tmp_path / "goes-on", data, *grid, "--checkpoint.on_failure", "continue"))
+    goes_on = ranks.run(train_run, 4, _options(tmp_path / "goes-on", data, *grid,
+                                               "--checkpoint.on_failure", "continue"))
     assert goes_on[0]["step"] == STEPS and sorted(p.name for p in small_disk.iterdir()) == ["step-00000003"]
 
 
@@ -581,7 +570,7 @@ def test_a_damaged_checkpoint_load_is_refused_before_any_rank_starts(data, refer
 def test_a_resume_passes_over_a_damaged_latest_checkpoint(data, reference, tmp_path):
     """The run's own resume continues from the intact step-3 instead of a latest checkpoint missing a
     shard, says so in one line, and trains the uninterrupted run's losses. (Each kind of damage is
-    found by `checkpoint.damage`, and a changed byte by the ranks: tests/test_checkpoint_verify.py.)"""
+    found by `checkpoint.damage`, and a changed byte by the ranks: tests/checkpoint/test_checkpoint_verify.py.)"""
     damaged, intact = _damaged_copy(reference, tmp_path, "missing shard")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "fourfold.cli.main", "train", "--nproc-per-node", "4",

@@ -4,9 +4,11 @@ and the P2P bytes equal the volume functions. Tied embeddings over pipeline stag
 schedule, pp2 and pp4, with x, y, z and dp (a spread, not the product)."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from fourfold.models.config import ModelConfig
 from fourfold.parallel import comm, context
@@ -19,6 +21,7 @@ from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import split_layers
 from fourfold.spec.layout import Layout
+from fourfold.spec.schedule import held_layers
 from fourfold.spec.volumes import ledger_bytes, model_collectives, pipeline_sends
 from serial_reference import adamw_groups
 
@@ -252,3 +255,24 @@ def test_rules_refuse_ring_attention_in_float32_on_gpus():
     found = problems(load_config("tiny-llama"), job, gpu=True)
     assert [p.fix for p in found] == ["use precision bf16 (or auto), or cp=1"]
     assert problems(load_config("tiny-llama"), job) == []  # CPU's flash kernel takes float32
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (2, 4, 2), (8, 2, 8), (4, 3, 4)])
+def test_held_activations_are_those_of_torchs_interleaved_schedule(p, v, m):
+    """The most chunk forwards a pipeline rank runs before their backwards, in the op lists torch's
+    ScheduleInterleaved1F1B (the runtime's schedule) builds, times a chunk's layers, is what the
+    estimate holds. (The schedule's own per-rank method, called with the attributes its constructor
+    sets: torch is pinned, and a change to its private API fails here loudly.)"""
+    me = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
+                               microbatches_per_round=m // max(1, m // p))
+    most = 0
+    for rank in range(p):
+        alive = 0
+        for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(me, rank):
+            if action is not None:
+                alive += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
+                most = max(most, alive)
+    chunk = 2  # layers a stage
+    assert held_layers(chunk * p * v, p, v, m, "interleaved-1f1b") == most * chunk
+    assert held_layers(chunk * p, p, 1, m, "1f1b") == min(p, m) * chunk  # 1F1B: p micro-batches on the first rank
+    assert held_layers(chunk * p, p, 1, m, "gpipe") == m * chunk  # GPipe: every micro-batch

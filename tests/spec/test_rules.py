@@ -1,112 +1,24 @@
-"""The one rule function (fourfold.spec.rules): every job it accepts on up to 8 ranks builds and trains a
-step; every refusal names its fix; the commands check before they start processes."""
+"""The one rule function (fourfold.spec.rules): every refusal names its fix (that every job it accepts
+on up to 8 ranks builds and trains a step: tests/parallel/test_accepted_jobs.py); the commands check
+before they start processes."""
 
 import dataclasses
-import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.spec.job import Job, split_layers
-from fourfold.spec.layout import Layout, factorisations
+from fourfold.spec.layout import Layout
 from fourfold.spec.rules import JobError, check, problems
+from jobs import MODELS, accepted_jobs
 
-MODELS = {
-    "tiny-llama": load_config("tiny-llama"),  # hidden 128, 8 heads, 4 kv heads, ffn 352, 2 layers
-    "tiny-gpt": load_config("tiny-gpt"),  # tied: the last pipeline stage holds a copy of the embedding
-    # awkward sizes: 6 heads, 2 kv heads, ffn 96, an odd vocabulary, 3 layers
-    "odd-llama": ModelConfig("llama", hidden=48, layers=3, heads=6, kv_heads=2, ffn=96, vocab=250, max_positions=64,
-                             tied=False, eps=1e-5),
-}
-FIXES = ("choose ", "use ", "set ", "raise ", "give ", "change ", "turn ")
-
-
-def _jobs(world: int):
-    """Every grid of `world` ranks, each with one of two option sets (alternating)."""
-    for i, sizes in enumerate(factorisations(world)):
-        layout = Layout(**dict(zip(("dp", "pp", "cp", "x", "y", "z"), sizes)))
-        if i % 2:
-            yield Job(layout, micro_batch=2, global_batch=4 * layout.dp, seq=24, seq_parallel=True,
-                      recompute="selective", schedule="gpipe", precision="float64")
-        else:
-            yield Job(layout, micro_batch=4, global_batch=8 * layout.dp, seq=16, recompute="full", precision="float64")
-
-
-def _accepted():
-    out, refused = [], 0
-    for name, model in MODELS.items():
-        for world in range(1, 9):
-            for job in _jobs(world):
-                found = problems(model, job, world=world)
-                for p in found:
-                    assert p.fix.startswith(FIXES), p  # every refusal says what to change
-                refused += bool(found)
-                if not found:
-                    out.append((name, job))
-    return out, refused
-
+pytestmark = pytest.mark.torch_free
 
 def test_every_refusal_names_a_fix_and_most_grids_are_exercised():
-    accepted, refused = _accepted()
+    accepted, refused = accepted_jobs()
     assert len(accepted) > 100 and refused > 100
-
-
-def _train_one_step(cases):
-    """A training step of each (model, job) on this world, through the trainer's Model and batch split."""
-    import torch
-
-    from fourfold.parallel.data import GradientSync
-    from fourfold.parallel.grid import Grid
-    from fourfold.parallel.model import Model, local_batch
-    from fourfold.parallel.optimizer import AdamW
-    from fourfold.parallel.tensor.block import torch_dtype
-
-    losses = []
-    for name, job in cases:
-        grid = Grid(job.layout)
-        model = Model(grid, job, MODELS[name], dtype=torch_dtype(job.precision, grid.device))
-        opt = AdamW(GradientSync(model.module, grid), lr=1e-3)
-        rows = job.global_batch // job.layout.dp
-        ids = np.random.default_rng(0).integers(0, MODELS[name].vocab, (rows, job.seq + 1))
-        loss = model.step(local_batch(job, grid, ids), opt.sync, 1.0 / (job.global_batch * job.seq))
-        opt.step()
-        total = loss.clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item())
-    return losses
-
-
-def _sample(accepted, per_model: int = 4):
-    """Every accepted job when FOURFOLD_ALL_GRIDS=1 (about 200, over ten minutes on 2 cores);
-    otherwise a fixed spread: per model, jobs using the most dims at once, each set of dims once."""
-    if os.environ.get("FOURFOLD_ALL_GRIDS") == "1":
-        return accepted
-    out = []
-    richest_first = sorted(accepted, key=lambda a: -sum(n > 1 for n in a[1].layout.sizes.values()))
-    for name in MODELS:
-        seen = set()
-        for model, job in richest_first:
-            kind = tuple(d for d, n in job.layout.sizes.items() if n > 1)
-            if model == name and kind not in seen and len(seen) < per_model:
-                seen.add(kind)
-                out.append((model, job))
-    return out
-
-
-def test_every_accepted_job_up_to_8_ranks_trains_a_step(ranks):
-    for name, job in _sample(_accepted()[0]):
-        # one job per world, as in a real run (one Grid per process)
-        loss = ranks.run(_train_one_step, job.layout.world_size, [(name, job)])[0][0]
-        # each token's loss is held by its x*y tensor ranks (on the last stage): the mean loss
-        # of a fresh model, about ln(vocab)
-        assert math.isfinite(loss), (name, str(job))
-        expected = pytest.approx(math.log(MODELS[name].vocab), rel=0.05)
-        assert loss / job.layout.size(("x", "y")) == expected, (name, str(job))
 
 
 def test_refusals_of_the_old_validation_gaps():
@@ -142,32 +54,6 @@ def test_config_parsing_and_rules_need_no_torch():
             "fourfold.config.validate(fourfold.config.load_train_config(None), 1); "
             "print(any(m.startswith('torch') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
-
-
-def test_eval_checks_before_it_starts_processes(tmp_path, capsys):
-    """Each mistake exits 2 with one message, before torchrun starts anything (the command run in
-    this process: nothing reaches the launch)."""
-    from fourfold.cli.main import main
-
-    def fails(*args):
-        code = main(["eval", *args])
-        return code, capsys.readouterr().err
-
-    code, err = fails("--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8", "--grid", "x=2",
-                      "--nproc-per-node", "2")
-    assert code == 2 and "has no config.json" in err
-    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    code, err = fails("--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8")
-    assert code == 2 and "model_type 'bert'" in err
-    preset = Path(__file__).parents[1] / "src/fourfold/models/presets/tiny-llama.json"
-    (tmp_path / "config.json").write_text(preset.read_text())
-    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--json")
-    assert code == 2 and "give a .npy file of token ids" in err
-    np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int64) * 100)
-    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8")
-    assert code == 2 and "outside the model's vocabulary [0, 4096)" in err
-    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--grid", "y=3")
-    assert code == 2 and "choose y from 1, 2, 4" in err
 
 
 def test_launcher_options_stay_with_the_launcher():

@@ -1,5 +1,5 @@
 """The metrics writers' checks before launch and their pins, and the reading of a run's log.jsonl
-(what they write: tests/test_trainer.py)."""
+(what they write: tests/train/test_trainer.py)."""
 
 import json
 import sys
@@ -12,6 +12,8 @@ from fourfold import extras as pins
 from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.train import metrics
 
+pytestmark = pytest.mark.torch_free
+
 
 def test_wandb_asked_for_but_not_installed_fails_before_launch(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
@@ -23,7 +25,7 @@ def test_wandb_asked_for_but_not_installed_fails_before_launch(monkeypatch):
 
 
 def test_pins_named_in_messages_are_pyproject_extras():
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     assert extras["metrics"] == [pins.TENSORBOARD]
     assert extras["wandb"] == [pins.WANDB]

@@ -24,6 +24,8 @@ from fourfold.spec.layout import Layout
 from fourfold.spec.rules import JobError, problems
 from fourfold.spec.volumes import Collective, ledger_bytes, model_collectives, tied_copy_sends
 
+pytestmark = pytest.mark.torch_free
+
 MIXTRAL = load_config("mixtral-8x7b")
 GPT20 = load_config("gpt-20b")
 H100 = make_cluster("dgx-h100")

@@ -16,7 +16,8 @@ from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
-from test_models import _compare, _rms_norm_in_input_dtype
+from hf_on_grids import compare_with_hf
+from serial_reference import rms_norm_in_input_dtype
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +43,7 @@ def model(request, tmp_path_factory):
     hf.save_pretrained(path)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
         logits = hf(input_ids=ids[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
@@ -55,7 +56,7 @@ def model(request, tmp_path_factory):
                          ids=["x2y2z2", "x2y2z2-sp-selective", "dp2x2y2"])
 def test_odd_vocabulary_equals_transformers_on_y2(ranks, model, sizes, seq_parallel, recompute):
     path, ids, loss, logits, grads = model
-    errors = ranks.run(_compare, 8, path, sizes, ids, loss, logits, grads, torch.float64, 1e-10, recompute,
+    errors = ranks.run(compare_with_hf, 8, path, sizes, ids, loss, logits, grads, torch.float64, 1e-10, recompute,
                        seq_parallel)
     assert max(errors) < 1e-10
 
@@ -101,7 +102,7 @@ def test_eval_command_on_y2_gives_transformers_loss(ranks, model, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
     ids = torch.from_numpy(tokens.astype(np.int64))[torch.arange(6)[:, None] * SEQ + torch.arange(SEQ + 1)]
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
         logits = hf(input_ids=ids[:, :-1]).logits
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).item()
     assert result["tokens"] == 6 * SEQ

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 import transformers
 
 from families_on_grids import evaluate_families, run_families
@@ -25,8 +24,8 @@ from fourfold.config import load_train_config
 from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
 from fourfold.spec.layout import Layout
-from serial_reference import relative_error, saved_random_model
-from test_models import _rms_norm_in_input_dtype
+from runs import whole_checkpoint
+from serial_reference import relative_error, rms_norm_in_input_dtype, saved_random_model
 
 BATCH, SEQ, VOCAB, LAYERS = 8, 16, 128, 8  # 8 layers: 8 stages on pp4 interleaved
 FAMILIES = {
@@ -51,7 +50,7 @@ def _reference(name, path):
     _, model = saved_random_model(FAMILIES[name], path)
     windows = torch.stack([torch.from_numpy(TOKENS[i * SEQ : (i + 1) * SEQ + 1]) for i in range(12)])
     with pytest.MonkeyPatch.context() as patch:  # transformers' RMSNorm is float32 whatever the input
-        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
         with torch.no_grad():
             held_out = model(input_ids=windows[:, :-1]).logits
         logits = model(input_ids=IDS[:, :-1]).logits
@@ -134,14 +133,6 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
 
 
-def _read_whole(path):
-    """Every serial tensor of a checkpoint, whole, on one process."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
-
-
 def test_tied_pipeline_trains_evaluates_and_resumes(ranks, tmp_path):
     """tiny-gpt (tied) on pp2 dp2: the held-out loss logged after step 2 is the saved step 2's
     scored on dp alone; the checkpoints hold the table once (embed, no lm_head); a run resumed
@@ -160,12 +151,12 @@ def test_tied_pipeline_trains_evaluates_and_resumes(ranks, tmp_path):
     step2 = checkpoint.latest(run / "checkpoints")
     scored = ranks.run(_score_on_dp, 2, [*options, "--log.run_dir", str(run)], step2)[0]
     assert logged[0]["eval_loss"] == pytest.approx(scored["loss"], rel=1e-12)
-    saved = _read_whole(step2)
+    saved = whole_checkpoint(step2)
     assert "model/embed" in saved and "optim/m/embed" in saved and not any("lm_head" in k for k in saved)
 
     ranks.run(_train, 4, [*options, *grid, "--log.run_dir", str(resumed), "--checkpoint.load",
                           str(run / "checkpoints" / "step-00000001")])
     losses = [{r["step"]: r["loss"] for r in _records(d) if "loss" in r and "step" in r} for d in (run, resumed)]
     assert losses[1] == {1: losses[0][1]}  # (steps count from 0: step 1 is the second)
-    again = _read_whole(checkpoint.latest(resumed / "checkpoints"))
+    again = whole_checkpoint(checkpoint.latest(resumed / "checkpoints"))
     assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)

@@ -7,6 +7,8 @@ import pytest
 
 from fourfold.data.shuffle import Permutation
 
+pytestmark = pytest.mark.torch_free
+
 
 @pytest.mark.parametrize("n", [*range(1, 40), 255, 256, 257, 1000, 4097])
 def test_every_element_once(n):

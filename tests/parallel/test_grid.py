@@ -9,7 +9,7 @@ import torch.distributed as dist
 from fourfold.parallel.grid import Grid
 from fourfold.spec.layout import DIMS, GridError, Layout
 from fourfold.testing import RankFailure
-from test_layout import ALL_8, ORDERS
+from grids import ALL_8, ORDERS
 
 COMBINED = [("dp", "cp"), ("x", "y"), ("x", "y", "z")]
 

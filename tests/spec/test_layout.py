@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout, factorisations
+from fourfold.spec.layout import DIMS, GridError, Layout
+from grids import ALL_8, ORDERS
 
-ALL_8 = [dict(zip(DIMS, f)) for f in factorisations(8)]
-ORDERS = [DEFAULT_ORDER, ("pp", "dp", "cp", "z", "y", "x"), ("z", "x", "cp", "y", "pp", "dp")]
+pytestmark = pytest.mark.torch_free
 
 
 def all_groups(layout, dims):

@@ -1,7 +1,9 @@
 """The command line: no abbreviations anywhere, unknown options named with the closest known one."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fourfold.cli.main import main, parser
@@ -135,3 +137,29 @@ def test_grid_auto_on_cpu_says_it_planned_gpus(monkeypatch, capsys):
     assert "grid.auto: the planner's choice on 2 x h100-80gb: " in out
     assert ("grid.auto: (this run is on CPU; the planner planned h100-80gb GPUs, the [hardware] preset's, and its "
             "memory and speed figures are theirs)") in out
+
+
+def test_eval_checks_before_it_starts_processes(tmp_path, capsys):
+    """Each mistake exits 2 with one message, before torchrun starts anything (the command run in
+    this process: nothing reaches the launch)."""
+    from fourfold.cli.main import main
+
+    def fails(*args):
+        code = main(["eval", *args])
+        return code, capsys.readouterr().err
+
+    code, err = fails("--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8", "--grid", "x=2",
+                      "--nproc-per-node", "2")
+    assert code == 2 and "has no config.json" in err
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    code, err = fails("--hf", str(tmp_path), "--tokens", "t.npy", "--seq", "8")
+    assert code == 2 and "model_type 'bert'" in err
+    preset = Path(__file__).parents[2] / "src/fourfold/models/presets/tiny-llama.json"
+    (tmp_path / "config.json").write_text(preset.read_text())
+    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--json")
+    assert code == 2 and "give a .npy file of token ids" in err
+    np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int64) * 100)
+    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8")
+    assert code == 2 and "outside the model's vocabulary [0, 4096)" in err
+    code, err = fails("--hf", str(tmp_path), "--tokens", str(tmp_path / "t.npy"), "--seq", "8", "--grid", "y=3")
+    assert code == 2 and "choose y from 1, 2, 4" in err

@@ -1,7 +1,7 @@
 """A checkpoint's manifest (every file's size and CRC-32, from the rank that wrote it), the check of
 the sizes before launch (`checkpoint.damage`, `newest_intact`) and of the contents by the ranks
 before they read (`checkpoint.contents_damage`). The trainer's resume past a damaged checkpoint:
-tests/test_trainer.py."""
+tests/train/test_trainer.py."""
 
 import json
 import zlib

@@ -22,7 +22,7 @@ from fourfold.config import TrainConfig
 from fourfold.data import corpus
 
 STEPS = 6
-EXAMPLE = Path(__file__).parents[1] / "examples" / "llama3-8b-8gpu.toml"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "llama3-8b-8gpu.toml"
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,15 @@ from fourfold.spec.blockspec import block_plan
 from fourfold.spec.layout import Layout
 from fourfold.spec.volumes import block_passes
 from moe_on_grids import run_moe
-from serial_reference import cp_shard, relative_error, saved_gradients, saved_random_model
-from test_models import _rms_norm_in_input_dtype
-from test_moe import _load_balancing_in_input_dtype, _router_in_input_dtype
+from serial_reference import (
+    cp_shard,
+    load_balancing_in_input_dtype,
+    relative_error,
+    rms_norm_in_input_dtype,
+    router_in_input_dtype,
+    saved_gradients,
+    saved_random_model,
+)
 
 # 4 heads of 8 features, 2 kv heads: q_norm [32], k_norm [16]; x*y = 4 puts attention on the published
 # path (heads over y, replicated over x), x*y = 2 on the non-redundant one
@@ -53,9 +59,9 @@ def reference(tmp_path_factory):
     config, model = saved_random_model(OLMOE, path, lambda n: 1.0 if n.endswith("gate.weight") else 0.05,
                                        experts_implementation="eager")
     with pytest.MonkeyPatch.context() as patch:  # transformers' float32 steps, in the input's dtype
-        patch.setattr(modeling_olmoe.OlmoeRMSNorm, "forward", _rms_norm_in_input_dtype)
-        patch.setattr(modeling_olmoe.OlmoeTopKRouter, "forward", _router_in_input_dtype)
-        patch.setattr(modeling_olmoe, "load_balancing_loss_func", _load_balancing_in_input_dtype)
+        patch.setattr(modeling_olmoe.OlmoeRMSNorm, "forward", rms_norm_in_input_dtype)
+        patch.setattr(modeling_olmoe.OlmoeTopKRouter, "forward", router_in_input_dtype)
+        patch.setattr(modeling_olmoe, "load_balancing_loss_func", load_balancing_in_input_dtype)
         out = model(input_ids=IDS[:, :-1])
     loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1)) + config.router_aux_loss_coef * (
         out.aux_loss)

@@ -176,3 +176,22 @@ def test_a_simulated_rank_runs_its_stages_in_the_interleaved_schedules_order(pp,
     assert schedule_order(0, 4, 1, 6, "1f1b")[:5] == [(False, 0, 0), (False, 1, 0), (False, 2, 0), (False, 3, 0),
                                                       (True, 0, 0)]
     assert [b for b, _, _ in schedule_order(0, 2, 1, 3, "gpipe")] == [False] * 3 + [True] * 3
+
+
+def test_cli_memory_measured_under_fake_tensors(capsys):
+    """`fourfold memory --measure`: the runtime's peak (FakeTensorMode) beside the estimate, as a
+    table and as JSON; a pipeline is refused with the fix. In-process (it builds its own fake world)."""
+    from fourfold.cli.main import main
+
+    args = ["memory", "--model", "tiny-llama", "--y", "2", "--z", "2", "--micro-batch", "2", "--seq", "512",
+            "--measure"]
+    assert main([*args, "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["estimate_without_gpu_only_gib"] == pytest.approx(measured["measured_gib"], rel=0.05)
+    assert measured["measured_at_peak"]
+    assert max(measured["measured_phase_peaks_gib"].values()) == measured["measured_gib"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "measured (FakeTensorMode, rank 0, two steps)" in table and "largest tensors alive at the peak" in table
+    assert main([*args, "--pp", "2"]) == 2
+    assert "use pp 1" in capsys.readouterr().err

@@ -20,8 +20,7 @@ from fourfold.parallel.tensor.block import rope_frequencies, rope_tables
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
-from serial_reference import cp_shard, relative_error, saved_random_model
-from test_models import _rms_norm_in_input_dtype
+from serial_reference import cp_shard, relative_error, rms_norm_in_input_dtype, saved_random_model
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
              vocab_size=128, tie_word_embeddings=False, max_position_embeddings=64)
@@ -62,7 +61,7 @@ def _reference(name, path):
         for norm in (transformers.models.llama.modeling_llama.LlamaRMSNorm,
                      transformers.models.mistral.modeling_mistral.MistralRMSNorm,
                      transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm):
-            patch.setattr(norm, "forward", _rms_norm_in_input_dtype)
+            patch.setattr(norm, "forward", rms_norm_in_input_dtype)
         logits = model(input_ids=IDS[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1))
     loss.backward()

@@ -36,6 +36,8 @@ from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 
+pytestmark = pytest.mark.torch_free
+
 # docs/planner.md, "Calibration": `python benchmarks/planner_calibration.py`, NeMo's long-sequence
 # tables held out (fitted on the other sources' runs)
 LONG_SEQUENCE = "NeMo long-sequence tables"

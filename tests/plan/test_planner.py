@@ -4,13 +4,11 @@ import dataclasses
 import json
 import subprocess
 import sys
-import types
 from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from fourfold.models.config import load_config
 from fourfold.plan.constants import Calibration
@@ -23,6 +21,8 @@ from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.schedule import held_layers
+
+pytestmark = pytest.mark.torch_free
 
 LLAMA7 = load_config("llama-2-7b")
 
@@ -160,27 +160,6 @@ def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
     assert after["optimizer"] <= before["optimizer"] * (1 + 1e-12)
     if dim in ("x", "y", "z", "cp"):
         assert after["activations"] <= before["activations"] * (1 + 1e-12)
-
-
-@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (2, 4, 2), (8, 2, 8), (4, 3, 4)])
-def test_held_activations_are_those_of_torchs_interleaved_schedule(p, v, m):
-    """The most chunk forwards a pipeline rank runs before their backwards, in the op lists torch's
-    ScheduleInterleaved1F1B (the runtime's schedule) builds, times a chunk's layers, is what the
-    estimate holds. (The schedule's own per-rank method, called with the attributes its constructor
-    sets: torch is pinned, and a change to its private API fails here loudly.)"""
-    me = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m,
-                               microbatches_per_round=m // max(1, m // p))
-    most = 0
-    for rank in range(p):
-        alive = 0
-        for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(me, rank):
-            if action is not None:
-                alive += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
-                most = max(most, alive)
-    chunk = 2  # layers a stage
-    assert held_layers(chunk * p * v, p, v, m, "interleaved-1f1b") == most * chunk
-    assert held_layers(chunk * p, p, 1, m, "1f1b") == min(p, m) * chunk  # 1F1B: p micro-batches on the first rank
-    assert held_layers(chunk * p, p, 1, m, "gpipe") == m * chunk  # GPipe: every micro-batch
 
 
 def test_a_large_first_chunk_is_held_as_often_as_the_schedule_holds_it():
@@ -346,25 +325,6 @@ def test_rule_errors_name_the_planners_flags(capsys):
     err = capsys.readouterr().err
     assert "--global-batch 16 must be a multiple of dp*micro_batch = 32*1" in err
     assert "or give --no-seq-parallel" in err and "batch." not in err
-
-
-def test_cli_memory_measured_under_fake_tensors(capsys):
-    """`fourfold memory --measure`: the runtime's peak (FakeTensorMode) beside the estimate, as a
-    table and as JSON; a pipeline is refused with the fix. In-process (it builds its own fake world)."""
-    from fourfold.cli.main import main
-
-    args = ["memory", "--model", "tiny-llama", "--y", "2", "--z", "2", "--micro-batch", "2", "--seq", "512",
-            "--measure"]
-    assert main([*args, "--json"]) == 0
-    measured = json.loads(capsys.readouterr().out)
-    assert measured["estimate_without_gpu_only_gib"] == pytest.approx(measured["measured_gib"], rel=0.05)
-    assert measured["measured_at_peak"]
-    assert max(measured["measured_phase_peaks_gib"].values()) == measured["measured_gib"]
-    assert main(args) == 0
-    table = capsys.readouterr().out
-    assert "measured (FakeTensorMode, rank 0, two steps)" in table and "largest tensors alive at the peak" in table
-    assert main([*args, "--pp", "2"]) == 2
-    assert "use pp 1" in capsys.readouterr().err
 
 
 def test_megatron_takes_the_split_that_counts_embedding_and_loss_as_layers(capsys):

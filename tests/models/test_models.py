@@ -9,18 +9,15 @@ import torch
 from fourfold import checkpoint as fourfold_checkpoint
 from fourfold.checkpoint import CheckpointError
 from fourfold.checkpoint.export import export
-from fourfold.checkpoint.hf import load_hf, to_hf_tensors
+from fourfold.checkpoint.hf import load_hf
 from fourfold.models.config import ModelConfig, load_config, preset_names
-from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
-from fourfold.parallel.tensor.params import Replicas, full_weights
-from fourfold.parallel.tensor.vocab import batch_order
+from fourfold.parallel.tensor.params import Replicas
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import GridError, Layout
-from fourfold.spec.rules import padded_vocab
-from fourfold.spec.volumes import ledger_bytes, model_collectives
-from serial_reference import sum_replicated_grads
+from hf_on_grids import compare_with_hf
+from serial_reference import rms_norm_in_input_dtype
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,12 +45,6 @@ def _hf_model(name, dtype):
     return model
 
 
-def _rms_norm_in_input_dtype(self, h):
-    # transformers' LlamaRMSNorm computes in float32 whatever the input: a float64 reference
-    # would be float32-accurate. This is the same formula in the input's dtype.
-    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
 def checkpoint(request, tmp_path_factory):
     """A saved random model and transformers' loss, logits and gradients on a fixed batch (float64)."""
@@ -63,52 +54,13 @@ def checkpoint(request, tmp_path_factory):
     model.save_pretrained(path)
     ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
         logits = model(input_ids=ids[:, :-1]).logits
     # every position scored (transformers' own loss would drop the last one)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1))
     loss.backward()
     grads = {k: p.grad for k, p in model.named_parameters()}
     return name, str(path), ids, loss.item(), logits.detach(), grads
-
-
-def _compare(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, tol, recompute="none", seq_parallel=False):
-    layout = Layout(**sizes)
-    grid = Grid(layout)
-    cfg = load_config(path)
-    model = Transformer(grid, cfg, TensorOptions(dtype=dtype, seq_parallel=seq_parallel), recompute=recompute)
-    load_hf(model, path)
-    c = grid.coords
-    local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
-    logits = model.logits(local[:, :-1])
-    grid.ledger.reset()
-    per_token = model(local[:, :-1], local[:, 1:])
-    (per_token.sum() / ids[:, 1:].numel()).backward()
-    # the head's collectives on its padded vocabulary are what volumes (and so the planner) count
-    expected = model_collectives(cfg, layout.sizes, len(local), ids.shape[1] - 1, seq_parallel=seq_parallel,
-                                 recompute=recompute)
-    assert grid.ledger.bytes() == ledger_bytes(expected, layout.sizes, torch.finfo(dtype).bits // 8)
-    sum_replicated_grads(model, grid)
-    for p in model.parameters():
-        comm.all_reduce(p.grad, grid.group("dp"))
-    total = comm.all_reduce(per_token.detach().sum(), grid.group(("dp", "z"))) / ids[:, 1:].numel()
-    # the head keeps this x rank's tokens (flattened, in its order) and y's part of the vocabulary
-    full_logits = comm.all_gather(comm.all_gather(logits.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)
-    full_logits = batch_order(full_logits, len(local), grid, seq_parallel)
-    # a vocabulary y does not divide is padded: its padded logits are -inf
-    assert full_logits.shape[-1] == padded_vocab(cfg.vocab, layout.y)
-    assert (full_logits[..., cfg.vocab:] == float("-inf")).all()
-    ref_local = logits_ref.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
-    logits_error = (full_logits[..., :cfg.vocab] - ref_local.to(dtype)).abs().max() / ref_local.abs().max()
-    errors = {"loss": abs(total.item() - loss_ref) / loss_ref, "logits": logits_error.item()}
-    grads = to_hf_tensors(cfg, full_weights(model, grads=True))
-    for name, ref in grads_ref.items():
-        ref = ref.to(dtype)
-        assert grads[name].shape == ref.shape, name  # the real rows only
-        errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max()).item()
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < tol, (sizes, worst, errors[worst])
-    return errors[worst]
 
 
 def _allowed(name, sizes):
@@ -125,7 +77,7 @@ def test_llama_and_gpt2_equal_transformers_on_every_8_rank_grid(ranks, checkpoin
         n = Layout(**sizes).world_size
         if not _allowed(name, sizes):
             continue
-        ranks.run(_compare, n, path, sizes, ids, loss, logits, grads, torch.float64, 1e-10)
+        ranks.run(compare_with_hf, n, path, sizes, ids, loss, logits, grads, torch.float64, 1e-10)
         checked += 1
     assert checked >= 8
 
@@ -133,12 +85,13 @@ def test_llama_and_gpt2_equal_transformers_on_every_8_rank_grid(ranks, checkpoin
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recompute_and_sequence_parallel_change_nothing(ranks, checkpoint, recompute):
     name, path, ids, loss, logits, grads = checkpoint
-    ranks.run(_compare, 8, path, dict(x=2, y=2, z=2), ids, loss, logits, grads, torch.float64, 1e-10, recompute, True)
+    ranks.run(compare_with_hf, 8, path, dict(x=2, y=2, z=2), ids, loss, logits, grads, torch.float64, 1e-10,
+              recompute, True)
 
 
 def test_float32_within_1e5(ranks, checkpoint):
     name, path, ids, loss, logits, grads = checkpoint
-    ranks.run(_compare, 8, path, dict(x=2, y=2, z=2), ids, loss, logits, grads, torch.float32, 1e-5)
+    ranks.run(compare_with_hf, 8, path, dict(x=2, y=2, z=2), ids, loss, logits, grads, torch.float32, 1e-5)
 
 
 def _import_and_save(src, root, sizes):
@@ -274,7 +227,7 @@ def test_indivisible_heads_name_the_fix(ranks):
 
 
 def test_eval_command_gives_transformers_loss(ranks, checkpoint, tmp_path):
-    """`fourfold eval` on 4 CPU ranks (the pool's; tests/test_trainer.py launches it through
+    """`fourfold eval` on 4 CPU ranks (the pool's; tests/train/test_trainer.py launches it through
     torchrun), against transformers on the same windows."""
     import numpy as np
 
@@ -289,7 +242,7 @@ def test_eval_command_gives_transformers_loss(ranks, checkpoint, tmp_path):
                                                               attn_implementation="sdpa")
     ids = torch.from_numpy(tokens.astype(np.int64))[torch.arange(10)[:, None] * 16 + torch.arange(17)]
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+        patch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
         logits = model(input_ids=ids[:, :-1]).logits
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1)).item()
     assert result["tokens"] == 160

@@ -4,7 +4,6 @@ serial tensors (model and ZeRO-1 optimizer state), and no parameter or optimizer
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from fourfold import checkpoint
 from fourfold.checkpoint.sharded_io import Rectangle, rectangles
@@ -17,6 +16,7 @@ from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import ParamLayout, Piece, Replicas
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
+from runs import whole_checkpoint
 
 # awkward sizes: 6 heads over x*y = 4 (the published path), z shards with padding
 CFG = ModelConfig("llama", hidden=48, layers=2, heads=6, kv_heads=2, ffn=96, vocab=250, max_positions=64,
@@ -67,14 +67,6 @@ def _load_and_save(sizes, source, root):
     return read[0], sum(-(-p.numel() // replicas.dense.size) for p in model.parameters())
 
 
-def _read_whole(path):
-    """Every serial tensor of a checkpoint, whole, on one process (NaN where nothing was written)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {k: torch.full(tuple(md.size), float("nan"), dtype=md.properties.dtype) for k, md in saved.items()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("first, second", [(dict(dp=2, x=2, z=2), dict(y=2, z=3)),
                                            (dict(pp=1, cp=2, y=2, z=2), dict(dp=2, x=2))],
@@ -86,7 +78,7 @@ def test_a_checkpoint_read_on_another_grid_and_written_again_is_the_same(ranks, 
     a = checkpoint.latest(tmp_path / "a")
     reads = ranks.run(_load_and_save, world(second), second, a, tmp_path / "b")
     assert all(read <= share for read, share in reads)  # each replica read its part of the model only
-    original, again = _read_whole(a), _read_whole(checkpoint.latest(tmp_path / "b"))
+    original, again = whole_checkpoint(a), whole_checkpoint(checkpoint.latest(tmp_path / "b"))
     assert original.keys() == again.keys() and any(k.startswith("optim/m/") for k in original)
     for key, value in original.items():
         assert not value.isnan().any(), f"{key}: elements no rank wrote"
@@ -148,7 +140,7 @@ def test_an_async_save_writes_its_steps_state_while_the_live_tensors_change(rank
     sync = ranks.run(_train_and_save_async, 4, sizes, tmp_path / "sync", False)[0]
     background = ranks.run(_train_and_save_async, 4, sizes, tmp_path / "async", True)[0]
     assert checkpoint.latest(tmp_path / "async") == checkpoint.latest(tmp_path / "async").parent / "step-00000002"
-    a, b = _read_whole(sync), _read_whole(background)
+    a, b = whole_checkpoint(sync), whole_checkpoint(background)
     assert a.keys() == b.keys() and any(k.startswith("optim/v/") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key

@@ -22,9 +22,15 @@ from fourfold.models.config import METADATA, ModelConfig
 from fourfold.spec.blockspec import block_plan
 from fourfold.spec.layout import Layout
 from moe_on_grids import run_moe
-from serial_reference import cp_shard, relative_error, saved_gradients, saved_random_model
-from test_models import _rms_norm_in_input_dtype
-from test_moe import _load_balancing_in_input_dtype, _router_in_input_dtype
+from serial_reference import (
+    cp_shard,
+    load_balancing_in_input_dtype,
+    relative_error,
+    rms_norm_in_input_dtype,
+    router_in_input_dtype,
+    saved_gradients,
+    saved_random_model,
+)
 
 # 8 heads of 8 features over hidden 32 (heads * head_dim 64 != hidden); kv heads 2, so x*y = 4 puts
 # attention on the published path (heads over y, replicated over x) and x*y = 2 on the non-redundant one
@@ -52,10 +58,10 @@ def _reference(name, path):
     config, model = saved_random_model(MODELS[name], path, lambda n: 1.0 if n.endswith("gate.weight") else 0.05,
                                        **({"experts_implementation": "eager"} if name in MIXTURES else {}))
     with pytest.MonkeyPatch.context() as patch:  # transformers' float32 steps, in the input's dtype
-        patch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", _rms_norm_in_input_dtype)
-        patch.setattr(modeling_qwen3_moe.Qwen3MoeRMSNorm, "forward", _rms_norm_in_input_dtype)
-        patch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", _router_in_input_dtype)
-        patch.setattr(modeling_qwen3_moe, "load_balancing_loss_func", _load_balancing_in_input_dtype)
+        patch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", rms_norm_in_input_dtype)
+        patch.setattr(modeling_qwen3_moe.Qwen3MoeRMSNorm, "forward", rms_norm_in_input_dtype)
+        patch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", router_in_input_dtype)
+        patch.setattr(modeling_qwen3_moe, "load_balancing_loss_func", load_balancing_in_input_dtype)
         out = model(input_ids=IDS[:, :-1])
     loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), IDS[:, 1:].reshape(-1))
     if name in MIXTURES:

@@ -24,9 +24,16 @@ from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
 from moe_on_grids import run_moe, run_moe_pipeline
-from serial_reference import cp_shard, relative_error, saved_gradients, saved_random_model
-from test_models import _rms_norm_in_input_dtype
-from test_trainer import _train
+from runs import train_run, whole_checkpoint
+from serial_reference import (
+    cp_shard,
+    load_balancing_in_input_dtype,
+    relative_error,
+    rms_norm_in_input_dtype,
+    router_in_input_dtype,
+    saved_gradients,
+    saved_random_model,
+)
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
@@ -56,28 +63,7 @@ BATCH, SEQ, VOCAB = 8, 16, 128
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
 
 
-def _router_in_input_dtype(self, hidden_states):
-    # transformers' routers (MixtralTopKRouter, Qwen2MoeTopKRouter) take the softmax in float32
-    # whatever the input; this is the same arithmetic in the input's dtype (fourfold's: float32 at least).
-    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-    values, indices = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
-    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
-        values = values / values.sum(dim=-1, keepdim=True)
-    return logits, values, indices
-
-
-def _load_balancing_in_input_dtype(gate_logits, num_experts, top_k, attention_mask=None):
-    # transformers' load_balancing_loss_func (no mask) accumulated in the logits' dtype instead of float32
-    counts = probs = 0
-    for logits in gate_logits:
-        p = F.softmax(logits, dim=-1)
-        counts = counts + torch.bincount(torch.topk(p, top_k, dim=-1).indices.reshape(-1), minlength=num_experts)
-        probs = probs + p.sum(dim=0)
-    rows = sum(len(logits) for logits in gate_logits)
-    return torch.sum(counts / rows * (probs / rows)) * num_experts
-
-
-def _reference(name, path, microbatches=(IDS,), layers=2, router=_router_in_input_dtype):
+def _reference(name, path, microbatches=(IDS,), layers=2, router=router_in_input_dtype):
     """transformers' loss, logits and gradients: the token losses' mean over every micro-batch plus
     the mean of each micro-batch's load-balancing loss times its coefficient (as fourfold, and
     transformers under gradient accumulation, add them up)."""
@@ -89,9 +75,9 @@ def _reference(name, path, microbatches=(IDS,), layers=2, router=_router_in_inpu
     for ids in microbatches:
         with pytest.MonkeyPatch.context() as patch:
             for module in (modeling_mixtral, modeling_qwen2_moe):
-                patch.setattr(module, "load_balancing_loss_func", _load_balancing_in_input_dtype)
-            patch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", _rms_norm_in_input_dtype)
-            patch.setattr(modeling_qwen2_moe.Qwen2MoeRMSNorm, "forward", _rms_norm_in_input_dtype)
+                patch.setattr(module, "load_balancing_loss_func", load_balancing_in_input_dtype)
+            patch.setattr(modeling_mixtral.MixtralRMSNorm, "forward", rms_norm_in_input_dtype)
+            patch.setattr(modeling_qwen2_moe.Qwen2MoeRMSNorm, "forward", rms_norm_in_input_dtype)
             patch.setattr(modeling_mixtral.MixtralTopKRouter, "forward", router)
             patch.setattr(modeling_qwen2_moe.Qwen2MoeTopKRouter, "forward", router)
             out = model(input_ids=ids[:, :-1])
@@ -156,7 +142,7 @@ def _capacity_router(groups, factor):
     expert's output then adds nothing, and no gradient reaches it)."""
 
     def forward(self, hidden_states):
-        logits, values, indices = _router_in_input_dtype(self, hidden_states)
+        logits, values, indices = router_in_input_dtype(self, hidden_states)
         experts, kept = logits.shape[-1], torch.zeros_like(indices, dtype=torch.bool)
         for block in torch.arange(len(indices)).chunk(groups):
             capacity = math.ceil(factor * len(block) * indices.shape[1] / experts)
@@ -271,7 +257,7 @@ def mixtral_run(ranks, tmp_path_factory):
                "--batch.micro_batch", "2", "--batch.seq", "32", "--optimizer.lr", "0.01", "--optimizer.warmup", "2",
                "--checkpoint.every", "25", "--train.precision", "float64"]
     run = SimpleNamespace(folder=folder, options=options,
-                          train_here=lambda *extra: ranks.run(_train, 4, [*options, *extra]))  # the rank pool's
+                          train_here=lambda *extra: ranks.run(train_run, 4, [*options, *extra]))  # the rank pool's
     run.train_here("--grid.dp", "4", "--grid.ep", "4", "--log.run_dir", str(folder / "ep4"))
     return run
 
@@ -288,7 +274,7 @@ def _step_losses(run_dir):
 def test_expert_parallel_training_learns_and_resumes_bitwise(mixtral_run, tmp_path):
     """50 steps on dp4 ep4: the loss falls. The same run resumed from its step-25 checkpoint gives
     every later step's loss bit for bit. (A killed rank restarted by torchrun resumes the same way:
-    tests/test_trainer.py kills one.)"""
+    tests/train/test_trainer.py kills one.)"""
     expected = _step_losses(mixtral_run.folder / "ep4")
     assert list(expected) == list(range(50)) and all(math.isfinite(x) for x in expected.values())
     assert sum(list(expected.values())[-5:]) / 5 < expected[0] - 0.8, expected
@@ -308,7 +294,6 @@ def test_an_expert_parallel_checkpoint_continues_on_another_ep(mixtral_run, grid
     parallelism, with the same losses over 25 steps (float64: in float32 the sums' order sets the
     runs apart by 4e-5 in three steps); the step-50 checkpoint holds every tensor of the ep4 run's,
     model and optimizer state, with the same values."""
-    from test_trainer import _read_whole
 
     start = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000025"
     mixtral_run.train_here(*grid, "--log.run_dir", str(tmp_path), "--checkpoint.load", str(start))
@@ -316,7 +301,7 @@ def test_an_expert_parallel_checkpoint_continues_on_another_ep(mixtral_run, grid
     got = _step_losses(tmp_path)
     assert list(got) == list(range(25, 50))
     assert got == pytest.approx({s: expected[s] for s in got}, rel=1e-9)
-    mine, theirs = (_read_whole(run / "checkpoints" / "step-00000050")
+    mine, theirs = (whole_checkpoint(run / "checkpoints" / "step-00000050")
                     for run in (tmp_path, mixtral_run.folder / "ep4"))
     assert mine.keys() == theirs.keys() and any(k.startswith("optim/m/") and ".experts." in k for k in mine)
     assert all(torch.allclose(mine[k], theirs[k], rtol=1e-7, atol=1e-9) for k in mine)
@@ -327,14 +312,13 @@ def test_an_expert_parallel_checkpoint_exports_to_transformers(mixtral_run, tmp_
     """The step-50 checkpoint of dp4 ep4, exported, loads in transformers with every expert's weights
     equal to the checkpoint's serial tensors."""
     from fourfold.checkpoint.export import export
-    from test_trainer import _read_whole
 
     step = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000050"
     export(step, tmp_path / "hf")
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
     cfg = ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
-    saved = {name.removeprefix("model/"): t for name, t in _read_whole(step).items() if name.startswith("model/")}
+    saved = {name.removeprefix("model/"): t for name, t in whole_checkpoint(step).items() if name.startswith("model/")}
     ours = to_hf_tensors(cfg, saved)
     written = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
     assert sum(".experts.3." in key for key in ours) == 6 and ours.keys() == written.keys()  # 3 per layer

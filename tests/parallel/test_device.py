@@ -92,7 +92,7 @@ def test_make_keeps_the_pythons_own_torch(tmp_path, python, kept):
     """The commands `make` would run to create a venv from `python` (-S: one that imports no torch)."""
     venv = tmp_path / "venv"
     commands = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"PYTHON={python}", f"{venv}/.installed"],
-                              cwd=Path(__file__).parents[1], capture_output=True, text=True, check=True).stdout
+                              cwd=Path(__file__).parents[2], capture_output=True, text=True, check=True).stdout
     assert ("--system-site-packages" in commands) == kept
     assert ('pip install --quiet "torch==' in commands) != kept  # installed only when there is none
     assert f"-c {venv}/torch.txt -e" in commands  # pip held to the torch there is, whichever

@@ -1,0 +1,21 @@
+"""What tests do with a training run in this process: train it, read a checkpoint whole."""
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fourfold.config import load_train_config
+
+
+def train_run(options: list[str]):
+    """`fourfold train OPTIONS` on this rank (a rank pool's, or alone), without the launcher."""
+    from fourfold.train.trainer import train
+
+    return train(load_train_config(None, options))
+
+
+def whole_checkpoint(path):
+    """Every serial tensor of a checkpoint, whole, on one process (NaN where nothing was written)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.full(tuple(md.size), float("nan"), dtype=md.properties.dtype) for k, md in saved.items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
