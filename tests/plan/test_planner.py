@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from fourfold.models.config import load_config
 from fourfold.plan.constants import Calibration
 from fourfold.plan.frameworks import FOURFOLD, MEGATRON
-from fourfold.plan.frameworks.fourfold import ORDERS
+from fourfold.plan.frameworks.fourfold import ORDERS, Fourfold
 from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
 from fourfold.plan.perf import compute_bound, placement_bound, step_time
 from fourfold.plan.search import check, kind, rounded_seconds, search
@@ -160,6 +160,27 @@ def test_doubling_a_parallel_dim_never_raises_sharded_terms(s, dim):
     assert after["optimizer"] <= before["optimizer"] * (1 + 1e-12)
     if dim in ("x", "y", "z", "cp"):
         assert after["activations"] <= before["activations"] * (1 + 1e-12)
+
+
+class _OneDimensionalTensors(Fourfold):
+    """A third profile, as a user adds one (docs/planner.md): fourfold's costs and memory, but a
+    framework whose tensor parallelism is over y alone (Megatron-style), so no x or z."""
+
+    name = "fourfold-1d"
+
+    def runs_grid(self, cfg, pp, x, z):
+        return x == z == 1 and super().runs_grid(cfg, pp, x, z)
+
+
+def test_a_third_profile_is_one_subclass_and_the_search_follows_its_rules():
+    third, base = _OneDimensionalTensors(), job(seq=2048, global_batch=64)
+    mine = search(SMALL, 16, CLUSTER, base, framework=third)
+    everything = search(SMALL, 16, CLUSTER, base)
+    assert mine and all(r["x"] == r["z"] == 1 for r in mine)
+    assert any(r["x"] > 1 or r["z"] > 1 for r in everything)
+    # the same grids are priced as fourfold prices them
+    fourfold = {r["job"]: r["step_seconds"] for r in everything}
+    assert [r["step_seconds"] for r in mine] == [fourfold[r["job"]] for r in mine]
 
 
 def test_a_large_first_chunk_is_held_as_often_as_the_schedule_holds_it():
