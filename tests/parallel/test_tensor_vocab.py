@@ -46,6 +46,11 @@ def _check_lm(sizes, tied, seq_parallel, vocab=VOCAB):
     h = _mix(embed(local_ids[:, :-1]), mix, grid)
     logits = head(h)
     per_token = vocab_parallel_cross_entropy(logits, local_ids[:, 1:], grid, seq_parallel)
+    # (before backward, which writes the logits' gradient over them)
+    rows = padded_vocab(vocab, layout.y) // layout.y
+    assert logits.shape == (1, local_ids[:, 1:].numel() // layout.x, rows)  # 1/(x*y) of the (padded) logits
+    real = max(0, min(rows, vocab - c["y"] * rows))  # this y rank's columns of real tokens
+    assert logits[..., :real].isfinite().all() and (logits[..., real:] == float("-inf")).all()
     local_loss = per_token.sum() / (batch * SEQ)
     local_loss.backward()
     total = comm.all_reduce(local_loss.detach().clone(), grid.group(("dp", "z")))
@@ -58,10 +63,6 @@ def _check_lm(sizes, tied, seq_parallel, vocab=VOCAB):
     if not tied:
         assert (grads["lm_head"] - hd.grad).abs().max() < 1e-10 * hd.grad.abs().max()
     assert per_token.shape == local_ids[:, 1:].shape  # every token's loss on every rank
-    rows = padded_vocab(vocab, layout.y) // layout.y
-    assert logits.shape == (1, local_ids[:, 1:].numel() // layout.x, rows)  # 1/(x*y) of the (padded) logits
-    real = max(0, min(rows, vocab - c["y"] * rows))  # this y rank's columns of real tokens
-    assert logits[..., :real].isfinite().all() and (logits[..., real:] == float("-inf")).all()
     for p, param_layout in layouts(modules).items():  # padding (vocabulary and z) is zero and stays zero
         padding = torch.ones(p.numel(), dtype=torch.bool)
         for piece in param_layout.pieces:

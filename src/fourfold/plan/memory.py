@@ -18,7 +18,7 @@ from fourfold.plan.routing import expert_params, replicated_params, routed_token
 from fourfold.spec.blockspec import block_plan, mlp_chunks
 from fourfold.spec.counts import layer_params
 from fourfold.spec.job import Job, most_layers_on_a_rank
-from fourfold.spec.rules import padded_vocab
+from fourfold.spec.rules import loss_chunk_tokens, padded_vocab
 from fourfold.spec.schedule import held_layers
 
 GIB = 2**30
@@ -206,21 +206,22 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     gathered = e * largest_block if z > 1 else 0.0
     # Forward, at the loss: every layer's saved tensors, the final norm's input and output, the head's
     # gathered weight and the larger of: the head GEMM's partial logits [T, V/y] with this x rank's
-    # reduce-scattered 1/x of them, and the loss on those (their fp32 copy and the fp32 shifted
-    # copy of the softmax being formed).
+    # reduce-scattered 1/x of them, and the loss on those (kept, and one chunk of tokens in fp32:
+    # its cast below fp32 and its shifted exponentials; `rules.loss_chunk_tokens`).
     scored = T / x  # the head keeps this x rank's tokens
     scatter = e * T * v / y * (1 + 1 / x + (1 if gloo else 0)) if x > 1 else 0.0
-    logits = max(scatter, scored * v / y * (e + 4 + (4 if e < 4 else 0))) + 2 * e * Ts * h / x
+    chunk = min(scored, loss_chunk_tokens(v // y)) * v / y * (4 + (4 if e < 4 else 0))
+    logits = max(scatter, scored * v / y * e + chunk) + 2 * e * Ts * h / x
     forward = activations + logits + gathered
-    # Backward, the larger of: the head's (the fp32 softmax gradient with its cast, or the cast
-    # with its gather over x for the head's GEMMs; the gathered weight and the weight-gradient
+    # Backward, the larger of: the head's (the logits, a chunk's fp32 gradient written over them, or
+    # their gradient with its gather over x for the head's GEMMs; the gathered weight and the weight-gradient
     # block) and a recomputed layer. Ring attention runs the flash kernel per block: no [T x T] scores.
     # With z > 1 the head's weight is gathered, its gradient block reduce-scattered (summed in fp32:
     # below fp32 a copy of the block and its shard in fp32), and the next layer's weight already
     # prefetched.
     reduced = (4 * head_block * (1 + 1 / z) if e < 4 else e * head_block / z)
     head_weights = e * head_block * 2 + reduced + e * layer_block if z > 1 else e * head_block
-    head_backward = max(scored * v / y * (e + 4) + (e * head_block if z > 1 else 0.0),  # at the cast
+    head_backward = max(scored * v / y * e + chunk + (e * head_block if z > 1 else 0.0),  # at the loss
                         e * T * v / y * (1 + 1 / x if x > 1 else 1) + head_weights)  # at the GEMMs
     backward = activations + max(head_backward, working)
     # Optimizer step: the largest bucket's updated parameters gathered in their dtype (ZeRO-1).

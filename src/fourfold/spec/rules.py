@@ -59,6 +59,15 @@ def padded_vocab(vocab: int, y: int) -> int:
     return -(-vocab // y) * y
 
 
+LOSS_CHUNK_BYTES = 256 << 20  # of fp32 logits the loss scores at once
+
+
+def loss_chunk_tokens(columns: int) -> int:
+    """The tokens whose logits (`columns` of them a token, this y rank's) the cross-entropy scores
+    at once in fp32 (parallel.tensor.vocab): at a 128k vocabulary on one y rank, 512."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * columns))
+
+
 def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: bool = False,
              attention: str = "causal") -> list[Problem]:
     """Everything that stops `model` from training as `job` (on `world` started processes; on

@@ -38,7 +38,7 @@ from fourfold.parallel.tensor.regions import (
     all_reduce_replicated,
     reduce_scatter,
 )
-from fourfold.spec.rules import padded_vocab
+from fourfold.spec.rules import loss_chunk_tokens, padded_vocab
 
 PADDING = "(vocabulary padding)"  # not a serial parameter's name
 
@@ -133,31 +133,47 @@ class ParallelEmbedding(ParallelModule):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The loss of logits [tokens, V/y] split over y, scored in fp32 at least a chunk of tokens at a
+    time (`rules.loss_chunk_tokens`), so that no fp32 copy of the logits is ever whole: the forward keeps
+    the logits as they came (bf16 on GPUs) with two floats a token, and the backward rebuilds each
+    chunk's softmax from them and writes its gradient over them (the logits are not needed after)."""
+
     @staticmethod
     def forward(ctx, logits, targets, group: Group):
-        rows = logits.shape[-1]
+        rows, shape = logits.shape[-1], targets.shape
+        flat, compute = logits.reshape(-1, rows), torch.promote_types(logits.dtype, torch.float32)
+        targets = targets.reshape(-1)
         scored = targets >= 0  # negative targets (padding) score 0 and get no gradient
         local = targets - group.rank * rows
         inside = (local >= 0) & (local < rows) & scored
         local = local.clamp(0, rows - 1)
         # The max only stabilises the exponentials; it needs no gradient.
-        top = comm.all_reduce(logits.detach().amax(-1), group, op=dist.ReduceOp.MAX)
-        # In place where possible: [tokens, vocab/y] tensors are the largest of the step.
-        shifted = logits - top.unsqueeze(-1)
-        # where, not a product: a padded column's logit is -inf
-        target = comm.all_reduce(torch.where(inside, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0), group)
-        softmax = shifted.exp_()
-        sum_exp = comm.all_reduce(softmax.sum(-1), group)
-        softmax.div_(sum_exp.unsqueeze(-1)).mul_(scored.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, inside)
-        return (sum_exp.log() - target) * scored
+        top = comm.all_reduce(flat.detach().amax(-1).to(compute), group, op=dist.ReduceOp.MAX)
+        target, sum_exp = torch.zeros_like(top), torch.zeros_like(top)
+        for part in _chunks(flat):
+            shifted = flat[part].to(compute) - top[part].unsqueeze(-1)
+            # where, not a product: a padded column's logit is -inf
+            target[part] = torch.where(inside[part], shifted.gather(-1, local[part].unsqueeze(-1)).squeeze(-1), 0)
+            sum_exp[part] = shifted.exp_().sum(-1)
+        target, sum_exp = comm.all_reduce(target, group), comm.all_reduce(sum_exp, group)
+        ctx.save_for_backward(logits, top, sum_exp, local, inside, scored)
+        return ((sum_exp.log() - target) * scored).view(shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local, inside = ctx.saved_tensors
-        grad = softmax  # used once: becomes the gradient in place
-        grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(grad.dtype))
-        return grad.mul_(grad_loss.unsqueeze(-1)), None, None
+        logits, top, sum_exp, local, inside, scored = ctx.saved_tensors
+        flat, compute, grad_loss = logits.reshape(-1, logits.shape[-1]), top.dtype, grad_loss.reshape(-1)
+        for part in _chunks(flat):
+            grad = (flat[part].to(compute) - top[part].unsqueeze(-1)).exp_()
+            grad.div_(sum_exp[part].unsqueeze(-1)).mul_(scored[part].unsqueeze(-1))
+            grad.scatter_add_(-1, local[part].unsqueeze(-1), -inside[part].unsqueeze(-1).to(compute))
+            flat[part] = grad.mul_(grad_loss[part].unsqueeze(-1))  # (rounded to the logits' dtype)
+        return flat.view(logits.shape), None, None
+
+
+def _chunks(flat: torch.Tensor) -> list[slice]:
+    step = loss_chunk_tokens(flat.shape[-1])
+    return [slice(start, start + step) for start in range(0, len(flat), step)]
 
 
 class LMHead(ParallelLinear):
@@ -240,10 +256,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
                                  seq_parallel: bool = False) -> torch.Tensor:
     """Per-token loss [batch, seq] from the head's logits [1, tokens/x, V/y] (this x rank's tokens,
     the vocabulary split over y) and global target ids [batch, seq]; a negative target marks
-    padding: its loss is 0. Every x rank returns every token's loss."""
+    padding: its loss is 0. Every x rank returns every token's loss. The loss consumes the logits:
+    its backward writes their gradient over them (the largest tensor of the step is not copied)."""
     x = grid.group("x")
     mine = head_order(targets, grid, seq_parallel).chunk(x.size, dim=SEQ_DIM)[x.rank]
-    # bf16 logits are scored in fp32 (as Megatron does); float64 stays float64
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # bf16 logits are scored in fp32 (as Megatron does), a chunk at a time; float64 stays float64
     scored = _VocabParallelCrossEntropy.apply(logits, mine, grid.group("y"))
     return batch_order(all_gather_replicated(scored, x, SEQ_DIM), targets.shape[0], grid, seq_parallel)
