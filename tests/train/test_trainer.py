@@ -230,6 +230,12 @@ def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / ".fault-injected").exists()  # the rank really died once
+    # one line a rank, no traceback: torchrun's for the one that died, the others' own (each a
+    # collective whose peer was gone; before: 140 lines of gloo tracebacks)
+    lines = done.stderr.splitlines()
+    assert "fourfold: local rank 1 failed (signal SIGKILL)" in lines and "Traceback" not in done.stderr
+    assert all(re.fullmatch(r"fourfold: rank [023] stopped: another rank is gone \(torchrun's line names it\)", line)
+               for line in lines if line != "fourfold: local rank 1 failed (signal SIGKILL)"), lines
     expected, _ = _losses(reference)
     got, _ = _losses(tmp_path)
     assert got == expected

@@ -15,7 +15,7 @@ from fourfold.cli.options import launcher_options_removed
 from fourfold.config import ConfigError, TrainConfig, as_overrides, job_settings, sections_help
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from fourfold.train.launch import StopRequest, inside_torchrun, relaunch_with_torchrun
+from fourfold.train.launch import StopRequest, inside_torchrun, peer_lost, relaunch_with_torchrun
 
 # train, slurm, prepare and demo take the config's overrides: their --help lists them
 WITH_OVERRIDES = dict(epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,6 +82,12 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
         if int(os.environ["RANK"]) == 0:
             print(f"fourfold: error: {err}", file=sys.stderr, flush=True)
         dist.barrier()  # said before any rank exits (torchrun then stops the others)
+        return 1
+    except RuntimeError as err:
+        if not peer_lost(err):
+            raise
+        print(f"fourfold: rank {os.environ['RANK']} stopped: another rank is gone (torchrun's line names it)",
+              file=sys.stderr, flush=True)
         return 1
     finally:
         dist.destroy_process_group()

@@ -76,11 +76,28 @@ class StopRequest:
             signal.signal(s, handler)
 
 
+# What a rank's collective raises when a peer rank died (gloo's socket, NCCL's abort and remote error).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+             "remote process exited")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another rank died: that rank's own message (or
+    torchrun's line for it) says why; this one needs no traceback."""
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in PEER_LOST)
+
+
 class _Quiet(logging.Filter):
-    """Drops torchrun's warnings that it got a signal and passes it to each rank, and its error line
-    for a failed rank (the launcher's own line, `failed_ranks`, names every one)."""
+    """Drops torchrun's warnings that it got a signal and passes it to each rank, and turns its error
+    for a failed rank (a multi-line record, before a restart too) into one line naming the rank and how
+    it ended (after the last attempt the launcher's `failed_ranks` names every one)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("failed (exitcode: %s) local_rank: %s (pid: %s) of binary"):
+            code, local_rank = record.args[:2]
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            print(f"fourfold: local rank {local_rank} failed ({how})", file=sys.stderr, flush=True)
+            return False
         return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal",
                                                "failed (exitcode: %s)"))
 
