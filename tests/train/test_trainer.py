@@ -307,6 +307,14 @@ def test_a_full_disk_fails_the_save_in_one_line_and_loses_nothing(ranks, data, r
     goes_on = ranks.run(train_run, 4, _options(tmp_path / "goes-on", data, *grid,
                                                "--checkpoint.on_failure", "continue"))
     assert goes_on[0]["step"] == STEPS and sorted(p.name for p in small_disk.iterdir()) == ["step-00000003"]
+    # a background save fails alike: found when it is waited for (here at the run's end), one line,
+    # no partial directory left
+    background = [*_options(tmp_path / "background", data, *grid), "--checkpoint.async_save", "true"]
+    with pytest.raises(AssertionError, match=said.removeprefix("fourfold: error: ").replace("(", r"\(")):
+        ranks.run(train_run, 4, background)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000003"]
+    goes_on = ranks.run(train_run, 4, [*background, "--checkpoint.on_failure", "continue"])
+    assert goes_on[0]["step"] == STEPS and sorted(p.name for p in small_disk.iterdir()) == ["step-00000003"]
 
 
 def test_failed_save_keeps_the_last_good_checkpoint(ranks, data, reference, tmp_path):

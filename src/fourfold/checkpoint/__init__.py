@@ -331,7 +331,7 @@ class AsyncSaver:
     def __init__(self) -> None:
         self.group = comm.host_group()  # DCP's coordination: rank 0 and each other
         self.buffer: torch.Tensor | None = None
-        self.pending: Future | None = None
+        self.pending: tuple[Future, Path, Path, int] | None = None  # (the write, root, partial, step)
         self.published = threading.Event()
         self.error: BaseException | None = None
 
@@ -378,15 +378,21 @@ class AsyncSaver:
                 self.published.set()
 
         future.add_done_callback(publish)
-        self.pending = future
+        self.pending = (future, root, partial, step)
         return final
 
     def wait(self) -> None:
-        """Block until the save in flight is written and published; raise what it failed with."""
+        """Block until the save in flight is written and published (collective: every rank waits at
+        the same point); raise what it failed with: a write some rank could not finish as the
+        synchronous save's CheckpointError, its partial directory removed."""
         if self.pending is None:
             return
-        pending, self.pending = self.pending, None
-        pending.result()
+        (pending, root, partial, step), self.pending = self.pending, None
+        try:
+            pending.result()
+        except CheckpointException as e:  # on every rank, as in `save`
+            self.published.wait()
+            raise _failed_save(root, partial, step, e) from None
         self.published.wait()
         if self.error is not None:
             error, self.error = self.error, None

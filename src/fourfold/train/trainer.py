@@ -212,12 +212,22 @@ class Trainer:
         try:
             self.reporter.message(f"checkpoint {self.save(done)}")
             return True
-        except checkpoint.CheckpointError as err:
-            if self.cfg.checkpoint.on_failure != "continue":
-                raise TrainingError(str(err)) from None
-            self.reporter.message(f"{err}; training goes on (checkpoint.on_failure = continue), saving again after "
-                                  f"step {done + self.cfg.checkpoint.every}")
+        except checkpoint.CheckpointError as err:  # (a background save's: the one before, found now)
+            self._save_failed(err, f"training goes on, saving again after step {done + self.cfg.checkpoint.every}")
             return False
+
+    def _save_failed(self, err: checkpoint.CheckpointError, then: str) -> None:
+        if self.cfg.checkpoint.on_failure != "continue":
+            raise TrainingError(str(err)) from None
+        self.reporter.message(f"{err}; checkpoint.on_failure = continue: {then}")
+
+    def _last_save_written(self) -> None:
+        """The background save in flight ends (or fails, as a synchronous one would) before the
+        process group goes away."""
+        try:
+            self.saver.wait()
+        except checkpoint.CheckpointError as err:
+            self._save_failed(err, "the run ends, its last checkpoint the one before")
 
     def run(self, stop: StopRequest) -> dict:
         """Steps until train.steps or an agreed stop signal, evaluating, recording and saving on
@@ -247,8 +257,8 @@ class Trainer:
             if stopped == signal.SIGTERM and saved_at != done and cfg.checkpoint.every > 0:
                 self.save_or_go_on(done)
         finally:
-            if self.saver:  # a save in flight ends (or fails) before the process group goes away
-                self.saver.wait()
+            if self.saver:
+                self._last_save_written()
             checkpoint.wait_for_pruning()  # no old checkpoint left half deleted at exit
         if stopped:
             self.reporter.message(stop_message(cfg, stopped, done))
