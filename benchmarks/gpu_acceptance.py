@@ -21,9 +21,12 @@ Sections (each {"error": ...} if it raised; the others still run):
                   in float32; fourfold's error at most twice autocast's (floor 1e-3 relative); both losses
                   after 10 AdamW steps
   throughput      tokens/s and MFU of fourfold, transformers like for like (fp32 master weights, bf16
-                  autocast, fused AdamW) and transformers in pure bf16 (bf16 weights and moments)
+                  autocast, fused AdamW) and transformers in pure bf16 (bf16 weights and moments); the host
+                  syncs in each one's timed steps (torch.cuda.set_sync_debug_mode: fourfold's must be 0) and
+                  the attention kernels fourfold's step dispatched (which SDPA backend ran)
   memory          fourfold's peak at recompute none / selective / full x micro-batch 1 / 8 against the
-                  planner's estimate (fourfold.plan.memory.fourfold_memory)
+                  planner's estimate (fourfold.plan.memory.fourfold_memory): max_allocated within 10% of
+                  its allocator terms
   compile         train.compile off and on: compile seconds, tokens/s
   flash           fourfold's attention forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)): a
                   silent fall-back to another kernel would raise here
@@ -48,6 +51,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 START = time.perf_counter()
@@ -89,6 +93,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from fourfold.checkpoint.hf import load_hf  # noqa: E402
 from fourfold.config import TrainConfig  # noqa: E402
@@ -136,6 +141,7 @@ DRY_RUN_GPU = "h100-80gb"  # the memory the dry run's estimates take
 MICRO_BATCHES = (1, 8)
 RECOMPUTE = ("none", "selective", "full")
 SAME_WEIGHT_STEPS = 10
+MEMORY_TOLERANCE = 0.10  # the estimate's allocator terms against max_allocated (5% under fake tensors)
 FLOOR = 1e-3  # relative: a distance below this is no signal (transformers' own may be ~0 by chance;
 # at 2e-4 an 8-layer model's gradient norm failed by chance)
 
@@ -355,16 +361,46 @@ def timed(step, setup: Setup, micro_batch: int, device: torch.device, peak: floa
     losses += [step() for _ in range(setup.warmup - 1)]
     synchronize(device)
     started = time.perf_counter()
-    losses += [step() for _ in range(setup.steps)]
+    with warnings.catch_warnings(record=True) as syncs:  # a step that waits for the host, counted
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            losses += [step() for _ in range(setup.steps)]
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
     synchronize(device)
     seconds = (time.perf_counter() - started) / setup.steps
     tokens_per_s = micro_batch * setup.seq / seconds
     tflops = model_flops_per_token(setup.model, setup.seq) * tokens_per_s / 1e12
     losses = [float(loss[0] if isinstance(loss, tuple) else loss) for loss in losses]
+    host_syncs = sum("synchroniz" in str(w.message) for w in syncs) if device.type == "cuda" else None
     return {"first_step_seconds": round(first, 2), "seconds_per_step": round(seconds, 4),
             "tokens_per_s": round(tokens_per_s, 1), "tflops_per_s": round(tflops, 2),
             "mfu": round(tflops / peak, 4) if peak else None, "first_loss": losses[0], "last_loss": losses[-1],
+            "host_syncs_in_timed_steps": host_syncs,  # torch.cuda.set_sync_debug_mode's warnings
             "checks": [{"name": "every loss finite", "ok": all(map(math.isfinite, losses))}]}
+
+
+class _AttentionKernels(TorchDispatchMode):
+    """The attention operators a step dispatches (which SDPA backend ran: flash, efficient, cuDNN, math)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if "attention" in name:
+            self.seen.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def attention_kernels(step) -> list[str]:
+    with _AttentionKernels() as seen:
+        step()
+    return sorted(seen.seen)
 
 
 def peak_memory(device: torch.device) -> dict | None:
@@ -442,6 +478,9 @@ def throughput_section(setup: Setup, device: torch.device, peak: float | None) -
            "flops_per_token": model_flops_per_token(setup.model, setup.seq), "peak_tflops": peak}
     step = fourfold_step(setup.model, job_for(setup, mb), ids)[0]
     out["fourfold"] = timed(step, setup, mb, device, peak)
+    out["fourfold"]["attention_kernels"] = attention_kernels(step)  # (one more step, watched)
+    out["fourfold"]["checks"].append({"name": "no host sync in fourfold's timed steps",
+                                      "ok": out["fourfold"]["host_syncs_in_timed_steps"] in (0, None)})
     del step
     gc.collect()
     for name, dtype, autocast in (("transformers_autocast", torch.float32, True),
@@ -476,6 +515,8 @@ def memory_section(setup: Setup, device: torch.device, memory_gib: float) -> dic
                 row["measured_gib"] = measured
                 row["max_allocated / allocator terms"] = round(measured["max_allocated"] * GIB / allocator, 3)
                 row["device_used / total"] = round(measured["device_used"] * GIB / estimate.total, 3)
+                row["checks"] = [{"name": f"max_allocated within {MEMORY_TOLERANCE:.0%} of the allocator terms",
+                                  "ok": abs(row["max_allocated / allocator terms"] - 1) <= MEMORY_TOLERANCE}]
             rows.append(row)
             del step
             gc.collect()
