@@ -156,7 +156,8 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "out-proj input": saved_input(plan.out),
         "mlp input": saved_input(plan.up),
         "gate/up output": T * up_rows,
-        "activation output": T * ffn_local,
+        # GELU's output; SwiGLU keeps only its inputs (the gate/up output: block._SwiGLU)
+        "activation output": 0.0 if blk.gated else T * ffn_local,
         "down input": saved_input(plan.down),
     }
     if blk.moe:  # the experts on top_k * T tokens in all (whatever the routing, without expert parallelism;
@@ -166,7 +167,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         saved.update({
             "mlp input": T * h / x,  # the stream (gathered over y first with sequence parallelism), the router's input
             "gate/up output": routed * T * up_rows,
-            "activation output": routed * T * ffn_local,
+            "activation output": 0.0 if blk.gated else routed * T * ffn_local,
             "down input": routed * saved_input(plan.down),
             # kept by their product with the routing weights (with expert parallelism: as they came back)
             "expert outputs": chosen,
@@ -182,16 +183,19 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
             chunks = mlp_chunks(blk, x, y, ffn=blk.shared_ffn)
             saved.update({
                 "shared gate/up output": T * plan.shared_up.out_features / chunks,
-                "shared activation output": T * blk.shared_ffn / chunks,
+                "shared activation output": 0.0 if blk.gated else T * blk.shared_ffn / chunks,
                 "shared down input": saved_input(plan.shared_down),
                 "shared output": T * h / x + T,
             })
     per_layer = e * sum(saved.values())
-    core = e * (saved["q, k, v"] + sum(attention.values()))  # what selective recompute redoes
+    # Selective recompute redoes the attention core (RoPE and the kernel) in backward: it rebuilds q, k, v
+    # and the attention's outputs, and keeps the core's input, qkv, as large as the rotated q, k, v: what it
+    # saves is the attention's outputs (with the math path, the probabilities; with flash, little).
+    core = e * (saved["q, k, v"] + sum(attention.values()))
     if s.recompute == "full":
         per_layer_kept, working = e * Ts * h / x, per_layer
     elif s.recompute == "selective":
-        per_layer_kept = per_layer - core
+        per_layer_kept = per_layer - e * sum(attention.values())
         working = core
     else:
         per_layer_kept, working = per_layer, 0.0

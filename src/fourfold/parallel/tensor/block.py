@@ -147,6 +147,22 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up (views of the up-projection's output, kept anyway)
+    for backward: autograd's product would also keep silu(gate), [tokens, ffn/y] a layer, which
+    backward rebuilds here (one elementwise op). The gradients are autograd's, operation for operation."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
 def gelu(u: torch.Tensor, approximate: str) -> torch.Tensor:
     return F.gelu(u, approximate=approximate)
 
@@ -224,7 +240,8 @@ class ParallelMLP(nn.Module):
                  prefix: str, overlap: Overlapper):
         super().__init__()
         self.cfg = plan.cfg
-        self.swiglu, self.gelu = (compiled(swiglu), compiled(gelu)) if opts.compile else (swiglu, gelu)
+        # (compiled, the partitioner chooses what to keep; eager, _SwiGLU keeps gate and up alone)
+        self.swiglu, self.gelu = (compiled(swiglu), compiled(gelu)) if opts.compile else (_SwiGLU.apply, gelu)
         self.up = _linear(grid, plan.up, prefix, opts, seed=seed, std=std, overlap=overlap)
         self.down = _linear(grid, plan.down, prefix, opts, seed=seed, std=out_std, overlap=overlap)
 
