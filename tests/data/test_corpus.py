@@ -164,6 +164,23 @@ def test_workers_hold_few_blocks_in_flight(tokenizer):
         assert len(ids) > 1
 
 
+def test_workers_encode_for_a_thread_too(tokenizer):
+    """Ctrl-C is held off only in the main thread (the only one Python lets set a signal handler):
+    a thread's corpus is encoded by the workers as well."""
+    import threading
+
+    encoded = []
+
+    def encode():
+        units = ((("pieces", [(f"document {i}", True, True)]), 1) for i in range(6))
+        encoded.extend(ids for (ids, _), _ in corpus._encoded(units, tokenizer, 0, np.uint16, workers=2))
+
+    thread = threading.Thread(target=encode)
+    thread.start()
+    thread.join()
+    assert len(encoded) == 6
+
+
 def test_errors_name_the_fix(tokenizer, inputs, tmp_path):
     spec, _ = inputs
     jsonl, parquet = [s.strip() for s in spec.split(",")[1:]]

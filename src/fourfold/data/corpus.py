@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import zlib
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -451,6 +452,8 @@ def _submit_deaf_to_ctrl_c(pool: ProcessPoolExecutor, unit):
     parent, which cancels the rest, and no worker prints a KeyboardInterrupt traceback; a SIGINT
     that comes meanwhile is raised once the pool is consistent again, not in the middle of starting
     a worker (which would leak its semaphores)."""
+    if threading.current_thread() is not threading.main_thread():  # (only the main thread takes signals)
+        return pool.submit(_encode, unit)
     interrupted = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
