@@ -90,7 +90,7 @@ class Transformer(nn.Module):
         # keyed by global index so that parameter names stay the serial model's on a pipeline stage
         self.layers = nn.ModuleDict({
             str(i): ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
-                                  recompute_attention=recompute == "selective", overlap=self.overlap)
+                                  selective_recompute=recompute == "selective", overlap=self.overlap)
             for i in range(cfg.layers)
         })
         self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,

@@ -12,6 +12,7 @@ path, and every linear layer's shape and collectives, come from the block plan
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -237,9 +238,9 @@ class ParallelAttention(nn.Module):
 
 class ParallelMLP(nn.Module):
     def __init__(self, grid: Grid, plan: BlockPlan, opts: TensorOptions, *, seed: int, std: float, out_std: float,
-                 prefix: str, overlap: Overlapper):
+                 prefix: str, overlap: Overlapper, rebuild_activation: bool = False):
         super().__init__()
-        self.cfg = plan.cfg
+        self.cfg, self.rebuild_activation = plan.cfg, rebuild_activation
         # (compiled, the partitioner chooses what to keep; eager, _SwiGLU keeps gate and up alone)
         self.swiglu, self.gelu = (compiled(swiglu), compiled(gelu)) if opts.compile else (_SwiGLU.apply, gelu)
         self.up = _linear(grid, plan.up, prefix, opts, seed=seed, std=std, overlap=overlap)
@@ -252,7 +253,39 @@ class ParallelMLP(nn.Module):
             a = self.swiglu(gate, up)
         else:
             a = self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
-        return self.down(a)
+        if not self.rebuild_activation:
+            return self.down(a)
+        # selective recompute: the down projection's input, [tokens, ffn/y], is not kept but rebuilt in
+        # backward from u, which the activation keeps anyway (one elementwise op; no GEMM redone)
+        with rebuilt_in_backward(a, lambda: self._activation(u)):
+            return self.down(a)
+
+    def _activation(self, u: torch.Tensor) -> torch.Tensor:
+        if self.cfg.gated:
+            return swiglu(*u.chunk(2, dim=-1))
+        return gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
+
+
+class rebuilt_in_backward(torch.autograd.graph.saved_tensors_hooks):
+    """Within it, what autograd saves is kept as usual, except the tensor `dropped`: backward gets
+    `rebuild()` in its place, computed then (the same operations on the same inputs: the same values)."""
+
+    def __init__(self, dropped: torch.Tensor, rebuild):
+        dropped = weakref.ref(dropped)  # (autograd keeps both hooks with each saved tensor: no strong one here)
+
+        def pack(t: torch.Tensor):
+            return _REBUILD if t is dropped() else t
+
+        def unpack(packed):
+            if packed is not _REBUILD:
+                return packed
+            with torch.no_grad():
+                return rebuild()
+
+        super().__init__(pack, unpack)
+
+
+_REBUILD = object()  # what the hooks keep in place of the dropped tensor
 
 
 class ParallelBlock(nn.Module):
@@ -260,7 +293,7 @@ class ParallelBlock(nn.Module):
     when the block config has experts)."""
 
     def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float = 0.02,
-                 out_std: float | None = None, prefix: str = "block", recompute_attention: bool = False,
+                 out_std: float | None = None, prefix: str = "block", selective_recompute: bool = False,
                  overlap: Overlapper | None = None):
         super().__init__()
         out_std = std if out_std is None else out_std
@@ -269,16 +302,30 @@ class ParallelBlock(nn.Module):
                           non_redundant=opts.non_redundant)
         norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype, compile=opts.compile)
         self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
+        # (compiled, a rebuilt output could round otherwise than the fused forward did)
+        self.rebuild_norms = selective_recompute and not opts.compile
         self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
-                                      overlap=overlap, recompute_core=recompute_attention)
+                                      overlap=overlap, recompute_core=selective_recompute)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
         def mlp(plan: BlockPlan) -> ParallelMLP:
-            return ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap)
+            return ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap,
+                               rebuild_activation=selective_recompute)
 
         self.mlp = (ParallelMoE(grid, plan, mlp, seed=seed, std=std, prefix=prefix, dtype=opts.dtype,
                                 seq_parallel=opts.seq_parallel, capacity_factor=opts.capacity_factor)
                     if cfg.moe else mlp(plan))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), positions, documents)
-        return h + self.mlp(self.mlp_norm(h))
+        h = h + self._normed(self.attn_norm, h, lambda n: self.attn(n, positions, documents))
+        return h + self._normed(self.mlp_norm, h, self.mlp)
+
+    def _normed(self, norm: ParallelNorm, h: torch.Tensor, then) -> torch.Tensor:
+        """then(norm(h)); with selective recompute (eager) the norm's output, the next GEMM's input, is
+        not kept but rebuilt in backward from h and its statistics, which the norm keeps anyway."""
+        if not self.rebuild_norms:
+            return then(norm(h))
+        stats = []
+        n = norm(h, stats)
+        (mean, rstd), = stats
+        with rebuilt_in_backward(n, lambda: norm.rebuilt(h, mean, rstd)):
+            return then(n)

@@ -40,8 +40,12 @@ def _square_sum(f):
 
 def _output(f, square_sum, weight, bias, hidden: int, eps: float, dtype: torch.dtype):
     rstd = torch.rsqrt(square_sum / hidden + eps)
+    return _scaled(f, rstd, weight, bias, dtype), rstd
+
+
+def _scaled(f, rstd, weight, bias, dtype: torch.dtype):
     out = (f * rstd).to(dtype) * weight
-    return (out + bias if bias is not None else out), rstd
+    return out + bias if bias is not None else out
 
 
 def _backward_sums(h, mean, rstd, weight, grad, has_bias: bool):
@@ -84,12 +88,15 @@ class _Normalise(torch.autograd.Function):
     ranks, times weight (plus bias), in fp32 at least."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool, use_compile: bool):
+    def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool, use_compile: bool,
+                stats: list | None):
         k = _compiled() if use_compile else _EAGER
         mean = comm.all_reduce(k["sum"](k["centre"](h, None)), x) / hidden if centred else None
         f = k["centre"](h, mean)
         out, rstd = k["output"](f, comm.all_reduce(k["square_sum"](f), x), weight, bias, hidden, eps, h.dtype)
         ctx.save_for_backward(h, weight, mean, rstd)
+        if stats is not None:  # for `ParallelNorm.rebuilt`
+            stats.append((mean, rstd))
         ctx.x, ctx.hidden, ctx.has_bias, ctx.use_compile = x, hidden, bias is not None, use_compile
         return out
 
@@ -102,7 +109,7 @@ class _Normalise(torch.autograd.Function):
         n_projection = comm.all_reduce(n_projection, ctx.x)
         ones_projection = comm.all_reduce(ones_projection, ctx.x) if mean is not None else None
         dh = k["grad_input"](n, gn, rstd, n_projection, ones_projection, ctx.hidden, h.dtype)
-        return dh, grad_weight, grad_bias, None, None, None, None, None
+        return dh, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class ParallelNorm(ParallelModule):
@@ -129,9 +136,15 @@ class ParallelNorm(ParallelModule):
         if self.bias is not None:
             self.bias.zero_()
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, stats: list | None = None) -> torch.Tensor:
+        """The normalised h; `stats` (a list) gets its (mean, rstd), from which `rebuilt` makes it again."""
         return _Normalise.apply(h, self.weight, self.bias, self.grid.group("x"), self.eps, self.hidden,
-                                self.kind == "layer", self.compile)
+                                self.kind == "layer", self.compile, stats)
+
+    def rebuilt(self, h: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor) -> torch.Tensor:
+        """forward(h) again from its statistics, without their collectives (the eager operations:
+        the same values as the eager forward's)."""
+        return _scaled(_centre(h, mean), rstd, self.weight, self.bias, h.dtype)
 
     def load(self, read, put) -> None:
         local = self.weight.numel()
@@ -180,7 +193,8 @@ class _QKNorm(ParallelModule):
         self.weight.fill_(1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return _Normalise.apply(h, self.weight, None, self.group, self.eps, self.features, False, self.compile)
+        return _Normalise.apply(h, self.weight, None, self.group, self.eps, self.features, False, self.compile,
+                                None)
 
     def load(self, read, put) -> None:
         put(self.weight, read(f"{self.name}.weight", slice(self.offset, self.offset + self.local), None))
