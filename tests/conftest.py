@@ -19,9 +19,23 @@ class _NoTorch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] != "torch":
             return None
-        if self.collecting:
+        if self.collecting and not _importing_a_torch_free_module():
             raise pytest.skip.Exception(f"imports {name} (FOURFOLD_NO_TORCH)", allow_module_level=True)
-        raise ModuleNotFoundError(f"FOURFOLD_NO_TORCH is set: this torch_free test imported {name}")
+        raise ModuleNotFoundError(f"FOURFOLD_NO_TORCH is set: a torch_free test (or its module) imported {name}")
+
+
+def _importing_a_torch_free_module() -> bool:
+    """Whether a test module marked torch_free is among those being imported (its import of torch is
+    an error, not a reason to skip it)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_globals.get("__file__") or ""
+        if path.endswith(".py") and os.path.basename(path).startswith("test_"):
+            with open(path, encoding="utf-8") as f:
+                if "pytestmark = pytest.mark.torch_free" in f.read():
+                    return True
+        frame = frame.f_back
+    return False
 
 
 NO_TORCH = _NoTorch() if os.environ.get("FOURFOLD_NO_TORCH") else None

@@ -398,6 +398,15 @@ class AsyncSaver:
             error, self.error = self.error, None
             raise error
 
+    def wait_here(self) -> None:
+        """Let the save in flight end, on this rank alone and whatever it ends with: for a run that
+        is failing (maybe on this rank only), which must not wait in a collective for the others."""
+        if self.pending is not None:
+            pending, self.pending = self.pending[0], None
+            pending.exception()
+            self.published.wait()
+            self.error = None
+
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // 16) * 16  # every staged tensor starts at a multiple of any element size

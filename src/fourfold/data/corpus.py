@@ -462,8 +462,8 @@ def _submit_deaf_to_ctrl_c(pool: ProcessPoolExecutor, unit):
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        raise KeyboardInterrupt
+    if interrupted:  # to the handler that was there (Python's KeyboardInterrupt, a rank's stop, SIG_IGN)
+        signal.raise_signal(signal.SIGINT)
     return future
 
 

@@ -184,13 +184,14 @@ class Pipeline:
         args = (ids,) if self.has_first else ()
         kwargs = {} if documents is None else {"documents": documents}
         if self.has_last:
-            self.schedule.step(*args, target=targets, losses=losses, **kwargs)
+            # (the last stage's outputs are the loss's logits, its gradient written over them: not returned)
+            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
             if self.tied:
                 head = self.models[-1].lm_head
                 comm.send(head.copy_grad, 0, self.pp)
                 head.copy_grad.zero_()
             return torch.stack(losses).sum().detach()
-        self.schedule.step(*args, **kwargs)
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         return torch.zeros((), dtype=torch.float64, device=self.grid.device)
 
     @torch.no_grad()

@@ -84,7 +84,18 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL comm
 def peer_lost(err: BaseException) -> bool:
     """Whether `err` is a collective failing because another rank died: that rank's own message (or
     torchrun's line for it) says why; this one needs no traceback."""
-    return isinstance(err, RuntimeError) and any(s in str(err) for s in PEER_LOST)
+    while err is not None:  # (pipelining wraps a stage's error in a RuntimeError of its own)
+        if isinstance(err, RuntimeError) and any(s in str(err) for s in PEER_LOST):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return str(number)
 
 
 class _Quiet(logging.Filter):
@@ -95,7 +106,7 @@ class _Quiet(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("failed (exitcode: %s) local_rank: %s (pid: %s) of binary"):
             code, local_rank = record.args[:2]
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            how = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
             print(f"fourfold: local rank {local_rank} failed ({how})", file=sys.stderr, flush=True)
             return False
         return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal",

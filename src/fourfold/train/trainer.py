@@ -256,9 +256,15 @@ class Trainer:
             agreement.finish()
             if stopped == signal.SIGTERM and saved_at != done and cfg.checkpoint.every > 0:
                 self.save_or_go_on(done)
-        finally:
+        except BaseException:  # (maybe on this rank alone: nothing collective here)
+            if self.saver:
+                self.saver.wait_here()
+            checkpoint.wait_for_pruning()
+            raise
+        try:
             if self.saver:
                 self._last_save_written()
+        finally:
             checkpoint.wait_for_pruning()  # no old checkpoint left half deleted at exit
         if stopped:
             self.reporter.message(stop_message(cfg, stopped, done))

@@ -157,12 +157,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_exp[part] = shifted.exp_().sum(-1)
         target, sum_exp = comm.all_reduce(target, group), comm.all_reduce(sum_exp, group)
         ctx.save_for_backward(logits, top, sum_exp, local, inside, scored)
+        ctx.consume = logits.grad_fn is not None  # a leaf's values are its user's: not written over
         return ((sum_exp.log() - target) * scored).view(shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, top, sum_exp, local, inside, scored = ctx.saved_tensors
         flat, compute, grad_loss = logits.reshape(-1, logits.shape[-1]), top.dtype, grad_loss.reshape(-1)
+        flat = flat if ctx.consume else flat.clone()
         for part in _chunks(flat):
             grad = (flat[part].to(compute) - top[part].unsqueeze(-1)).exp_()
             grad.div_(sum_exp[part].unsqueeze(-1)).mul_(scored[part].unsqueeze(-1))
@@ -220,8 +222,8 @@ class LMHead(ParallelLinear):
         logits = super().forward(h.reshape(1, -1, h.shape[-1]))
         rows = self.matrix.block_shape[0]
         first_padded = max(0, self.vocab - self.grid.coords["y"] * rows)  # this y rank's first padded column
-        if first_padded < rows:  # in place: the logits are the largest tensor of the step
-            logits[..., first_padded:] = float("-inf")
+        if first_padded < rows:  # in place, outside autograd (no copy of the gradient: exp(-inf) gives it 0 there)
+            logits.detach()[..., first_padded:] = float("-inf")
         return logits
 
     def load(self, read, put) -> None:
