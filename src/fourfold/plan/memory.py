@@ -145,8 +145,10 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
             return gathered
         return gathered / (x if layer.out_dim == "x" else y)
     math_path = not flash_attention and c == 1  # ring attention (cp > 1) keeps no probabilities
+    # The flash kernel's output, [b, s, heads, d] in memory, is the out-projection's input as it is (a view:
+    # counted there); ring attention's merged output is a tensor of its own.
     attention = ({"attention probabilities": (s.micro_batch / z) * heads * (s.seq / c) ** 2} if math_path else
-                 {"attention output and stats": T * heads * d + T * heads / d})
+                 {"attention output and stats": (T * heads * d if c > 1 else 0.0) + T * heads / d})
     saved = {
         "norm inputs": 2 * Ts * h / x,  # (and a [tokens] fp32 statistic: the rest is recomputed in backward)
         "qkv input": saved_input(plan.qkv),

@@ -155,6 +155,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             # where, not a product: a padded column's logit is -inf
             target[part] = torch.where(inside[part], shifted.gather(-1, local[part].unsqueeze(-1)).squeeze(-1), 0)
             sum_exp[part] = shifted.exp_().sum(-1)
+            del shifted  # (else it is alive beside the next chunk's cast and difference)
         target, sum_exp = comm.all_reduce(target, group), comm.all_reduce(sum_exp, group)
         ctx.save_for_backward(logits, top, sum_exp, local, inside, scored)
         ctx.consume = logits.grad_fn is not None  # a leaf's values are its user's: not written over
@@ -170,6 +171,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad.div_(sum_exp[part].unsqueeze(-1)).mul_(scored[part].unsqueeze(-1))
             grad.scatter_add_(-1, local[part].unsqueeze(-1), -inside[part].unsqueeze(-1).to(compute))
             flat[part] = grad.mul_(grad_loss[part].unsqueeze(-1))  # (rounded to the logits' dtype)
+            del grad
         return flat.view(logits.shape), None, None
 
 
