@@ -193,9 +193,9 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     # Selective recompute redoes the attention core (RoPE and the kernel) in backward: it rebuilds q, k, v
     # and the attention's outputs, and keeps the core's input, qkv, as large as the rotated q, k, v: what it
     # saves there is the attention's outputs (with the math path, the probabilities; with flash, little).
-    # It also rebuilds the down projection's input from the gate/up output (block.rebuilt_in_backward) and,
-    # the norms' outputs where the next GEMM keeps its local input (they are that input; eager, the
-    # default: under train.compile the norms' outputs are kept, which this does not count).
+    # Eager (the default), it also rebuilds the down projection's input from the gate/up output
+    # (block.rebuilt_in_backward) and the norms' outputs where the next GEMM keeps its local input (they
+    # are that input); under train.compile they are kept, which this does not count.
     core = e * (saved["q, k, v"] + sum(attention.values()))
     selective_drops = e * (sum(attention.values()) + saved["down input"])
     for layer, term in ((plan.qkv, "qkv input"), (None if blk.moe else plan.up, "mlp input")):

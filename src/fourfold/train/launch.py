@@ -91,11 +91,14 @@ def peer_lost(err: BaseException) -> bool:
     return False
 
 
-def _signal_name(number: int) -> str:
+def _how_it_ended(exitcode: int) -> str:
+    """A rank's end as torchrun reports its exit code: "signal NAME" (negative) or "exit code N"."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
     try:
-        return signal.Signals(number).name
+        return f"signal {signal.Signals(-exitcode).name}"
     except ValueError:  # a real-time signal has no name
-        return str(number)
+        return f"signal {-exitcode}"
 
 
 class _Quiet(logging.Filter):
@@ -106,8 +109,7 @@ class _Quiet(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("failed (exitcode: %s) local_rank: %s (pid: %s) of binary"):
             code, local_rank = record.args[:2]
-            how = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
-            print(f"fourfold: local rank {local_rank} failed ({how})", file=sys.stderr, flush=True)
+            print(f"fourfold: local rank {local_rank} failed ({_how_it_ended(code)})", file=sys.stderr, flush=True)
             return False
         return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal",
                                                "failed (exitcode: %s)"))
@@ -155,8 +157,7 @@ def _torchrun() -> int:
 
 def failed_ranks(failures: dict) -> str:
     """One line for torchrun's failed ranks ({rank: ProcessFailure}): which ranks, and how each ended."""
-    how = [f"rank {rank} ({f'signal {f.signal_name()}' if f.exitcode < 0 else f'exit code {f.exitcode}'})"
-           for rank, f in sorted(failures.items())]
+    how = [f"rank {rank} ({_how_it_ended(f.exitcode)})" for rank, f in sorted(failures.items())]
     return f"{len(how)} rank{'s' * (len(how) > 1)} failed: {', '.join(how)}; each one's own message is above"
 
 

@@ -248,11 +248,7 @@ class ParallelMLP(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         u = self.up(h)
-        if self.cfg.gated:
-            gate, up = u.chunk(2, dim=-1)
-            a = self.swiglu(gate, up)
-        else:
-            a = self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
+        a = self._activation(u)
         if not self.rebuild_activation:
             return self.down(a)
         # selective recompute: the down projection's input, [tokens, ffn/y], is not kept but rebuilt in
@@ -262,8 +258,8 @@ class ParallelMLP(nn.Module):
 
     def _activation(self, u: torch.Tensor) -> torch.Tensor:
         if self.cfg.gated:
-            return swiglu(*u.chunk(2, dim=-1))
-        return gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
+            return self.swiglu(*u.chunk(2, dim=-1))
+        return self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
 
 
 class rebuilt_in_backward(torch.autograd.graph.saved_tensors_hooks):
@@ -302,14 +298,15 @@ class ParallelBlock(nn.Module):
                           non_redundant=opts.non_redundant)
         norm = dict(seq_parallel=opts.seq_parallel, dtype=opts.dtype, compile=opts.compile)
         self.attn_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.attn_norm", **norm)
-        # (compiled, a rebuilt output could round otherwise than the fused forward did)
-        self.rebuild_norms = selective_recompute and not opts.compile
+        # Selective recompute rebuilds the norms' outputs and the MLP activation in backward, eager only
+        # (compiled, a rebuilt tensor could round otherwise than the fused forward did).
+        self.rebuild_norms = rebuild = selective_recompute and not opts.compile
         self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
                                       overlap=overlap, recompute_core=selective_recompute)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
         def mlp(plan: BlockPlan) -> ParallelMLP:
             return ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap,
-                               rebuild_activation=selective_recompute)
+                               rebuild_activation=rebuild)
 
         self.mlp = (ParallelMoE(grid, plan, mlp, seed=seed, std=std, prefix=prefix, dtype=opts.dtype,
                                 seq_parallel=opts.seq_parallel, capacity_factor=opts.capacity_factor)
