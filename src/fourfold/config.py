@@ -40,7 +40,8 @@ class ModelSection:
 # [grid]: the sizes of the dims Layout declares, the placement order (innermost first, e.g.
 # "x,y,z,cp,dp,pp", the default) and `auto` (take the planner's best job for `hardware`).
 GridSection = dataclasses.make_dataclass(
-    "GridSection", [(d, int, 1) for d in DIMS] + [("ep", int, 1), ("order", str, ""), ("auto", bool, False)])
+    "GridSection", [(d, int, 1) for d in DIMS] + [("ep", int, 1), ("order", str, ""), ("auto", bool, False),
+                                                  ("elastic", bool, False), ("fallbacks", str, "")])
 
 
 @dataclass
@@ -145,6 +146,10 @@ class LogSection:
     progress: bool = True  # a progress bar when stderr is a terminal (else a JSON line every `every` steps)
     tensorboard: bool = True  # event files in RUN/tensorboard, when the tensorboard package is installed
     wandb_project: str = ""  # a Weights & Biases project to log to (needs the wandb package); empty = none
+    # A rank whose compute takes this fraction longer than the median of its pipeline stage's ranks
+    # is named a straggler at each read of the steps' numbers (log.jsonl's timing records); 0: 0.25
+    # on GPUs, 1.0 on CPU processes (which share cores: their compute varies by tens of percent)
+    straggler_margin: float = 0.0
 
 
 @dataclass
@@ -305,7 +310,12 @@ def key_help() -> dict[str, str]:
                     "grid.order": "placement order, innermost first (default x,y,z,cp,dp,pp): the innermost "
                                   "dim's groups are consecutive ranks", "grid.auto": "take the planner's best job "
                                   "for [hardware] (grid, micro-batch, recompute, sequence parallelism, kept "
-                                  "inputs, pipeline schedule and virtual stages)"})
+                                  "inputs, pipeline schedule and virtual stages)",
+                    "grid.elastic": "a start on another number of ranks than the grid's (torchrun's elastic "
+                                    "restart on the nodes left, or a relaunch) takes a grid for them: the first of "
+                                    "grid.fallbacks this run can use, else the planner's best; the global batch kept",
+                    "grid.fallbacks": "grids for grid.elastic, tried in order, separated by ';' (e.g. "
+                                      "\"dp=2,x=2;dp=4\"); empty: the planner's best row for the ranks present"})
     section, above = None, []
     for line in Path(__file__).read_text(encoding="utf-8").splitlines():
         if match := re.match(r"class (\w+)Section\b", line):
@@ -424,6 +434,9 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         found.append(f"checkpoint.on_failure {cfg.checkpoint.on_failure!r} is neither stop nor continue; use one")
     if cfg.checkpoint.every < 0:
         found.append(f"checkpoint.every must be >= 0 (0: no checkpoints), not {cfg.checkpoint.every}")
+    if not cfg.log.straggler_margin >= 0:
+        found.append(f"log.straggler_margin must be >= 0 (0.25: 25% over the median; 0: the device's default), not "
+                     f"{cfg.log.straggler_margin}")
     if found:
         raise ConfigError(describe(found, "this run cannot start:"))
 

@@ -174,6 +174,11 @@ def test_slurm_script_runs_unchanged_on_a_cluster(tmp_path, monkeypatch):
     assert main(["slurm", str(EXAMPLE), "--nodes", "2", "--grid.dp", "4", "--cpus-per-task", "96",
                  "--output", "job.sbatch"]) == 0
     assert "#SBATCH --cpus-per-task=96" in (submit / "job.sbatch").read_text()
+    # grid.elastic: torchrun's elastic form, from the fewest nodes a fallback (or the planner) runs on
+    for fallbacks, span in (("dp=4,x=4; dp=2,x=2,y=2", "1:2"), ("", "1:2"), ("dp=4,x=4", "2")):
+        assert main(["slurm", str(EXAMPLE), "--nodes", "2", "--grid.dp", "4", "--grid.elastic", "true",
+                     "--grid.fallbacks", fallbacks, "--output", "elastic.sbatch"]) == 0
+        assert f"--nnodes={span}" in (submit / "elastic.sbatch").read_text().split(), fallbacks
 
 
 # ----- stopping, resuming ----------------------------------------------------------------------------

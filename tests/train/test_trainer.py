@@ -74,8 +74,18 @@ def _as_float32(scalars):
 def _scalars_of_log(run_dir):
     """{tag: {step: value}} that the TensorBoard and W&B scalars must equal: each number of
     log.jsonl's last record of each step (a training field F as "train/F" at its step, a held-out
-    field eval_F as "eval/F" at eval_after_step - 1), None (no MFU on CPU) left out."""
+    field eval_F as "eval/F" at eval_after_step - 1, a timing record's F as "train/timing/F" at
+    timing_after_step - 1, the numbers of a dict field each a tag under it), None (no MFU on CPU),
+    texts and lists (the slowest ranks) left out."""
     out = {}
+
+    def put(tag, value, step):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                put(f"{tag}/{k}", v, step)
+        elif value is not None and not isinstance(value, (str, list)):
+            out.setdefault(tag, {})[step] = float(value)
+
     for line in (Path(run_dir) / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "event" in record:  # a start or resume: TensorBoard's text, no scalar
@@ -83,12 +93,14 @@ def _scalars_of_log(run_dir):
         if "eval_after_step" in record:
             step = record.pop("eval_after_step") - 1
             tags = {f"eval/{k.removeprefix('eval_')}": v for k, v in record.items()}
+        elif "timing_after_step" in record:
+            step = record.pop("timing_after_step") - 1
+            tags = {f"train/timing/{k}": v for k, v in record.items()}
         else:
             step = record.pop("step")
             tags = {f"train/{k}": v for k, v in record.items()}
         for tag, value in tags.items():
-            if value is not None and not isinstance(value, str):
-                out.setdefault(tag, {})[step] = float(value)
+            put(tag, value, step)
     return out
 
 
@@ -155,7 +167,8 @@ def test_tensorboard_and_wandb_get_every_number_of_the_log(reference):
     W&B value, at its step."""
     expected = _scalars_of_log(reference)
     assert {"train/loss", "train/lr", "train/grad_norm", "train/seconds", "train/tokens_per_s",
-            "train/tflops_per_gpu", "train/peak_memory_gib", "train/skipped", "eval/loss"} <= set(expected)
+            "train/tflops_per_gpu", "train/peak_memory_gib", "train/skipped", "eval/loss",
+            "train/timing/median/compute", "train/timing/median/dp", "train/timing/slowest_rank"} <= set(expected)
     assert "train/mfu" not in expected and expected["eval/loss"].keys() == {2, 5}
     assert _tensorboard(reference) == _as_float32(expected)
     calls = json.loads((reference / "wandb-calls.json").read_text())
@@ -241,6 +254,7 @@ def test_killed_rank_is_restarted_and_resumes(data, reference, tmp_path):
     assert got == expected
     assert f"start: resumed {tmp_path / 'checkpoints' / 'step-00000003'} at step 3" in done.stdout
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    records = [r for r in records if "timing_after_step" not in r]  # (the ranks' timing: test_timing.py)
     events = [r for r in records if "event" in r]
     assert [(e["event"], e["step"], e["from"]) for e in events] == [
         ("start", 0, None), ("resume", 3, str(tmp_path / "checkpoints" / "step-00000003"))]

@@ -65,6 +65,10 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
                       f"[hardware] preset's, and its memory and speed figures are theirs)")
             argv = _resolved(argv, cfg)
 
+        if cfg.grid.elastic:  # checked on the grid the ranks will take (they choose it again, alike, and say it)
+            from fourfold.train.elastic import regrid
+
+            cfg, _ = regrid(cfg, world, world, gpu=choose_device(cfg.train.device, world) == "cuda")
         validate(cfg, world, gpu=choose_device(cfg.train.device, world) == "cuda")  # too few GPUs: refused here
         argv = argv + _before_launch(cfg)
         return relaunch_with_torchrun(world, launcher_options_removed(argv), max_restarts=args.max_restarts)
@@ -217,6 +221,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from fourfold.config import load_train_config, validate
+    from fourfold.train.elastic import min_nodes
     from fourfold.train.slurm import sbatch_script
 
     cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
@@ -238,7 +243,8 @@ def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     text = sbatch_script(config, _with_run_dir(overrides, run_dir), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          cpus_per_task=args.cpus_per_task or 8 * args.gpus_per_node, run_dir=str(run_dir),
                          workdir=str(Path.cwd()), job_name=args.job_name, time=args.time, partition=args.partition,
-                         account=args.account, max_restarts=args.max_restarts)
+                         account=args.account, max_restarts=args.max_restarts,
+                         min_nodes=min_nodes(cfg, args.nodes, args.gpus_per_node))
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output} (the job's output goes to {run_dir}); submit it with: sbatch "

@@ -3,6 +3,8 @@
 Every op takes a `Group` (from `Grid.group`), runs blocking or, with `async_op=True`, returns a
 `Pending` whose `wait()` gives the result. Ops on a group of one rank are free: nothing is sent
 and nothing is recorded. The figure recorded is `fourfold.spec.volumes.bytes_sent`, the ring volume.
+The time a rank waits for an op (its blocking call, or `wait()`) goes to the group's `Clock`
+(`parallel.clock`), under the group's kind of wait.
 
 gloo carries out `reduce_scatter_tensor` as a full all-reduce (docs/cpu.md); on gloo,
 `reduce_scatter` is an all-to-all followed by a local sum over the sources in rank order, which
@@ -11,6 +13,7 @@ computes the same result about 2x faster and sends exactly the ring reduce-scatt
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter, defaultdict
@@ -21,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from fourfold.parallel.clock import Clock, kind_of
 from fourfold.spec.volumes import bytes_sent
 
 
@@ -71,6 +75,7 @@ class Group:
     ranks: tuple[int, ...]  # global ranks, in group-rank order
     rank: int  # this rank's index in `ranks`
     ledger: Ledger = field(repr=False, compare=False)
+    clock: Clock | None = field(default=None, repr=False, compare=False)  # None: waits not timed
 
     @property
     def size(self) -> int:
@@ -83,17 +88,25 @@ class Group:
     def _record(self, op: str, message: torch.Tensor) -> None:
         self.ledger.record(self.name, op, bytes_sent(op, self.size, message.numel() * message.element_size()))
 
+    def waiting(self):
+        """A context in which this rank waits for one of the group's ops (timed by its clock)."""
+        return self.clock.span(kind_of(self.name)) if self.clock is not None else contextlib.nullcontext()
+
 
 class Pending:
     """An async collective in flight: `wait()` finishes it and returns its result."""
 
-    def __init__(self, works: Sequence[dist.Work], finish: Callable[[], torch.Tensor | None]):
+    def __init__(self, works: Sequence[dist.Work], finish: Callable[[], torch.Tensor | None],
+                 group: Group | None = None):
         self._works = works
         self._finish = finish
+        self._group = group
 
     def wait(self) -> torch.Tensor | None:
-        for work in self._works:
-            work.wait()
+        if self._works:
+            with self._group.waiting():
+                for work in self._works:
+                    work.wait()
         return self._finish()
 
     @staticmethod
@@ -101,8 +114,8 @@ class Pending:
         return Pending((), lambda: result)
 
 
-def _run(works, finish, async_op: bool):
-    pending = Pending([w for w in works if w is not None], finish)
+def _run(works, finish, async_op: bool, group: Group):
+    pending = Pending([w for w in works if w is not None], finish, group)
     return pending if async_op else pending.wait()
 
 
@@ -121,8 +134,8 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool 
     out = tensor.new_empty((group.size, *tensor.shape))
     group._record("all_gather", out)
     # gloo wants flat buffers for the single-tensor form.
-    work = _all_gather_single(out.view(-1), tensor.view(-1), group=group.process_group, async_op=async_op)
-    return _run([work], lambda: out.movedim(0, dim).flatten(dim, dim + 1), async_op)
+    work = _all_gather_single(out.view(-1), tensor.view(-1), group=group.process_group, async_op=True)
+    return _run([work], lambda: out.movedim(0, dim).flatten(dim, dim + 1), async_op, group)
 
 
 def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False,
@@ -141,11 +154,11 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: b
     group._record("reduce_scatter", chunks)
     if group.is_gloo:
         received = torch.empty_like(chunks)
-        work = dist.all_to_all_single(received, chunks, group=group.process_group, async_op=async_op)
-        return _run([work], lambda: torch.sum(received, 0, out=out), async_op)
+        work = dist.all_to_all_single(received, chunks, group=group.process_group, async_op=True)
+        return _run([work], lambda: torch.sum(received, 0, out=out), async_op, group)
     out = chunks.new_empty(chunks.shape[1:]) if out is None else out
-    work = _reduce_scatter_single(out, chunks, group=group.process_group, async_op=async_op)
-    return _run([work], lambda: out, async_op)
+    work = _reduce_scatter_single(out, chunks, group=group.process_group, async_op=True)
+    return _run([work], lambda: out, async_op, group)
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -153,8 +166,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_o
     if group.size == 1:
         return Pending.done(tensor) if async_op else tensor
     group._record("all_reduce", tensor)
-    work = dist.all_reduce(tensor, op=op, group=group.process_group, async_op=async_op)
-    return _run([work], lambda: tensor, async_op)
+    work = dist.all_reduce(tensor, op=op, group=group.process_group, async_op=True)
+    return _run([work], lambda: tensor, async_op, group)
 
 
 def all_to_all(tensor: torch.Tensor, group: Group, async_op: bool = False):
@@ -167,8 +180,8 @@ def all_to_all(tensor: torch.Tensor, group: Group, async_op: bool = False):
     tensor = tensor.contiguous()
     out = torch.empty_like(tensor)
     group._record("all_to_all", tensor)
-    work = dist.all_to_all_single(out, tensor, group=group.process_group, async_op=async_op)
-    return _run([work], lambda: out, async_op)
+    work = dist.all_to_all_single(out, tensor, group=group.process_group, async_op=True)
+    return _run([work], lambda: out, async_op, group)
 
 
 def all_to_all_rows(tensor: torch.Tensor, group: Group, send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
@@ -181,20 +194,23 @@ def all_to_all_rows(tensor: torch.Tensor, group: Group, send: Sequence[int], rec
     out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
     row = math.prod(tensor.shape[1:]) * tensor.element_size()  # (an empty tensor has rows of a size too)
     group.ledger.record(group.name, "all_to_all_v", Fraction((sum(send) - send[group.rank]) * row))
-    dist.all_to_all_single(out, tensor, output_split_sizes=list(recv), input_split_sizes=list(send),
-                           group=group.process_group)
+    with group.waiting():
+        dist.all_to_all_single(out, tensor, output_split_sizes=list(recv), input_split_sizes=list(send),
+                               group=group.process_group)
     return out
 
 
 def send(tensor: torch.Tensor, peer: int, group: Group) -> None:
     """Blocking send to group rank `peer`."""
     group._record("send", tensor)
-    dist.send(tensor.contiguous(), dst=group.ranks[peer], group=group.process_group)
+    with group.waiting():
+        dist.send(tensor.contiguous(), dst=group.ranks[peer], group=group.process_group)
 
 
 def recv(tensor: torch.Tensor, peer: int, group: Group) -> torch.Tensor:
     """Blocking receive from group rank `peer` into `tensor`."""
-    dist.recv(tensor, src=group.ranks[peer], group=group.process_group)
+    with group.waiting():
+        dist.recv(tensor, src=group.ranks[peer], group=group.process_group)
     return tensor
 
 
@@ -221,7 +237,7 @@ def batch_p2p(transfers: Sequence[P2P], group: Group, async_op: bool = False):
         ops.append(dist.P2POp(func, t.tensor, group.ranks[t.peer], group.process_group))
     works = dist.batch_isend_irecv(ops) if ops else []
     received = [t.tensor for t in transfers if t.kind == "recv"]
-    return _run(works, lambda: received, async_op)
+    return _run(works, lambda: received, async_op, group)
 
 
 def host_group() -> dist.ProcessGroup:

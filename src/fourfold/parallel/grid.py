@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
+from fourfold.parallel.clock import Clock
 from fourfold.parallel.comm import Group, Ledger
 from fourfold.spec.hardware import DEVICES
 from fourfold.spec.layout import DIMS, GridError, Layout, _as_dims
@@ -104,6 +105,7 @@ class Grid:
         self.ledger = Ledger()
         nccl = dist.get_backend() == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.clock = Clock(self.device)  # this rank's waits in its groups' collectives, by kind
         ranks = torch.arange(world).reshape([getattr(layout, d) for d in layout.mesh_order])
         self.mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=layout.mesh_order)
         self.rank = dist.get_rank()
@@ -158,7 +160,7 @@ class Grid:
         others = tuple(d for d in dims if self.layout.size(d) > 1) or dims[:1]
         if others != dims:
             same = self.group(others)
-            return Group(name, same.process_group, same.ranks, same.rank, self.ledger)
+            return Group(name, same.process_group, same.ranks, same.rank, self.ledger, self.clock)
         if len(dims) == 1:
             process_group = self.mesh.get_group(dims[0])
         elif self.layout.size(dims) == self.layout.world_size:
@@ -177,7 +179,7 @@ class Grid:
         expected = tuple(self.layout.group_ranks(dims, self.rank))
         if ranks != expected:  # the one place the two layouts meet: fail loudly if they ever differ
             raise RuntimeError(f"group {name}: DeviceMesh ranks {ranks} differ from the layout's {expected}")
-        return Group(name, process_group, ranks, ranks.index(self.rank), self.ledger)
+        return Group(name, process_group, ranks, ranks.index(self.rank), self.ledger, self.clock)
 
     def expert_group(self, kind: str) -> Group:
         """Expert parallelism's groups within this rank's dp*cp group (see `Layout`): "ep", the ep
@@ -195,8 +197,8 @@ class Grid:
         expected = {"ep": data.ranks[at : at + ep], "edp": data.ranks[data.rank % ep :: ep]}
         if ep == 1 or ep == data.size:  # one of the two is the dp*cp group, the other this rank alone
             whole, alone = ("edp", "ep") if ep == 1 else ("ep", "edp")
-            return {whole: Group(whole, data.process_group, data.ranks, data.rank, self.ledger),
-                    alone: Group(alone, None, (self.rank,), 0, self.ledger)}
+            return {whole: Group(whole, data.process_group, data.ranks, data.rank, self.ledger, self.clock),
+                    alone: Group(alone, None, (self.rank,), 0, self.ledger, self.clock)}
         # The dp*cp mesh dim the data group came from (a dim of its own when the other has size 1;
         # else the flattened one, under the group's name, which DeviceMesh reuses: no new communicator)
         big = tuple(d for d in self.layout.mesh_order if d in ("dp", "cp") and self.layout.size(d) > 1)
@@ -209,7 +211,7 @@ class Grid:
             ranks = tuple(dist.get_process_group_ranks(process_group))
             if ranks != expected[kind]:
                 raise RuntimeError(f"group {kind}: DeviceMesh ranks {ranks} differ from the layout's {expected[kind]}")
-            out[kind] = Group(kind, process_group, ranks, ranks.index(self.rank), self.ledger)
+            out[kind] = Group(kind, process_group, ranks, ranks.index(self.rank), self.ledger, self.clock)
         return out
 
     def __repr__(self) -> str:

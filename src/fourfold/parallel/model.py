@@ -22,6 +22,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions
 from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions, document_ids
+from fourfold.parallel.tensor.moe import ParallelMoE
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
 
@@ -71,7 +72,7 @@ class Model:
                              keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile,
                              capacity_factor=capacity_factor)
         common = dict(seed=seed, std=std, recompute=job.recompute)
-        self.grid, self.microbatches = grid, job.microbatches
+        self.grid, self.microbatches, self.module_cfg = grid, job.microbatches, model_cfg
         self.pipeline = None
         if job.pp > 1:
             self.pipeline = Pipeline(grid, model_cfg, opts, schedule=job.schedule, microbatches=self.microbatches,
@@ -97,6 +98,19 @@ class Model:
             loss.backward()
             total += loss.detach()
         return total
+
+    def expert_load(self) -> torch.Tensor | None:
+        """[layers, experts + 2]: each mixture layer's routing on this rank since the last call
+        (`ParallelMoE.take_load`; zeros for the layers of other pipeline stages); None without experts."""
+        cfg = self.module_cfg
+        if not cfg.experts:
+            return None
+        load = torch.zeros(cfg.layers, cfg.experts + 2, dtype=torch.float64, device=self.grid.device)
+        for part in self.parts:
+            for index, layer in part.layers.items():
+                if isinstance(layer.mlp, ParallelMoE):
+                    load[int(index)] = layer.mlp.take_load()
+        return load
 
     @torch.no_grad()
     def losses(self, batch: LocalBatch) -> torch.Tensor | None:

@@ -90,11 +90,25 @@ class _RoutingStage(nn.Module):
 
 
 class _LedgerStage(PipelineStage):
-    """A PipelineStage whose activation and gradient sends are recorded in fourfold's ledger."""
+    """A PipelineStage whose activation and gradient sends are recorded in fourfold's ledger, and
+    whose work on each micro-batch is timed as the stage's (`clock.Clock`: the schedule's other
+    time is spent waiting for the other stages)."""
 
     def __init__(self, *args, pp: Group, **kwargs):
         super().__init__(*args, **kwargs)
         self.pp = pp
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        with self.pp.clock.span("stage"):
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        with self.pp.clock.span("stage"):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        with self.pp.clock.span("stage"):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         return self._recorded(super().get_fwd_send_ops(fwd_chunk_id))
@@ -160,6 +174,10 @@ class Pipeline:
         self._scale = 1.0
 
     def _loss(self, output, targets: torch.Tensor) -> torch.Tensor:
+        with self.grid.clock.span("stage"):  # (the schedule computes it between the stage's calls)
+            return self._stage_loss(output, targets)
+
+    def _stage_loss(self, output, targets: torch.Tensor) -> torch.Tensor:
         logits, sums = output if self.routing else (output, None)
         loss = vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
         if sums is None:
@@ -185,13 +203,15 @@ class Pipeline:
         kwargs = {} if documents is None else {"documents": documents}
         if self.has_last:
             # (the last stage's outputs are the loss's logits, its gradient written over them: not returned)
-            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
+            with self.grid.clock.span("schedule"):
+                self.schedule.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
             if self.tied:
                 head = self.models[-1].lm_head
                 comm.send(head.copy_grad, 0, self.pp)
                 head.copy_grad.zero_()
             return torch.stack(losses).sum().detach()
-        self.schedule.step(*args, return_outputs=False, **kwargs)
+        with self.grid.clock.span("schedule"):
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         return torch.zeros((), dtype=torch.float64, device=self.grid.device)
 
     @torch.no_grad()

@@ -4,8 +4,11 @@ one scalar to TensorBoard (RUN/tensorboard) and to Weights & Biases, when they a
 
 A training record's field F is the scalar "train/F" at its "step"; a held-out record's field
 eval_F is "eval/F" at the index of the last step it follows (eval_after_step - 1), as loss.png
-plots it. A skipped step's `skipped` is 1, and a None (no MFU on CPU, a skipped step's non-finite
-loss: log.jsonl is strict JSON) or a text (`skipped_because`) is no scalar.
+plots it; a timing record's field F (the ranks' split of the steps before `timing_after_step`,
+`train.timing`) "train/timing/F" there too. A field holding a dict is a scalar per number in it
+(a mixture's "experts/layer0/max"). A skipped step's `skipped` is 1, and a None (no MFU on CPU, a
+skipped step's non-finite loss: log.jsonl is strict JSON), a text (`skipped_because`) or a list
+(the slowest ranks) is no scalar.
 
 Each start of the trainer, the first or a resume, writes an event record first ({"event": "start"
 or "resume", "step": N, "from": the checkpoint, "grid", ...}; in TensorBoard a text at step N under
@@ -25,14 +28,28 @@ from pathlib import Path
 
 
 def scalars(record: dict) -> tuple[int, dict[str, float]]:
-    """(step, {tag: value}) of a log.jsonl record."""
+    """(step, {tag: value}) of a log.jsonl record; a field holding a dict is a tag per number in it
+    ("train/experts/layer0/max"), a list (the slowest ranks) none."""
     if "eval_after_step" in record:
         step, prefix = record["eval_after_step"] - 1, "eval/"
         values = {k.removeprefix("eval_"): v for k, v in record.items() if k != "eval_after_step"}
+    elif "timing_after_step" in record:  # the ranks' split of the steps before it: at the last of them
+        step, prefix = record["timing_after_step"] - 1, "train/timing/"
+        values = {k: v for k, v in record.items() if k != "timing_after_step"}
     else:
         step, prefix = record["step"], "train/"
         values = {k: v for k, v in record.items() if k != "step"}
-    return step, {prefix + k: float(v) for k, v in values.items() if v is not None and not isinstance(v, str)}
+    return step, _numbers(values, prefix)
+
+
+def _numbers(values: dict, prefix: str) -> dict[str, float]:
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, dict):
+            out.update(_numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)):  # (bool too: a skipped step's 1)
+            out[prefix + k] = float(v)
+    return out
 
 
 class Metrics:

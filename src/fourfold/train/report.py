@@ -22,6 +22,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.spec.layout import DIMS
 from fourfold.train import metrics
+from fourfold.train.timing import straggler_lines, worst_ranks
 
 
 def peak_memory_gib(grid: Grid) -> float:
@@ -78,8 +79,14 @@ class Reporter:
                                      f"{record['tflops_per_gpu']:.3f} TFLOP/s/rank | MFU {mfu} | "
                                      f"mem {record['peak_memory_gib']:.2f} GiB")
             self.bar.update(1)
-        elif record["step"] % self.log.every == 0:
-            print(json.dumps(record), flush=True)
+        elif record["step"] % self.log.every == 0:  # (each expert layer's figures: in log.jsonl only)
+            print(json.dumps({k: v for k, v in record.items() if k != "experts"}), flush=True)
+
+    def timing(self, record: dict) -> None:
+        """Rank 0: the ranks' split of the steps (`timing.timing_record`), and a line per straggler."""
+        self.metrics.write(record)
+        for line in straggler_lines(record):
+            self.message(line)
 
     def evaluation(self, step: int, result: dict) -> None:
         """The held-out loss after `step` steps: a record and a line under the bar."""
@@ -107,15 +114,19 @@ def _finite(x: float | None) -> float | None:
 def run_summary(run_dir: Path, tokens_per_step: int) -> dict:
     """summary.json's numbers over the whole run, every segment of it (`metrics.trajectory`): the
     first and last loss, the steps and tokens it trained, the seconds its steps took, the last
-    held-out loss, and where each segment started from."""
+    held-out loss, where each segment started from, and the slowest ranks (`timing.worst_ranks`)."""
     steps, held_out, events = metrics.trajectory(run_dir)
     records = list(steps.values())
+    everything = metrics.records(run_dir)
+    starts = [i for i, r in enumerate(everything) if r.get("event") == "start"]  # (this run's, not an earlier one's)
+    timings = [r for r in everything[starts[-1] if starts else 0:] if "timing_after_step" in r]
     return dict(first_loss=_finite(records[0]["loss"]) if records else None,
                 last_loss=_finite(records[-1]["loss"]) if records else None,
                 eval_loss=list(held_out.values())[-1]["eval_loss"] if held_out else None,
                 steps=len(records), tokens=len(records) * tokens_per_step,
                 seconds=sum(r["seconds"] for r in records),
-                segments=[{k: e.get(k) for k in ("event", "step", "from", "grid")} for e in events])
+                segments=[{k: e.get(k) for k in ("event", "step", "from", "grid")} for e in events],
+                slowest_ranks=worst_ranks(timings))
 
 
 def loss_curve(run_dir: Path) -> Path:

@@ -23,12 +23,13 @@ STOP_WARNING_S = 300  # SLURM sends SIGTERM this long before the time limit: the
 
 def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_node: int, cpus_per_task: int,
                   run_dir: str, workdir: str, job_name: str = "fourfold", time: str = "24:00:00", partition: str = "",
-                  account: str = "", max_restarts: int = 3) -> str:
+                  account: str = "", max_restarts: int = 3, min_nodes: int = 0) -> str:
     """The script's text: one task per node runs torchrun for its GPUs (c10d rendezvous on the first
     node, a port derived from the job id) on `config` (empty: the defaults) with `overrides`.
     `run_dir` (the job's output and error files) and `workdir` (where the job runs, so relative
-    paths in the config mean what they meant when it was checked) are absolute. Every user value
-    is shell-quoted, and refused if it holds a control character."""
+    paths in the config mean what they meant when it was checked) are absolute. `min_nodes` below
+    `nodes` (grid.elastic): torchrun's elastic form, `--nnodes MIN:MAX`, so that a restart goes on
+    with the nodes left. Every user value is shell-quoted, and refused if it holds a control character."""
     values = {"--job-name": job_name, "--time": time, "--partition": partition, "--account": account, "config": config,
               "run directory": run_dir, "working directory": workdir}
     values.update({f"override {i}": v for i, v in enumerate(overrides)})
@@ -52,7 +53,8 @@ def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_nod
     lines += [f"#SBATCH --partition={q(partition)}"] if partition else []
     lines += [f"#SBATCH --account={q(account)}"] if account else []
     # torchrun through fourfold.train.launch: on a signal it leaves the ranks to stop (and save), quietly
-    launcher = [sys.executable, "-m", "fourfold.train.launch", f"--nnodes={int(nodes)}",
+    span = f"{int(min_nodes)}:{int(nodes)}" if 0 < min_nodes < nodes else f"{int(nodes)}"
+    launcher = [sys.executable, "-m", "fourfold.train.launch", f"--nnodes={span}",
                 f"--nproc-per-node={gpus}", f"--max-restarts={int(max_restarts)}", "--rdzv-backend=c10d"]
     rendezvous = '"--rdzv-id=$SLURM_JOB_ID" "--rdzv-endpoint=$HEAD:$PORT"'  # expanded by the shell, on purpose
     user = ["-m", "fourfold.cli.main", "train", *([config] if config else []), *overrides]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ from fourfold.parallel.optimizer import AdamW
 from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.parallel.tensor.params import Replicas
 from fourfold.spec.counts import flops_per_token
-from fourfold.train import faults
+from fourfold.train import elastic, expert_load, faults, timing
 from fourfold.train.evaluate import evaluate
 from fourfold.train.launch import StopRequest
 from fourfold.train.report import Reporter, header, loss_curve, peak_memory_gib, run_summary, start_event
@@ -73,7 +74,10 @@ class Trainer:
     held-out tail, `save` writes a checkpoint, and `run` is the loop that calls them."""
 
     def __init__(self, cfg: TrainConfig):
-        validate(cfg, dist.get_world_size(), gpu=dist.get_backend() == "nccl")
+        world, gpu = dist.get_world_size(), dist.get_backend() == "nccl"
+        # grid.elastic: on other ranks than the grid's, another grid (every rank chooses alike)
+        cfg, regridded = elastic.regrid(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu)
+        validate(cfg, world, gpu=gpu)
         self.cfg = cfg
         self.grid = grid = Grid(cfg.layout())
         # tokenize (and pack) once; the others find it cached
@@ -110,6 +114,8 @@ class Trainer:
             event = start_event(cfg, self.source, self.skipped, self.start, saved_config)
             self.reporter.start(event, header(cfg, model_cfg, self.loader, tokens_path, event, grid.device,
                                               self.position))
+        if regridded:
+            self.reporter.message(regridded)
         changed = schedule_changes(saved_config, cfg.to_dict())
         if changed:
             self.reporter.message(f"the learning-rate schedule differs from the checkpoint's ({', '.join(changed)}): "
@@ -129,6 +135,8 @@ class Trainer:
         self.scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
         self.bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
         self.window: list[dict] = []  # the steps not read yet, their numbers on the device
+        self.places = timing.places(grid)  # (rank 0: each rank's host, local rank and coordinates)
+        self.stages = [grid.layout.coords(r)["pp"] for r in range(grid.layout.world_size)]
 
     def _load(self) -> tuple[int, int, dict]:
         """(the first step, the first sequence of its batch in the data order, the saved config):
@@ -152,6 +160,7 @@ class Trainer:
         non-finite loss or norm), and the step's record, kept on the device until `read_window`."""
         cfg, grid = self.cfg, self.grid
         began = time.perf_counter()
+        grid.clock.step_began()
         self.opt.lr = learning_rate(cfg.optimizer, cfg.train.steps, step)
         ids = self.loader.batch_at(self.position, grid.coords["dp"], grid.size("dp"))
         self.position += cfg.batch.global_batch
@@ -161,8 +170,10 @@ class Trainer:
         # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
         updated = self.opt.step(loss_finite=torch.isfinite(loss))
         self.bad = torch.where(updated, 0, self.bad + 1)
+        grid.clock.step_ended()
         self.window.append(dict(step=step, began=began, lr=self.opt.lr, loss=loss, norm=self.opt.norm,
-                                updated=updated, bad=self.bad, peak_memory_gib=peak_memory_gib(grid)))
+                                updated=updated, bad=self.bad, peak_memory_gib=peak_memory_gib(grid),
+                                experts=self.model.expert_load()))
 
     def read_window(self) -> None:
         """Records of the window's steps, read in one host sync. Each step's seconds are the
@@ -170,15 +181,24 @@ class Trainer:
         non-finite count is checked here too, before any checkpoint could save after it."""
         if not self.window:
             return
+        self._read_timing()
         numbers = torch.stack([torch.stack([w["loss"], w["norm"], w["updated"].double(), w["bad"].double()])
-                               for w in self.window]).tolist()
+                               for w in self.window])
+        loads = self._expert_loads()
+        if loads is not None:  # (read in the same transfer)
+            numbers = torch.cat([numbers, loads.flatten(1)], dim=1)
+        numbers = numbers.tolist()
         seconds = (time.perf_counter() - self.window[0]["began"]) / len(self.window)
-        for w, (loss, norm, updated, in_a_row) in zip(self.window, numbers):
+        for w, (loss, norm, updated, in_a_row, *load) in zip(self.window, numbers):
             step, finite = w["step"], math.isfinite(loss) and math.isfinite(norm)
             # (JSON has no NaN: a non-finite loss or norm is recorded as null, with why the step was skipped)
             record = dict(step=step, loss=loss if math.isfinite(loss) else None, lr=w["lr"],
                           grad_norm=norm if finite else None, seconds=seconds, skipped=not updated,
                           peak_memory_gib=w["peak_memory_gib"])
+            if loads is not None:
+                experts = self.model_cfg.experts + 2
+                record["experts"] = expert_load.step_figures(
+                    [load[i: i + experts] for i in range(0, len(load), experts)], self.model_cfg.top_k)
             if not updated:
                 why = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
                 record["skipped_because"] = why
@@ -189,6 +209,23 @@ class Trainer:
                     raise TrainingError(f"{int(in_a_row)} non-finite steps in a row (last at step {step}: {why}); "
                                         f"lower optimizer.lr, check the data, or resume from an earlier checkpoint")
         self.window.clear()
+
+    def _expert_loads(self) -> torch.Tensor | None:
+        """[steps, layers, experts + 2]: the window's routing counts of every rank summed over the
+        grid (an x, y group's ranks route the same tokens: counted once); None without experts."""
+        if self.window[0]["experts"] is None:
+            return None
+        grid = self.grid
+        summed = comm.all_reduce(torch.stack([w["experts"] for w in self.window]), grid.world_group())
+        return summed / (grid.size("x") * grid.size("y"))
+
+    def _read_timing(self) -> None:
+        """Every rank's split of the window's steps, gathered; rank 0 records it and names the stragglers."""
+        splits = timing.gather(self.grid.clock.read(), self.grid)
+        if self.reporter.rank0:
+            margin = self.cfg.log.straggler_margin or timing.DEFAULT_MARGIN[self.grid.device.type]
+            self.reporter.timing(timing.timing_record(self.window[-1]["step"] + 1, len(self.window), splits,
+                                                      self.places, self.stages, margin))
 
     def evaluate(self, done: int) -> None:
         """The held-out loss after `done` steps, through the pipeline stages when there are."""

@@ -134,6 +134,8 @@ class ParallelMoE(nn.Module):
         self.stats: RouterStats | None = None  # the last forward's
         self.routed: list[int] = []  # tokens each of this rank's experts got in the last forward (for the volumes)
         self.exchanged = (0, 0)  # with expert parallelism: rows sent to, and received from, the other ranks
+        # the training forwards' routing since `take_load` (`_count`): on the device, read with the step's records
+        self.load: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.grid.group("y")
@@ -152,6 +154,8 @@ class ParallelMoE(nn.Module):
         if self.capacity_factor and not fake:  # (a balanced routing is within any capacity factor >= 1)
             kept = within_capacity(chosen, weights.detach(), self.cfg.experts, self.capacity_factor)
             chosen = torch.where(kept, chosen, self.cfg.experts)  # a dropped choice: no expert's
+        if not fake and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._count(chosen, probs)  # (a training forward: not evaluation, nor a recompute in backward)
         if self.dispatch.size > 1:
             out = self._exchanged(flat, chosen, weights)
         else:
@@ -213,6 +217,24 @@ class ParallelMoE(nn.Module):
         for j in range(1, k):
             out = out + slots[:, j]
         return out
+
+    def _count(self, chosen: torch.Tensor, probs: torch.Tensor) -> None:
+        """Add a forward's routing to `load`, [experts + 2] float64 (exact counts): the choices each
+        expert takes, those dropped over capacity, and the router's entropy summed over the tokens.
+        An index_add, not a bincount: CUDA's bincount reads the largest index on the host."""
+        flat = chosen.reshape(-1)
+        counts = torch.zeros(self.cfg.experts + 1, dtype=torch.float64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        entropy = torch.special.entr(probs.detach()).sum().to(torch.float64)
+        mine = torch.cat([counts, entropy[None]])
+        self.load = mine if self.load is None else self.load + mine
+
+    def take_load(self) -> torch.Tensor:
+        """`load` since the last take (zeros if no training forward ran), and forget it."""
+        load = self.load if self.load is not None else torch.zeros(
+            self.cfg.experts + 2, dtype=torch.float64, device=self.router.weight.device)
+        self.load = None
+        return load
 
     def _stats(self, logits: torch.Tensor) -> RouterStats:
         """As `load_balancing_loss_func`: the softmax of the logits in their dtype, its top-k again,

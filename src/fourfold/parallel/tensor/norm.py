@@ -241,7 +241,8 @@ class AllHeadsNorm(_QKNorm):
         chunk = c["y"] * grid.size("x") + c["x"] if own_heads else c["y"]
         group = grid.group(("x", "y")) if own_heads else grid.group("y")
         # named as the block plan's `head_group` whatever the placement order (the volumes' name)
-        group = Group("x_y" if own_heads else "y", group.process_group, group.ranks, group.rank, grid.ledger)
+        group = Group("x_y" if own_heads else "y", group.process_group, group.ranks, group.rank, grid.ledger,
+                      grid.clock)
         super().__init__(grid, name, eps, compile, dtype, features=features, group=group, offset=chunk * local,
                          local=local, grad_sum=("z",), replicated=("z",) if own_heads else ("x", "z"))
         self.own_heads = own_heads

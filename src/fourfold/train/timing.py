@@ -1,0 +1,94 @@
+"""Every rank's split of its steps (`parallel.clock`: compute and the waits of each kind) brought to
+rank 0 in one small gather at each read of the steps' numbers, and the stragglers named.
+
+A straggler is a rank whose compute takes longer than the median of the ranks of its pipeline
+stage by more than `log.straggler_margin` (the stages' work differs: the last one has the head).
+One slow GPU or NIC makes every other rank of a synchronous job wait in its collectives, so its
+compute is what stands out, not its step time (the same on every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from fourfold.parallel import comm
+from fourfold.parallel.clock import KINDS
+from fourfold.parallel.grid import Grid
+from fourfold.spec.layout import DIMS
+
+FIELDS = ("step", "compute", *KINDS)  # one rank's figures, in the gathered vector's order
+SLOWEST = 3  # ranks a timing record lists
+# log.straggler_margin's default by device: CPU processes share cores, and the scheduler moves
+# their compute by tens of percent (8 ranks on 2 cores: 26-72% over the median with no straggler)
+DEFAULT_MARGIN = {"cuda": 0.25, "cpu": 1.0}
+
+
+def places(grid: Grid) -> list[dict] | None:
+    """On rank 0, each rank's host, local rank and coordinates on the grid (once, at the start);
+    None elsewhere."""
+    mine = dict(host=socket.gethostname(), local_rank=int(os.environ.get("LOCAL_RANK", grid.rank)),
+                grid=",".join(f"{d}={grid.coords[d]}" for d in DIMS if grid.size(d) > 1))
+    out = [None] * dist.get_world_size() if grid.rank == 0 else None
+    dist.gather_object(mine, out, dst=0)
+    return out
+
+
+def gather(split: dict[str, float], grid: Grid) -> list[dict[str, float]]:
+    """Every rank's `split` (`Clock.read`), in rank order: one all-gather of a few numbers a rank."""
+    mine = torch.tensor([split[f] for f in FIELDS], dtype=torch.float64, device=grid.device)
+    every = comm.all_gather(mine[None], grid.world_group()).tolist()
+    return [dict(zip(FIELDS, row)) for row in every]
+
+
+def timing_record(after: int, steps: int, splits: list[dict[str, float]], where: list[dict], stages: list[int],
+                  margin: float) -> dict:
+    """log.jsonl's record of the steps before `after` (`steps` of them, their mean): the median
+    rank's split, the slowest ranks by compute against their stage's median, and the stragglers."""
+    by_stage: dict[int, list[float]] = {}
+    for split, stage in zip(splits, stages):
+        by_stage.setdefault(stage, []).append(split["compute"])
+    centre = {stage: statistics.median(c) for stage, c in by_stage.items()}
+    over = [s["compute"] / centre[stage] - 1 if centre[stage] > 0 else 0.0 for s, stage in zip(splits, stages)]
+    order = sorted(range(len(splits)), key=lambda r: -over[r])
+    slowest = [dict(rank=r, **where[r], over_median=round(over[r], 4),
+                    **{f: round(splits[r][f], 6) for f in FIELDS}) for r in order[:SLOWEST]]
+    median = {f: round(statistics.median(s[f] for s in splits), 6) for f in FIELDS}
+    return dict(timing_after_step=after, steps=steps, median=median, slowest=slowest,
+                stragglers=[r for r in order if over[r] > margin], straggler_margin=margin,
+                slowest_rank=order[0], slowest_over_median=round(over[order[0]], 4))
+
+
+def straggler_lines(record: dict) -> list[str]:
+    """The console's line for each straggler of a timing record."""
+    by_rank = {s["rank"]: s for s in record["slowest"]}
+    lines = []
+    for rank in record["stragglers"]:
+        s = by_rank.get(rank)
+        if s is None:  # (beyond the listed slowest: named without its figures)
+            lines.append(f"straggler: rank {rank} also over the margin")
+            continue
+        lines.append(f"straggler after step {record['timing_after_step']}: rank {rank} (host {s['host']}, local rank "
+                     f"{s['local_rank']}{', ' + s['grid'] if s['grid'] else ''}) computes {s['compute']:.3f} s a step, "
+                     f"{s['over_median']:.0%} over its stage's median (margin {record['straggler_margin']:.0%})")
+    return lines
+
+
+def worst_ranks(records: list[dict]) -> list[dict]:
+    """summary.json's worst ranks over the run's timing records: each rank a record named a
+    straggler or listed first, its worst excess over the median and how many reports named it."""
+    worst: dict[int, dict] = {}
+    for record in records:
+        for s in record["slowest"]:
+            named = s["rank"] in record["stragglers"]
+            if not named and s["rank"] != record["slowest_rank"]:
+                continue
+            w = worst.setdefault(s["rank"], dict(rank=s["rank"], host=s["host"], local_rank=s["local_rank"],
+                                                 grid=s["grid"], worst_over_median=s["over_median"], reports=0))
+            w["worst_over_median"] = max(w["worst_over_median"], s["over_median"])
+            w["reports"] += named
+    return sorted(worst.values(), key=lambda w: (-w["reports"], -w["worst_over_median"]))[:SLOWEST]

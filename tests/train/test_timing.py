@@ -1,0 +1,68 @@
+"""Per-rank step timing (issue #39, item 1): each rank's compute and waits, gathered at each read
+of the steps' numbers, a slowed rank named a straggler in the first report with its host, local
+rank and place on the grid, and kept in summary.json."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fourfold.data import corpus
+from fourfold.parallel.clock import KINDS
+from fourfold.parallel.model import Model
+from runs import train_run
+
+SLOW_RANK, SLEEP = 2, 0.3
+
+
+def _slowed(options: list[str]):
+    """`fourfold train OPTIONS` with rank SLOW_RANK's compute slowed by a sleep in each step (the
+    harness's: the product has no switch for it)."""
+    original = Model.step
+
+    def slow(self, *args):
+        time.sleep(SLEEP)
+        return original(self, *args)
+
+    if dist.get_rank() == SLOW_RANK:
+        Model.step = slow
+    try:
+        return train_run(options)
+    finally:
+        Model.step = original
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    text = folder / "kjv-genesis.txt"
+    text.write_text(corpus.bundled_text()[:100_000])
+    corpus.prepare(str(text), 512, str(folder / "cache"))
+    return ["--data.text", str(text), "--data.vocab", "512", "--data.cache_dir", str(folder / "cache")]
+
+
+@pytest.mark.parametrize("grid", [("--grid.dp", "2", "--grid.x", "2"), ("--grid.pp", "2", "--grid.dp", "2")])
+def test_a_slowed_rank_is_named_in_the_first_report(ranks, data, tmp_path, grid):
+    options = [*data, *grid, "--log.run_dir", str(tmp_path), "--log.progress", "false", "--log.every", "2",
+               "--train.steps", "4", "--batch.global_batch", "8", "--batch.micro_batch", "2", "--batch.seq", "32",
+               "--checkpoint.every", "0"]
+    ranks.run(_slowed, 4, options)
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    reports = [r for r in records if "timing_after_step" in r]
+    assert [r["timing_after_step"] for r in reports] == [2, 4] and all(r["steps"] == 2 for r in reports)
+    first = reports[0]
+    assert first["stragglers"] == [SLOW_RANK] and first["slowest_rank"] == SLOW_RANK, first
+    slow = first["slowest"][0]
+    assert slow["rank"] == SLOW_RANK and slow["local_rank"] == SLOW_RANK and slow["host"]
+    assert slow["compute"] > SLEEP and slow["over_median"] > first["straggler_margin"]
+    coords = dict(part.split("=") for part in slow["grid"].split(","))
+    assert set(coords) == {grid[0].removeprefix("--grid."), grid[2].removeprefix("--grid.")}
+    for r in first["slowest"]:  # a rank's step is its compute and its waits
+        assert r["step"] == pytest.approx(r["compute"] + sum(r[k] for k in KINDS), abs=1e-5)  # (rounded to 1 us)
+    # the others wait for it: in the data-parallel reductions, the tensor group's, or the pipeline's
+    waits = {r["rank"]: sum(r[k] for k in KINDS) for r in first["slowest"]}
+    assert all(w > waits[SLOW_RANK] + SLEEP / 2 for rank, w in waits.items() if rank != SLOW_RANK), waits
+    summary = json.loads((Path(tmp_path) / "summary.json").read_text())
+    assert summary["slowest_ranks"][0]["rank"] == SLOW_RANK and summary["slowest_ranks"][0]["reports"] == 2
