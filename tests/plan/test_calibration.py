@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import itertools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -214,9 +215,10 @@ def test_calibrate_command_on_a_csv_predicts_other_runs(tmp_path, capsys):
     assert first["tie"] or first["step_seconds"] == fastest
 
 
-def _run_dir(path, grid: dict, seconds: list[float], checkpoint: bool = True, mfu: float | None = 0.3):
+def _run_dir(path, grid: dict, seconds: list[float], checkpoint: bool = True, mfu: float | None = 0.3,
+             splits: list[dict] = ()):
     """What `fourfold train` leaves in a run directory: log.jsonl and a checkpoint's meta.json (a run
-    on GPUs; `mfu=None`: on CPU)."""
+    on GPUs; `mfu=None`: on CPU); `splits`: its timing records' median splits, one after each step."""
     path.mkdir()
     cfg = TrainConfig()
     for dim, n in grid.items():
@@ -224,6 +226,8 @@ def _run_dir(path, grid: dict, seconds: list[float], checkpoint: bool = True, mf
     cfg.batch.global_batch, cfg.batch.micro_batch, cfg.batch.seq = 16, 2, 128
     records = [dict(step=i, loss=5.0, seconds=s, skipped=False, peak_memory_gib=0.5, mfu=mfu)
                for i, s in enumerate(seconds)]
+    for i, split in enumerate(splits):  # (the trainer writes each before the steps it covers)
+        records.insert(2 * i, dict(timing_after_step=i + 1, steps=1, median=split, slowest=[], stragglers=[]))
     (path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if checkpoint:
         meta = path / "checkpoints" / "step-00000010" / "meta.json"
@@ -239,11 +243,22 @@ def test_a_run_directory_gives_its_job_and_median_step(tmp_path, capsys):
     assert run.jobs[0].precision == "bf16"  # precision auto, on GPUs
     assert run.seconds == 1.1 and run.framework is FOURFOLD  # the first step (warm-up) left out
     _run_dir(tmp_path / "b", {"dp": 4}, [5.0, 2.0, 2.2])
-    _run_dir(tmp_path / "c", {"y": 2, "dp": 2}, [5.0, 1.5, 1.5])
+    def parts(compute, dp, tensor):
+        return dict(step=compute + dp + tensor, compute=compute, dp=dp, tensor=tensor, pipeline=0.0, cp=0.0, ep=0.0)
+
+    _run_dir(tmp_path / "c", {"y": 2, "dp": 2}, [5.0, 1.5, 1.5], splits=[parts(4, 0.5, 0.5), parts(1.2, 0.1, 0.2),
+                                                                        parts(1.0, 0.3, 0.2)])
+    # the measured split: each part's median over the timing records after the first (the warm-up)
+    assert read_run_dir(tmp_path / "c").split == (("compute", 1.1), ("dp", 0.2), ("tensor", 0.2), ("pipeline", 0.0),
+                                                  ("cp", 0.0), ("ep", 0.0))
+    assert read_run_dir(tmp_path / "b").split is None
     args = ["calibrate", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), "-o", str(tmp_path / "c.json")]
     assert main(args) == 0
     constants = len(HARDWARE_KNOBS)  # `--refit profile`, the default: the cluster's profile only
-    assert f"3 runs for {constants} constants: the fit is underdetermined" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"3 runs for {constants} constants: the fit is underdetermined" in out
+    assert re.search(r"^c +measured +1\.100 +0\.200 +0\.200 +0\.000$", out, re.M), out
+    assert re.search(r"^c +model +\d+\.\d{3} +\d+\.\d{3} +\d+\.\d{3} +0\.000$", out, re.M), out
     _run_dir(tmp_path / "bare", {"dp": 2}, [1.0, 1.0], checkpoint=False)
     with pytest.raises(ValueError, match="give it with --csv"):
         read_run_dir(tmp_path / "bare")

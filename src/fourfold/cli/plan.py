@@ -309,7 +309,7 @@ NO_FIT = 3
 
 def _calibrate(args) -> int:
     """`fourfold calibrate`: fit the constants to the runs given, cross-validate, write the JSON."""
-    from fourfold.plan.calibrate import calibrate, comparison, knobs
+    from fourfold.plan.calibrate import calibrate, comparison, knobs, split_table
     from fourfold.plan.measured import read_csv, read_run_dir, shipped_runs
 
     machine = (args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
@@ -334,6 +334,9 @@ def _calibrate(args) -> int:
         print(f"profile of {p.cluster}: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(p).items()
                                                       if k != "cluster"))
     print(comparison(runs, cross))
+    split = split_table(runs, cal)
+    if split:
+        print(split)
     fitted = len(knobs(runs, software))
     if len(runs) <= fitted:
         print(f"{len(runs)} runs for {fitted} constants: the fit is underdetermined; add runs (other grids, "

@@ -304,6 +304,26 @@ def comparison(runs: list[Run], cross: CrossValidation) -> str:
     return "\n".join(lines)
 
 
+def split_table(runs: list[Run], cal: Calibration) -> str | None:
+    """For the runs that recorded their step's split (`Run.split`), the measured seconds a step by
+    part beside the model's: compute (and the optimizer's update), the data-parallel waits, the
+    layers' collectives (tensor, cp, ep) and the pipeline's waits (its bubble). None: no such run."""
+    timed = [r for r in runs if r.split]
+    if not timed:
+        return None
+    lines = [f"{'run':<24} {'':<9} {'compute':>8} {'dp':>8} {'layers':>8} {'pipeline':>8}"]
+    for r in timed:
+        m = dict(r.split)
+        p = step_time(r.cfg, r.jobs[0], r.cluster, cal, r.framework, r.traits)
+        measured = (m["compute"], m["dp"], m["tensor"] + m["cp"] + m["ep"], m["pipeline"])
+        model = (p.compute + p.optimizer, p.dp_comm, p.exposed_comm, p.bubble + p.tied_embedding)
+        for what, values in (("measured", measured), ("model", model)):
+            lines.append(f"{r.source[:24]:<24} {what:<9} " + " ".join(f"{v:8.3f}" for v in values))
+    lines.append("seconds a step: the median rank's (log.jsonl's timing records) against the fitted model's; "
+                 "layers: the tensor-, context- and expert-parallel collectives that compute does not hide")
+    return "\n".join(lines)
+
+
 # ----- leave one source out ----------------------------------------------------------------------------
 
 def generation(run: Run) -> str:

@@ -71,6 +71,9 @@ class Run:
     source: str  # the file or run directory it was read from
     overlap_dp: bool | None = None  # Megatron's overlap_grad_reduce and overlap_param_gather (None: not published)
     traits: RunTraits = RunTraits()  # flash attention or not, FP8 linears, the cp exchange
+    # a `fourfold train` run's measured split of a step (seconds: compute and the waits by kind,
+    # the median rank's, `train.timing`); None where the run did not record one
+    split: tuple[tuple[str, float], ...] | None = None
 
     @property
     def model_parallel(self) -> int:
@@ -354,6 +357,17 @@ def read_run_dir(path: str | Path, cluster: Cluster | None = None) -> Run:
     cluster = cluster or config.cluster()
     seconds = statistics.median(r["seconds"] for r in steps[1:])
     try:
-        return make_run(ModelConfig.from_dict(meta["model"]), job, cluster, FOURFOLD, seconds, path.name)
+        run = make_run(ModelConfig.from_dict(meta["model"]), job, cluster, FOURFOLD, seconds, path.name)
     except ValueError as e:  # the rules' problems: name the run they belong to
         raise ValueError(f"{path}: {e}") from None
+    return replace(run, split=measured_split(records))
+
+
+def measured_split(records: list[dict]) -> tuple[tuple[str, float], ...] | None:
+    """The median over a run's timing records (the first, which holds the warm-up, left out when
+    there are more) of the median rank's seconds a step by part: compute, then each kind of wait."""
+    timings = [r["median"] for r in records if "timing_after_step" in r]
+    timings = timings[1:] if len(timings) > 1 else timings
+    if not timings:
+        return None
+    return tuple((part, statistics.median(t[part] for t in timings)) for part in timings[0] if part != "step")
