@@ -148,7 +148,7 @@ class LogSection:
     wandb_project: str = ""  # a Weights & Biases project to log to (needs the wandb package); empty = none
     # A rank whose compute takes this fraction longer than the median of its pipeline stage's ranks
     # is named a straggler at each read of the steps' numbers (log.jsonl's timing records); 0: 0.25
-    # on GPUs, 1.0 on CPU processes (which share cores: their compute varies by tens of percent)
+    # on GPUs, 2.0 on CPU processes (which share cores: their compute varies by up to 133% here)
     straggler_margin: float = 0.0
 
 
@@ -233,6 +233,23 @@ class TrainConfig:
 
 class ConfigError(ValueError):
     """A training configuration that cannot run; the message names the fix."""
+
+
+def parse_fallbacks(text: str) -> list[dict[str, int]]:
+    """grid.fallbacks' grids: "dp=2,x=2; dp=4" -> [{"dp": 2, "x": 2}, {"dp": 4}] (dims left out are 1)."""
+    out = []
+    for grid in filter(None, (g.strip() for g in text.split(";"))):
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in grid.split(","))):
+            dim, _, value = part.partition("=")
+            if dim not in (*DIMS, "ep") or not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"grid.fallbacks: {part!r} in {grid!r} is not DIM=N with DIM one of "
+                                  f"{', '.join((*DIMS, 'ep'))} and N >= 1 (e.g. \"dp=2,x=2;dp=4\")")
+            if dim in sizes:
+                raise ConfigError(f"grid.fallbacks: {grid!r} gives {dim} twice; give each dim once")
+            sizes[dim] = int(value)
+        out.append(sizes)
+    return out
 
 
 def _coerce(text: str, like, where: str):
@@ -434,6 +451,12 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
         found.append(f"checkpoint.on_failure {cfg.checkpoint.on_failure!r} is neither stop nor continue; use one")
     if cfg.checkpoint.every < 0:
         found.append(f"checkpoint.every must be >= 0 (0: no checkpoints), not {cfg.checkpoint.every}")
+    try:
+        if parse_fallbacks(cfg.grid.fallbacks) and not cfg.grid.elastic:
+            found.append("grid.fallbacks is given but grid.elastic is off, so no restart would use it: set "
+                         "--grid.elastic true, or leave grid.fallbacks out")
+    except ConfigError as e:
+        found.append(str(e))
     if not cfg.log.straggler_margin >= 0:
         found.append(f"log.straggler_margin must be >= 0 (0.25: 25% over the median; 0: the device's default), not "
                      f"{cfg.log.straggler_margin}")

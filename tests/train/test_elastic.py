@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fourfold.config import ConfigError, load_train_config
+from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.data import corpus
 from fourfold.train.elastic import regrid
 from runs import train_run
@@ -68,10 +68,20 @@ def test_eight_ranks_continued_on_four(ranks, data, tmp_path):
 def test_ranks_that_fit_no_grid_are_refused_with_the_node_count_that_would(data, tmp_path):
     cfg = load_train_config(None, _options(tmp_path, data, "--grid.dp", "4", "--grid.x", "2", "--grid.elastic", "true",
                                            "--grid.fallbacks", "dp=4,x=2; dp=2,x=2"))
-    with pytest.raises(ConfigError, match=r"6 ranks \(3 nodes of 2\) fit none of grid.fallbacks \(dp=4,x=2; "
-                                          r"dp=2,x=2\); the smallest node count that runs one is 2 \(4 ranks: "
-                                          r"dp=2,x=2\)"):
+    with pytest.raises(ConfigError, match=r"6 ranks \(3 nodes of 2\) fit none of grid.fallbacks \(dp=4,x=2: 8 ranks; "
+                                          r"dp=2,x=2: 4 ranks\); the smallest node count that runs one is 2 \(4 "
+                                          r"ranks: dp=2,x=2\)"):
         regrid(cfg, 6, 2)
+    # a grid of the right size that the run cannot use says why
+    odd = load_train_config(None, _options(tmp_path, data, "--grid.dp", "4", "--grid.x", "2", "--grid.elastic", "true",
+                                           "--grid.fallbacks", "dp=3,x=2"))
+    with pytest.raises(ConfigError, match=r"fit none of grid.fallbacks \(dp=3,x=2: batch.global_batch=8 must be a "
+                                          r"multiple of dp\*micro_batch"):
+        regrid(odd, 6, 2)
+    with pytest.raises(ConfigError, match="grid.fallbacks: 'q=2' in 'q=2' is not DIM=N"):
+        validate(load_train_config(None, ["--grid.elastic", "true", "--grid.fallbacks", "q=2"]), 1)
+    with pytest.raises(ConfigError, match="grid.fallbacks is given but grid.elastic is off"):
+        validate(load_train_config(None, ["--grid.fallbacks", "dp=2"]), 1)
     assert regrid(cfg, 8, 2) == (cfg, None)  # the grid's own rank count: nothing changes
     planned, line = regrid(load_train_config(None, _options(tmp_path, data, "--grid.dp", "4", "--grid.elastic",
                                                             "true")), 2, 2)

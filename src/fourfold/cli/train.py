@@ -221,7 +221,7 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     from fourfold.config import load_train_config, validate
-    from fourfold.train.elastic import min_nodes
+    from fourfold.train.elastic import counts_without_grid, min_nodes
     from fourfold.train.slurm import sbatch_script
 
     cfg = load_train_config(args.config, overrides)  # fail now, not in the queue
@@ -240,11 +240,15 @@ def slurm(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = Path(cfg.log.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config = str(Path(args.config).resolve()) if args.config else ""
+    fewest = min_nodes(cfg, args.nodes, args.gpus_per_node)
+    missing = counts_without_grid(cfg, fewest, args.nodes, args.gpus_per_node)
+    if missing:
+        print(f"grid.elastic: a restart on {', '.join(map(str, missing))} node(s) would be refused: no grid of "
+              f"grid.fallbacks runs on as many (add one to each)", file=sys.stderr)
     text = sbatch_script(config, _with_run_dir(overrides, run_dir), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          cpus_per_task=args.cpus_per_task or 8 * args.gpus_per_node, run_dir=str(run_dir),
                          workdir=str(Path.cwd()), job_name=args.job_name, time=args.time, partition=args.partition,
-                         account=args.account, max_restarts=args.max_restarts,
-                         min_nodes=min_nodes(cfg, args.nodes, args.gpus_per_node))
+                         account=args.account, max_restarts=args.max_restarts, min_nodes=fewest)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output} (the job's output goes to {run_dir}); submit it with: sbatch "

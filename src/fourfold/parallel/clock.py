@@ -46,8 +46,10 @@ class Clock:
         self._spans: dict[str, list] = defaultdict(list)  # CUDA: (start, end) events; CPU: seconds
         self._open: dict[str, int] = defaultdict(int)  # spans of a name in progress (nested ones count once)
         self._steps = 0
+        self._events: list = []  # CUDA events read and free again: recorded anew, not created per span
 
     def step_began(self) -> None:
+        self._open.clear()  # (a step that raised left its spans open: they are not this one's)
         self.timing = True
         self._begin = self._mark()
 
@@ -79,7 +81,7 @@ class Clock:
     def _mark(self):
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -92,6 +94,8 @@ class Clock:
             torch.cuda.current_stream().synchronize()  # (the read's one sync: the events are done)
         total = {name: sum(s.elapsed_time(e) / 1e3 for s, e in spans) if self.cuda else sum(spans)
                  for name, spans in self._spans.items()}
+        if self.cuda:
+            self._events += [event for spans in self._spans.values() for pair in spans for event in pair]
         steps = self._steps
         self._spans.clear()
         self._steps = 0

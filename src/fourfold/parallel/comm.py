@@ -3,8 +3,8 @@
 Every op takes a `Group` (from `Grid.group`), runs blocking or, with `async_op=True`, returns a
 `Pending` whose `wait()` gives the result. Ops on a group of one rank are free: nothing is sent
 and nothing is recorded. The figure recorded is `fourfold.spec.volumes.bytes_sent`, the ring volume.
-The time a rank waits for an op (its blocking call, or `wait()`) goes to the group's `Clock`
-(`parallel.clock`), under the group's kind of wait.
+The time a rank waits for an op (its blocking call, or an async one's `wait()`) goes to the
+group's `Clock` (`parallel.clock`), under the group's kind of wait.
 
 gloo carries out `reduce_scatter_tensor` as a full all-reduce (docs/cpu.md); on gloo,
 `reduce_scatter` is an all-to-all followed by a local sum over the sources in rank order, which
@@ -92,6 +92,10 @@ class Group:
         """A context in which this rank waits for one of the group's ops (timed by its clock)."""
         return self.clock.span(kind_of(self.name)) if self.clock is not None else contextlib.nullcontext()
 
+    def blocking(self, async_op: bool):
+        """The context of issuing an op: the wait itself when it blocks (an async one is timed at `wait`)."""
+        return contextlib.nullcontext() if async_op else self.waiting()
+
 
 class Pending:
     """An async collective in flight: `wait()` finishes it and returns its result."""
@@ -134,7 +138,8 @@ def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool 
     out = tensor.new_empty((group.size, *tensor.shape))
     group._record("all_gather", out)
     # gloo wants flat buffers for the single-tensor form.
-    work = _all_gather_single(out.view(-1), tensor.view(-1), group=group.process_group, async_op=True)
+    with group.blocking(async_op):
+        work = _all_gather_single(out.view(-1), tensor.view(-1), group=group.process_group, async_op=async_op)
     return _run([work], lambda: out.movedim(0, dim).flatten(dim, dim + 1), async_op, group)
 
 
@@ -154,10 +159,12 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: b
     group._record("reduce_scatter", chunks)
     if group.is_gloo:
         received = torch.empty_like(chunks)
-        work = dist.all_to_all_single(received, chunks, group=group.process_group, async_op=True)
+        with group.blocking(async_op):
+            work = dist.all_to_all_single(received, chunks, group=group.process_group, async_op=async_op)
         return _run([work], lambda: torch.sum(received, 0, out=out), async_op, group)
     out = chunks.new_empty(chunks.shape[1:]) if out is None else out
-    work = _reduce_scatter_single(out, chunks, group=group.process_group, async_op=True)
+    with group.blocking(async_op):
+        work = _reduce_scatter_single(out, chunks, group=group.process_group, async_op=async_op)
     return _run([work], lambda: out, async_op, group)
 
 
@@ -166,7 +173,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_o
     if group.size == 1:
         return Pending.done(tensor) if async_op else tensor
     group._record("all_reduce", tensor)
-    work = dist.all_reduce(tensor, op=op, group=group.process_group, async_op=True)
+    with group.blocking(async_op):
+        work = dist.all_reduce(tensor, op=op, group=group.process_group, async_op=async_op)
     return _run([work], lambda: tensor, async_op, group)
 
 
@@ -180,7 +188,8 @@ def all_to_all(tensor: torch.Tensor, group: Group, async_op: bool = False):
     tensor = tensor.contiguous()
     out = torch.empty_like(tensor)
     group._record("all_to_all", tensor)
-    work = dist.all_to_all_single(out, tensor, group=group.process_group, async_op=True)
+    with group.blocking(async_op):
+        work = dist.all_to_all_single(out, tensor, group=group.process_group, async_op=async_op)
     return _run([work], lambda: out, async_op, group)
 
 
@@ -198,6 +207,30 @@ def all_to_all_rows(tensor: torch.Tensor, group: Group, send: Sequence[int], rec
         dist.all_to_all_single(out, tensor, output_split_sizes=list(recv), input_split_sizes=list(send),
                                group=group.process_group)
     return out
+
+
+def gather_to_first(tensor: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """Every rank's `tensor` stacked in group-rank order on the group's first rank; None on the
+    others (a report's few numbers a rank: no rank but the first receives them all)."""
+    if group.size == 1:
+        return tensor[None]
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(group.size)] if group.rank == 0 else None
+    group.ledger.record(group.name, "gather", Fraction(tensor.numel() * tensor.element_size() if group.rank else 0))
+    with group.waiting():
+        dist.gather(tensor, out, dst=group.ranks[0], group=group.process_group)
+    return torch.stack(out) if out is not None else None
+
+
+def reduce_to_first(tensor: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """The sum of every rank's `tensor` on the group's first rank (in place there); None on the others."""
+    if group.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    group.ledger.record(group.name, "reduce", Fraction(tensor.numel() * tensor.element_size()))  # (a tree's: once)
+    with group.waiting():
+        dist.reduce(tensor, dst=group.ranks[0], group=group.process_group)
+    return tensor if group.rank == 0 else None
 
 
 def send(tensor: torch.Tensor, peer: int, group: Group) -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fourfold.config import ConfigError, TrainConfig, validate
+from fourfold.config import ConfigError, TrainConfig, parse_fallbacks, validate
 from fourfold.spec.job import Job
 from fourfold.spec.layout import DIMS, Layout
+
+PLANNER_ROWS = 16  # the planner's rows a regrid tries
 
 
 def grid_text(layout: Layout) -> str:
@@ -22,20 +24,8 @@ def grid_text(layout: Layout) -> str:
     return ",".join(f"{d}={sizes[d]}" for d in (*DIMS, "ep") if sizes[d] > 1) or "dp=1"
 
 
-def parse_grid(text: str) -> dict[str, int]:
-    """{"dp": 2, "x": 2} from "dp=2,x=2" (grid.fallbacks' spelling; dims left out are 1)."""
-    sizes = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        dim, _, value = part.partition("=")
-        if dim not in (*DIMS, "ep") or not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"grid.fallbacks: {part!r} in {text!r} is not DIM=N with DIM one of "
-                              f"{', '.join((*DIMS, 'ep'))} and N >= 1 (e.g. \"dp=2,x=2;dp=4\")")
-        sizes[dim] = int(value)
-    return sizes
-
-
 def fallbacks(cfg: TrainConfig) -> list[dict[str, int]]:
-    return [parse_grid(text) for text in cfg.grid.fallbacks.split(";") if text.strip()]
+    return parse_fallbacks(cfg.grid.fallbacks)
 
 
 def _with_grid(cfg: TrainConfig, sizes: dict[str, int]) -> TrainConfig:
@@ -43,12 +33,17 @@ def _with_grid(cfg: TrainConfig, sizes: dict[str, int]) -> TrainConfig:
     return dataclasses.replace(cfg, grid=grid)
 
 
-def _usable(cfg: TrainConfig, world: int, gpu: bool) -> bool:
+def _problem(cfg: TrainConfig, world: int, gpu: bool) -> str | None:
+    """Why `cfg` cannot run on `world` ranks (the first line of fourfold train's checks), or None."""
     try:
         validate(cfg, world, gpu)
-        return True
-    except ConfigError:
-        return False
+        return None
+    except ConfigError as e:
+        return str(e).splitlines()[-1].strip(" -")
+
+
+def _usable(cfg: TrainConfig, world: int, gpu: bool) -> bool:
+    return _problem(cfg, world, gpu) is None
 
 
 def regrid(cfg: TrainConfig, world: int, local: int, gpu: bool = False) -> tuple[TrainConfig, str | None]:
@@ -79,8 +74,11 @@ def _changed(before: Job, after: Job, world: int, source: str) -> str:
 
 
 def _none_fits(cfg: TrainConfig, given: list[dict[str, int]], world: int, local: int, gpu: bool) -> str:
+    why = "; ".join(f"{grid_text(c.layout())}: " + (_problem(c, world, gpu) if c.layout().world_size == world else
+                                                     f"{c.layout().world_size} ranks")
+                    for c in (_with_grid(cfg, g) for g in given))
     said = (f"{world} ranks ({math.ceil(world / local)} node{'s' * (world > local)} of {local}) fit none of "
-            f"grid.fallbacks ({cfg.grid.fallbacks})")
+            f"grid.fallbacks ({why})")
     runs = sorted({(c.layout().world_size, grid_text(c.layout())) for c in (_with_grid(cfg, g) for g in given)
                    if _usable(c, c.layout().world_size, gpu)})
     if not runs:
@@ -99,6 +97,7 @@ def _planned(cfg: TrainConfig, world: int, local: int, gpu: bool) -> None:
         return
     nodes, most = math.ceil(world / local), cfg.layout().world_size // local
     tried = sorted({min(most, nodes + 2**k) for k in range(most.bit_length())})  # (a search each: doubling steps)
+    # (so the count named is the smallest of those tried, not always the smallest that would do)
     for n in tried:
         job = _planner_job(cfg, n * local, gpu)
         if job is not None:
@@ -112,7 +111,8 @@ def _planned(cfg: TrainConfig, world: int, local: int, gpu: bool) -> None:
 def _planner_job(cfg: TrainConfig, ranks: int, gpu: bool) -> Job | None:
     from fourfold.plan.search import search
 
-    for candidate in search(cfg.model_config(), ranks, cfg.cluster(), cfg.job()):
+    # (the best few: every rank runs this search at a restart, and the first usable is nearly always among them)
+    for candidate in search(cfg.model_config(), ranks, cfg.cluster(), cfg.job(), top=PLANNER_ROWS):
         trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
                                     train=dataclasses.replace(cfg.train), pipeline=dataclasses.replace(cfg.pipeline))
         trial.use_job(candidate["job"])
@@ -137,3 +137,11 @@ def min_nodes(cfg: TrainConfig, nodes: int, gpus_per_node: int, gpu: bool = True
         if n == nodes or _planner_job(cfg, n * gpus_per_node, gpu) is not None:
             return n
     return nodes
+
+
+def counts_without_grid(cfg: TrainConfig, low: int, high: int, gpus_per_node: int, gpu: bool = True) -> list[int]:
+    """The node counts in low..high that none of grid.fallbacks runs on (a restart on one of them
+    would be refused); [] without fallbacks (the planner is asked at the restart)."""
+    given = [_with_grid(cfg, g) for g in fallbacks(cfg)]
+    runs = {c.layout().world_size for c in given if _usable(c, c.layout().world_size, gpu)}
+    return [n for n in range(low, high + 1) if given and n * gpus_per_node not in runs]

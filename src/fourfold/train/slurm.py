@@ -50,10 +50,13 @@ def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_nod
         f"#SBATCH --output={q(run_dir + '/slurm-%j.out')}",
         f"#SBATCH --error={q(run_dir + '/slurm-%j.err')}",
     ]
+    elastic = 0 < min_nodes < nodes
+    # elastic: a node that fails ends its own task, not the job (the rendezvous host, the first node, must stay)
+    lines += ["#SBATCH --no-kill"] if elastic else []
     lines += [f"#SBATCH --partition={q(partition)}"] if partition else []
     lines += [f"#SBATCH --account={q(account)}"] if account else []
     # torchrun through fourfold.train.launch: on a signal it leaves the ranks to stop (and save), quietly
-    span = f"{int(min_nodes)}:{int(nodes)}" if 0 < min_nodes < nodes else f"{int(nodes)}"
+    span = f"{int(min_nodes)}:{int(nodes)}" if elastic else f"{int(nodes)}"
     launcher = [sys.executable, "-m", "fourfold.train.launch", f"--nnodes={span}",
                 f"--nproc-per-node={gpus}", f"--max-restarts={int(max_restarts)}", "--rdzv-backend=c10d"]
     rendezvous = '"--rdzv-id=$SLURM_JOB_ID" "--rdzv-endpoint=$HEAD:$PORT"'  # expanded by the shell, on purpose
@@ -80,7 +83,7 @@ def sbatch_script(config: str, overrides: list[str], *, nodes: int, gpus_per_nod
         "# how long torchrun waits for the ranks to save after a SIGTERM before it kills them",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{STOP_WARNING_S - 60}}}",
         # srun does not pass sbatch's --cpus-per-task on to its tasks (SLURM >= 22.05): ask again
-        f"srun --kill-on-bad-exit=1 --cpus-per-task={int(cpus_per_task)} {quoted}",
+        f"srun --kill-on-bad-exit={0 if elastic else 1} --cpus-per-task={int(cpus_per_task)} {quoted}",
         "",
     ]
     return "\n".join(lines)

@@ -181,24 +181,29 @@ class Trainer:
         non-finite count is checked here too, before any checkpoint could save after it."""
         if not self.window:
             return
-        self._read_timing()
+        steps = len(self.window)
+        splits = timing.gather(self.grid.clock.read(), self.grid)  # (rank 0's; None on the others)
+        loads = self._expert_loads()  # (rank 0's, with experts)
         numbers = torch.stack([torch.stack([w["loss"], w["norm"], w["updated"].double(), w["bad"].double()])
                                for w in self.window])
-        loads = self._expert_loads()
-        if loads is not None:  # (read in the same transfer)
-            numbers = torch.cat([numbers, loads.flatten(1)], dim=1)
-        numbers = numbers.tolist()
+        # the read's one transfer: this rank's numbers, and on rank 0 the expert loads and every rank's split
+        flat = torch.cat([t.flatten() for t in (numbers, loads, splits) if t is not None]).tolist()
+        numbers, rest = [flat[i: i + 4] for i in range(0, 4 * steps, 4)], flat[4 * steps:]
+        per_step = loads[0].numel() if loads is not None else 0
+        loads_read = [rest[i * per_step: (i + 1) * per_step] for i in range(steps)] if loads is not None else None
+        if splits is not None:
+            self._report_timing(timing.splits_of(rest[steps * per_step:]))
         seconds = (time.perf_counter() - self.window[0]["began"]) / len(self.window)
-        for w, (loss, norm, updated, in_a_row, *load) in zip(self.window, numbers):
+        for i, (w, (loss, norm, updated, in_a_row)) in enumerate(zip(self.window, numbers)):
             step, finite = w["step"], math.isfinite(loss) and math.isfinite(norm)
             # (JSON has no NaN: a non-finite loss or norm is recorded as null, with why the step was skipped)
             record = dict(step=step, loss=loss if math.isfinite(loss) else None, lr=w["lr"],
                           grad_norm=norm if finite else None, seconds=seconds, skipped=not updated,
                           peak_memory_gib=w["peak_memory_gib"])
-            if loads is not None:
-                experts = self.model_cfg.experts + 2
+            if loads_read is not None:
+                load, experts = loads_read[i], self.model_cfg.experts + 2
                 record["experts"] = expert_load.step_figures(
-                    [load[i: i + experts] for i in range(0, len(load), experts)], self.model_cfg.top_k)
+                    [load[j: j + experts] for j in range(0, len(load), experts)], self.model_cfg.top_k)
             if not updated:
                 why = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
                 record["skipped_because"] = why
@@ -211,21 +216,20 @@ class Trainer:
         self.window.clear()
 
     def _expert_loads(self) -> torch.Tensor | None:
-        """[steps, layers, experts + 2]: the window's routing counts of every rank summed over the
-        grid (an x, y group's ranks route the same tokens: counted once); None without experts."""
+        """[steps, layers, experts + 2] on rank 0: the window's routing counts of every rank summed
+        over the grid (an x, y group's ranks route the same tokens: counted once); None on the
+        other ranks and without experts."""
         if self.window[0]["experts"] is None:
             return None
         grid = self.grid
-        summed = comm.all_reduce(torch.stack([w["experts"] for w in self.window]), grid.world_group())
-        return summed / (grid.size("x") * grid.size("y"))
+        summed = comm.reduce_to_first(torch.stack([w["experts"] for w in self.window]), grid.world_group())
+        return summed / (grid.size("x") * grid.size("y")) if summed is not None else None
 
-    def _read_timing(self) -> None:
-        """Every rank's split of the window's steps, gathered; rank 0 records it and names the stragglers."""
-        splits = timing.gather(self.grid.clock.read(), self.grid)
-        if self.reporter.rank0:
-            margin = self.cfg.log.straggler_margin or timing.DEFAULT_MARGIN[self.grid.device.type]
-            self.reporter.timing(timing.timing_record(self.window[-1]["step"] + 1, len(self.window), splits,
-                                                      self.places, self.stages, margin))
+    def _report_timing(self, splits: list[dict[str, float]]) -> None:
+        """Rank 0: every rank's split of the window's steps recorded, the stragglers named."""
+        margin = self.cfg.log.straggler_margin or timing.DEFAULT_MARGIN[self.grid.device.type]
+        self.reporter.timing(timing.timing_record(self.window[-1]["step"] + 1, len(self.window), splits,
+                                                  self.places, self.stages, margin))
 
     def evaluate(self, done: int) -> None:
         """The held-out loss after `done` steps, through the pipeline stages when there are."""
