@@ -61,7 +61,8 @@ def _router_counts(options, run):
 
 
 @pytest.mark.parametrize("grid", [("--grid.dp", "2", "--grid.x", "2", "--grid.ep", "2"),
-                                  ("--grid.pp", "2", "--grid.y", "2", "--grid.z", "2")])
+                                  # (full recompute runs each forward again in backward: counted once)
+                                  ("--grid.pp", "2", "--grid.y", "2", "--grid.z", "2", "--train.recompute", "full")])
 def test_expert_load_is_the_routers_counts(ranks, tmp_path, grid):
     options, run = _run(tmp_path, *grid)
     ranks.run(train_run, 8 if "--grid.z" in grid else 4, options)
