@@ -84,20 +84,25 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
         summary = run_training(cfg, stop)
     except TrainingError as err:  # every rank stops at the same step: rank 0 says why, once
         if int(os.environ["RANK"]) == 0:
-            print(f"fourfold: error: {err}", file=sys.stderr, flush=True)
+            _say(f"fourfold: error: {err}")
         dist.barrier()  # said before any rank exits (torchrun then stops the others)
         return 1
     except RuntimeError as err:
         if not peer_lost(err):
             raise
-        print(f"fourfold: rank {os.environ['RANK']} stopped: another rank is gone (torchrun's line names it)",
-              file=sys.stderr, flush=True)
+        _say(f"fourfold: rank {os.environ['RANK']} stopped: another rank is gone (torchrun's line names it)")
         return 1
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
         print(json.dumps(summary))
     return 0
+
+
+def _say(line: str) -> None:
+    """A rank's line on stderr in one write: ranks failing together would otherwise interleave a
+    line and its newline (stderr writes through), running two ranks' lines into one."""
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
 
 
 def refuse_dims_with_auto(overrides: list[str]) -> None:
