@@ -68,6 +68,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent, then its ranks (torchrun starts each in a session of its own)."""
+    ranks_of_agent = _children(agent.pid)
+    agent.kill()
+    for pid in ranks_of_agent:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
+
+
 def test_eight_ranks_continued_on_four_when_a_node_is_lost(ranks, data, tmp_path):
     """Two torchrun agents of 4 ranks each run dp4 x2; one "node" (its agent and ranks) is killed
     after a checkpoint. The other's torchrun restarts its ranks on a 4-rank rendezvous: they take
@@ -81,15 +93,16 @@ def test_eight_ranks_continued_on_four_when_a_node_is_lost(ranks, data, tmp_path
         first = _agent(elastic, data, port, log_a)
         time.sleep(1)  # (the first hosts the rendezvous)
         second = _agent(elastic, data, port, log_b)
-        deadline = time.monotonic() + 300
-        while not (elastic / "checkpoints" / "step-00000002").is_dir() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        ranks_of_second = _children(second.pid)  # (torchrun starts each rank in a session of its own)
-        second.kill()  # the node: its agent, then its ranks
-        for pid in ranks_of_second:
-            os.kill(pid, signal.SIGKILL)
-        second.wait()
-        assert first.wait(timeout=300) == 0, (tmp_path / "a.log").read_text()[-3000:]
+        try:
+            deadline = time.monotonic() + 300
+            while not (elastic / "checkpoints" / "step-00000002").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _kill_node(second)
+            assert first.wait(timeout=300) == 0, (tmp_path / "a.log").read_text()[-3000:]
+        finally:  # (a failed test leaves no agent behind)
+            for agent in (first, second):
+                if agent.poll() is None:
+                    _kill_node(agent)
     said = (tmp_path / "a.log").read_text().splitlines()
     assert ("elastic: 4 ranks, not the grid's 8: grid dp=4,x=2 -> dp=2,x=2 (grid.fallbacks); the global batch stays "
             "8 sequences, 2 micro-batches of 2 a replica a step (was 1 of 2)") in said
