@@ -1,9 +1,20 @@
-"""What tests do with a training run in this process: train it, read a checkpoint whole."""
+"""What tests do with a training run in this process: prepare its corpus, train it, read a
+checkpoint whole."""
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from fourfold.config import load_train_config
+from fourfold.data import corpus
+
+
+def prepared_corpus(folder, chars: int, vocab: int) -> list[str]:
+    """The first `chars` characters of the bundled corpus in `folder`, tokenized once with a
+    `vocab`-token BPE; the data options that train on it."""
+    text = folder / "kjv-genesis.txt"
+    text.write_text(corpus.bundled_text()[:chars])
+    corpus.prepare(str(text), vocab, str(folder / "cache"))
+    return ["--data.text", str(text), "--data.vocab", str(vocab), "--data.cache_dir", str(folder / "cache")]
 
 
 def train_run(options: list[str]):

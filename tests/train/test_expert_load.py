@@ -13,7 +13,7 @@ from fourfold.checkpoint.export import export
 from fourfold.config import load_train_config
 from fourfold.data import corpus
 from fourfold.data.prepare import packed_windows, tokens_files
-from runs import train_run
+from runs import prepared_corpus, train_run
 
 VOCAB, EXPERTS, TOP_K, LAYERS, SEQ, BATCH = 512, 4, 2, 2, 32, 8
 MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=32, num_hidden_layers=LAYERS,
@@ -22,33 +22,38 @@ MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidde
                rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", router_aux_loss_coef=0.02)
 
 
-def _run(tmp_path, *grid):
-    folder = tmp_path / "data"
-    folder.mkdir()
-    text = folder / "kjv-genesis.txt"
-    text.write_text(corpus.bundled_text()[:100_000])
-    corpus.prepare(str(text), VOCAB, str(folder / "cache"))
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepared_corpus(tmp_path_factory.mktemp("data"), 100_000, VOCAB)
+
+
+def _run(tmp_path, data, *grid):
     preset = tmp_path / "tiny-mixtral.json"
     preset.write_text(json.dumps(MIXTRAL))
     run = tmp_path / "run"
-    options = ["--data.text", str(text), "--data.vocab", str(VOCAB), "--data.cache_dir", str(folder / "cache"),
-               "--model.preset", str(preset), "--train.precision", "float64", *grid, "--log.run_dir", str(run),
+    options = [*data, "--model.preset", str(preset), "--train.precision", "float64", *grid, "--log.run_dir", str(run),
                "--log.progress", "false", "--train.steps", "2", "--batch.global_batch", str(BATCH),
                "--batch.micro_batch", "2", "--batch.seq", str(SEQ), "--checkpoint.every", "1"]
     return options, run
 
 
-def _router_counts(options, run):
-    """Each layer's [choices per expert] and mean router entropy on step 1's batch, by transformers'
-    Mixtral loaded from the export of the checkpoint written after step 0 (the weights step 1 ran)."""
+def _step_one(options, run):
+    """Step 1's global batch (its input ids, as the trainer's data order gives it) and transformers'
+    Mixtral on the weights it ran, from the export of the checkpoint written after step 0."""
     cfg = load_train_config(None, options)
     tokenizer, tokens = tokens_files(cfg.data, cfg.tokenizer)
     loader = corpus.TokenLoader(tokens, SEQ, BATCH, seed=cfg.data.seed, packing=cfg.data.packing,
                                 windows=packed_windows(cfg.data, SEQ, tokenizer, tokens))
     ids = torch.from_numpy(loader.batch_at(BATCH, 0, 1))[:, :-1].clamp_min(0)
     export(run / "checkpoints" / "step-00000001", run / "export")
-    model = transformers.AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float64,
-                                                              experts_implementation="eager")
+    return ids, transformers.AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float64,
+                                                                  experts_implementation="eager")
+
+
+def _router_counts(options, run):
+    """Each layer's [choices per expert] and mean router entropy on step 1's batch, by transformers'
+    Mixtral loaded from the export of the checkpoint written after step 0 (the weights step 1 ran)."""
+    ids, model = _step_one(options, run)
     with torch.no_grad():
         logits = model(input_ids=ids, output_router_logits=True).router_logits
     out = []
@@ -63,8 +68,8 @@ def _router_counts(options, run):
 @pytest.mark.parametrize("grid", [("--grid.dp", "2", "--grid.x", "2", "--grid.ep", "2"),
                                   # (full recompute runs each forward again in backward: counted once)
                                   ("--grid.pp", "2", "--grid.y", "2", "--grid.z", "2", "--train.recompute", "full")])
-def test_expert_load_is_the_routers_counts(ranks, tmp_path, grid):
-    options, run = _run(tmp_path, *grid)
+def test_expert_load_is_the_routers_counts(ranks, data, tmp_path, grid):
+    options, run = _run(tmp_path, data, *grid)
     ranks.run(train_run, 8 if "--grid.z" in grid else 4, options)
     records = {r["step"]: r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
                if "step" in r and "event" not in r}
@@ -83,23 +88,16 @@ def test_expert_load_is_the_routers_counts(ranks, tmp_path, grid):
             (s, float(records[s]["experts"][f"layer{i}"]["max"])) for s in (0, 1)]
 
 
-def test_choices_dropped_over_capacity_are_counted(ranks, tmp_path):
+def test_choices_dropped_over_capacity_are_counted(ranks, data, tmp_path):
     """Capacity factor 1 on dp2: each rank's micro-batch of 2 sequences routes 64 tokens, each expert
     takes at most 32 of their 128 choices; the first layer's dropped choices and kept tokens per
     expert are those of transformers' router counts per micro-batch (the later layers see the
     drops, which transformers does not make)."""
-    options, run = _run(tmp_path, "--grid.dp", "2", "--model.capacity_factor", "1")
+    options, run = _run(tmp_path, data, "--grid.dp", "2", "--model.capacity_factor", "1")
     ranks.run(train_run, 2, options)
     records = {r["step"]: r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
                if "step" in r and "event" not in r}
-    cfg = load_train_config(None, options)
-    tokenizer, tokens = tokens_files(cfg.data, cfg.tokenizer)
-    loader = corpus.TokenLoader(tokens, SEQ, BATCH, seed=cfg.data.seed, packing=cfg.data.packing,
-                                windows=packed_windows(cfg.data, SEQ, tokenizer, tokens))
-    ids = torch.from_numpy(loader.batch_at(BATCH, 0, 1))[:, :-1].clamp_min(0)
-    export(run / "checkpoints" / "step-00000001", run / "export")
-    model = transformers.AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float64,
-                                                              experts_implementation="eager")
+    ids, model = _step_one(options, run)
     kept, dropped = torch.zeros(EXPERTS), 0
     for micro_batch in ids.split(2):  # (replica d holds sequences 4d..4d+3: micro-batches of 2 in order)
         with torch.no_grad():

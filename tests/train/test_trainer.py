@@ -21,7 +21,7 @@ from fourfold import checkpoint
 from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.data import corpus
 from fourfold.train.slurm import sbatch_script
-from runs import train_run, whole_checkpoint
+from runs import prepared_corpus, train_run, whole_checkpoint
 
 STEPS = 6
 
@@ -29,11 +29,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """A small slice of the bundled corpus and its tokenizer, prepared once."""
-    folder = tmp_path_factory.mktemp("data")
-    text = folder / "kjv-genesis.txt"
-    text.write_text(corpus.bundled_text()[:300_000])
-    corpus.prepare(str(text), 1024, str(folder / "cache"))
-    return ["--data.text", str(text), "--data.vocab", "1024", "--data.cache_dir", str(folder / "cache")]
+    return prepared_corpus(tmp_path_factory.mktemp("data"), 300_000, 1024)
 
 
 def _options(run_dir, data, *extra):
