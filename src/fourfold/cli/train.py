@@ -65,11 +65,12 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
                       f"[hardware] preset's, and its memory and speed figures are theirs)")
             argv = _resolved(argv, cfg)
 
+        gpu = choose_device(cfg.train.device, world) == "cuda"
         if cfg.grid.elastic:  # checked on the grid the ranks will take (they choose it again, alike, and say it)
             from fourfold.train.elastic import regrid
 
-            cfg, _ = regrid(cfg, world, world, gpu=choose_device(cfg.train.device, world) == "cuda")
-        validate(cfg, world, gpu=choose_device(cfg.train.device, world) == "cuda")  # too few GPUs: refused here
+            cfg, _ = regrid(cfg, world, world, gpu=gpu)
+        validate(cfg, world, gpu=gpu)  # too few GPUs: refused here
         argv = argv + _before_launch(cfg)
         return relaunch_with_torchrun(world, launcher_options_removed(argv), max_restarts=args.max_restarts)
     stop = StopRequest()  # before torch is imported: a signal from now on stops the run at a step boundary
@@ -119,23 +120,14 @@ def refuse_dims_with_auto(overrides: list[str]) -> None:
 def resolve_auto_grid(cfg: TrainConfig, world: int) -> Job:
     """With grid.auto: take the planner's best job for `hardware` on `world` GPUs that this run can
     use (the search returns only jobs the rule function accepts); returns it."""
-    import dataclasses
+    from fourfold.train.elastic import planner_job
 
-    from fourfold.config import validate
-    from fourfold.plan.search import search
-
-    for candidate in search(cfg.model_config(), world, cfg.cluster(), cfg.job()):
-        trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
-                                    train=dataclasses.replace(cfg.train))
-        trial.use_job(candidate["job"])
-        try:
-            validate(trial, world)  # the trainer's own options too
-        except ConfigError:
-            continue
-        cfg.use_job(candidate["job"])
-        return candidate["job"]
-    raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run can use; "
-                      f"set the grid by hand")
+    job = planner_job(cfg, world)
+    if job is None:
+        raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run can use; "
+                          f"set the grid by hand")
+    cfg.use_job(job)
+    return job
 
 
 def _resolved(argv: list[str], cfg: TrainConfig) -> list[str]:

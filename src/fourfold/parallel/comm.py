@@ -215,11 +215,12 @@ def gather_to_first(tensor: torch.Tensor, group: Group) -> torch.Tensor | None:
     if group.size == 1:
         return tensor[None]
     tensor = tensor.contiguous()
-    out = [torch.empty_like(tensor) for _ in range(group.size)] if group.rank == 0 else None
+    out = tensor.new_empty((group.size, *tensor.shape)) if group.rank == 0 else None  # (one buffer, its rows received)
     group.ledger.record(group.name, "gather", Fraction(tensor.numel() * tensor.element_size() if group.rank else 0))
     with group.waiting():
-        dist.gather(tensor, out, dst=group.ranks[0], group=group.process_group)
-    return torch.stack(out) if out is not None else None
+        dist.gather(tensor, list(out.unbind(0)) if out is not None else None, dst=group.ranks[0],
+                    group=group.process_group)
+    return out
 
 
 def reduce_to_first(tensor: torch.Tensor, group: Group) -> torch.Tensor | None:

@@ -154,6 +154,12 @@ class Layout:
         return f"{dims} (order {','.join(self.order)})"
 
 
+def grid_text(sizes: Mapping[str, int]) -> str:
+    """"dp=2,x=2,ep=2": the dims (and ep) above 1 of a grid's sizes (a config's [grid], or
+    `dict(layout.sizes, ep=layout.ep)`), as logs and messages name a grid."""
+    return ",".join(f"{d}={sizes.get(d, 1)}" for d in (*DIMS, "ep") if sizes.get(d, 1) > 1) or "dp=1"
+
+
 def factorisations(n: int, k: int = len(DIMS)) -> Iterator[tuple[int, ...]]:
     """Every ordered k-tuple of positive integers whose product is n."""
     if k == 1:

@@ -14,14 +14,21 @@ import math
 
 from fourfold.config import ConfigError, TrainConfig, parse_fallbacks, validate
 from fourfold.spec.job import Job
-from fourfold.spec.layout import DIMS, Layout
+from fourfold.spec.layout import DIMS, Layout, grid_text
 
-PLANNER_ROWS = 16  # the planner's rows a regrid tries
+# the planner's rows a regrid tries: every rank searches at a restart, and the first usable is
+# nearly always among the best few
+PLANNER_ROWS = 16
 
 
-def grid_text(layout: Layout) -> str:
-    sizes = dict(layout.sizes, ep=layout.ep)
-    return ",".join(f"{d}={sizes[d]}" for d in (*DIMS, "ep") if sizes[d] > 1) or "dp=1"
+def _text(layout: Layout) -> str:
+    return grid_text(dict(layout.sizes, ep=layout.ep))
+
+
+def copied(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its own copies of the sections a job sets (`TrainConfig.use_job`)."""
+    return dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
+                               train=dataclasses.replace(cfg.train), pipeline=dataclasses.replace(cfg.pipeline))
 
 
 def fallbacks(cfg: TrainConfig) -> list[dict[str, int]]:
@@ -59,27 +66,26 @@ def regrid(cfg: TrainConfig, world: int, local: int, gpu: bool = False) -> tuple
             raise ConfigError(_none_fits(cfg, given, world, local, gpu))
         source = "grid.fallbacks"
     else:
-        chosen = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
-                                     train=dataclasses.replace(cfg.train), pipeline=dataclasses.replace(cfg.pipeline))
+        chosen = copied(cfg)
         _planned(chosen, world, local, gpu)
         source = f"the planner's best on {chosen.cluster().gpu.name}"
     return chosen, _changed(before, chosen.job(), world, source)
 
 
 def _changed(before: Job, after: Job, world: int, source: str) -> str:
-    return (f"elastic: {world} ranks, not the grid's {before.layout.world_size}: grid {grid_text(before.layout)} -> "
-            f"{grid_text(after.layout)} ({source}); the global batch stays {after.global_batch} sequences, "
+    return (f"elastic: {world} ranks, not the grid's {before.layout.world_size}: grid {_text(before.layout)} -> "
+            f"{_text(after.layout)} ({source}); the global batch stays {after.global_batch} sequences, "
             f"{after.microbatches} micro-batches of {after.micro_batch} a replica a step (was {before.microbatches} "
             f"of {before.micro_batch})")
 
 
 def _none_fits(cfg: TrainConfig, given: list[dict[str, int]], world: int, local: int, gpu: bool) -> str:
-    why = "; ".join(f"{grid_text(c.layout())}: " + (_problem(c, world, gpu) if c.layout().world_size == world else
-                                                     f"{c.layout().world_size} ranks")
-                    for c in (_with_grid(cfg, g) for g in given))
+    grids = [_with_grid(cfg, g) for g in given]
+    why = "; ".join(f"{_text(c.layout())}: " + (_problem(c, world, gpu) if c.layout().world_size == world else
+                                                 f"{c.layout().world_size} ranks") for c in grids)
     said = (f"{world} ranks ({math.ceil(world / local)} node{'s' * (world > local)} of {local}) fit none of "
             f"grid.fallbacks ({why})")
-    runs = sorted({(c.layout().world_size, grid_text(c.layout())) for c in (_with_grid(cfg, g) for g in given)
+    runs = sorted({(c.layout().world_size, _text(c.layout())) for c in grids
                    if _usable(c, c.layout().world_size, gpu)})
     if not runs:
         return f"{said}, and none of them passes this run's checks on its own rank count either: give grids that do"
@@ -91,7 +97,7 @@ def _none_fits(cfg: TrainConfig, given: list[dict[str, int]], world: int, local:
 def _planned(cfg: TrainConfig, world: int, local: int, gpu: bool) -> None:
     """Take the planner's best job for `world` ranks that this run can use into `cfg`; else an
     error naming the smallest node count, up to the grid's own, at which the planner finds one."""
-    job = _planner_job(cfg, world, gpu)
+    job = planner_job(cfg, world, gpu, top=PLANNER_ROWS)
     if job is not None:
         cfg.use_job(job)
         return
@@ -99,24 +105,24 @@ def _planned(cfg: TrainConfig, world: int, local: int, gpu: bool) -> None:
     tried = sorted({min(most, nodes + 2**k) for k in range(most.bit_length())})  # (a search each: doubling steps)
     # (so the count named is the smallest of those tried, not always the smallest that would do)
     for n in tried:
-        job = _planner_job(cfg, n * local, gpu)
+        job = planner_job(cfg, n * local, gpu, top=PLANNER_ROWS)
         if job is not None:
             raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run "
-                              f"can use; the smallest it finds takes {n} nodes of {local} ({grid_text(job.layout)}): "
+                              f"can use; the smallest it finds takes {n} nodes of {local} ({_text(job.layout)}): "
                               f"start the run on as many, or give grid.fallbacks")
     raise ConfigError(f"the planner found no configuration of {world} ranks that fits and that this run can use; "
                       f"give grid.fallbacks, or set the grid by hand")
 
 
-def _planner_job(cfg: TrainConfig, ranks: int, gpu: bool) -> Job | None:
+def planner_job(cfg: TrainConfig, ranks: int, gpu: bool = False, top: int | None = None) -> Job | None:
+    """The planner's best job on `ranks` GPUs of [hardware] that this run can use (every check of
+    `fourfold train`, the trainer's own options too), of its `top` best rows (None: all); None if none."""
     from fourfold.plan.search import search
 
-    # (the best few: every rank runs this search at a restart, and the first usable is nearly always among them)
-    for candidate in search(cfg.model_config(), ranks, cfg.cluster(), cfg.job(), top=PLANNER_ROWS):
-        trial = dataclasses.replace(cfg, grid=dataclasses.replace(cfg.grid), batch=dataclasses.replace(cfg.batch),
-                                    train=dataclasses.replace(cfg.train), pipeline=dataclasses.replace(cfg.pipeline))
+    for candidate in search(cfg.model_config(), ranks, cfg.cluster(), cfg.job(), top=top):
+        trial = copied(cfg)
         trial.use_job(candidate["job"])
-        if _usable(trial, ranks, gpu):  # the trainer's own options too
+        if _usable(trial, ranks, gpu):
             return candidate["job"]
     return None
 
@@ -134,7 +140,7 @@ def min_nodes(cfg: TrainConfig, nodes: int, gpus_per_node: int, gpu: bool = True
                   and _usable(c, c.layout().world_size, gpu)]
         return min(counts + [nodes])
     for n in sorted({max(1, nodes >> k) for k in range(nodes.bit_length())}):
-        if n == nodes or _planner_job(cfg, n * gpus_per_node, gpu) is not None:
+        if n == nodes or planner_job(cfg, n * gpus_per_node, gpu, top=PLANNER_ROWS) is not None:
             return n
     return nodes
 

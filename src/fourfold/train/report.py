@@ -20,7 +20,7 @@ from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import torch_dtype
-from fourfold.spec.layout import DIMS
+from fourfold.spec.layout import grid_text
 from fourfold.train import metrics
 from fourfold.train.timing import straggler_lines, worst_ranks
 
@@ -155,10 +155,6 @@ def loss_curve(run_dir: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def grid_text(sizes: dict) -> str:
-    return ",".join(f"{d}={sizes.get(d, 1)}" for d in (*DIMS, "ep") if sizes.get(d, 1) > 1) or "dp=1"
 
 
 def start_event(cfg: TrainConfig, source: Path | None, skipped: list[tuple[Path, str]], start: int,

@@ -57,14 +57,17 @@ def timing_record(after: int, steps: int, splits: list[dict[str, float]], where:
     """log.jsonl's record of the steps before `after` (`steps` of them, their mean): the median
     rank's split, the slowest ranks by compute against the median of the other ranks of their
     stage (of every other rank, for a stage of one), and the stragglers (at most STRAGGLERS named)."""
+    compute = [s["compute"] for s in splits]
     by_stage: dict[int, list[int]] = {}
     for rank, stage in enumerate(stages):
         by_stage.setdefault(stage, []).append(rank)
-    over = []
-    for rank, split in enumerate(splits):
-        peers = [r for r in by_stage[stages[rank]] if r != rank] or [r for r in range(len(splits)) if r != rank]
-        centre = statistics.median(splits[r]["compute"] for r in peers) if peers else split["compute"]
-        over.append(split["compute"] / centre - 1 if centre > 0 else 0.0)
+    centre = [0.0] * len(splits)
+    for members in by_stage.values():
+        # a stage of one against every other rank (16,384 ranks: a sort a stage, not a median a rank)
+        for rank, median in _medians_of_the_others(compute, members if len(members) > 1 else range(len(splits))):
+            if len(members) > 1 or rank in members:
+                centre[rank] = median
+    over = [c / m - 1 if m > 0 else 0.0 for c, m in zip(compute, centre)]
     order = sorted(range(len(splits)), key=lambda r: -over[r])
     slowest = [dict(rank=r, **where[r], over_median=round(over[r], 4),
                     **{f: round(splits[r][f], 6) for f in FIELDS}) for r in order[:SLOWEST]]
@@ -73,6 +76,22 @@ def timing_record(after: int, steps: int, splits: list[dict[str, float]], where:
     return dict(timing_after_step=after, steps=steps, median=median, slowest=slowest,
                 stragglers=stragglers[:STRAGGLERS], straggler_count=len(stragglers), straggler_margin=margin,
                 slowest_rank=order[0], slowest_over_median=round(over[order[0]], 4))
+
+
+def _medians_of_the_others(values: list[float], members) -> list[tuple[int, float]]:
+    """(member, median of the other members' values) for each member, from one sort; a member with
+    no other: its own value."""
+    order = sorted(members, key=values.__getitem__)
+    ranked = [values[r] for r in order]
+    n = len(ranked)
+    if n == 1:
+        return [(order[0], ranked[0])]
+
+    def without(k: int, i: int) -> float:  # the i-th smallest once the k-th is left out
+        return ranked[i + (i >= k)]
+
+    m = n - 1
+    return [(r, (without(k, (m - 1) // 2) + without(k, m // 2)) / 2) for k, r in enumerate(order)]
 
 
 def straggler_lines(record: dict) -> list[str]:

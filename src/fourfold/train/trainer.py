@@ -136,7 +136,8 @@ class Trainer:
         self.bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
         self.window: list[dict] = []  # the steps not read yet, their numbers on the device
         self.places = timing.places(grid)  # (rank 0: each rank's host, local rank and coordinates)
-        self.stages = [grid.layout.coords(r)["pp"] for r in range(grid.layout.world_size)]
+        # (rank 0: each rank's pipeline stage, which its compute is compared within)
+        self.stages = [grid.layout.coords(r)["pp"] for r in range(grid.layout.world_size)] if grid.rank == 0 else None
 
     def _load(self) -> tuple[int, int, dict]:
         """(the first step, the first sequence of its batch in the data order, the saved config):
