@@ -11,6 +11,7 @@ the published runs shipped with fourfold (fourfold/plan/data, docs/planner.md, "
    TFLOP/s a GPU, arXiv 2407.21783 Table 4): a check, never fitted.
 
     python benchmarks/planner_calibration.py [--data DIR]   # default: the shipped fourfold/plan/data
+    python benchmarks/planner_calibration.py --residuals megatron_llama31_8b_a100.csv  # one source held out, run by run
 """
 
 from __future__ import annotations
@@ -52,10 +53,32 @@ def llama3_long_context(cal: Calibration) -> list[str]:
     return lines
 
 
+def residuals(runs, source: str) -> None:
+    """Each run of `source` predicted by a fit on the other sources, by group, fastest measured first:
+    measured and predicted seconds and the model's parts (where a held-out error comes from)."""
+    cal = fit([r for r in runs if r.source != source])
+    held = [r for r in runs if r.source == source]
+    if not held:
+        raise SystemExit(f"no run of {source!r}; the sources are {', '.join(sorted({r.source for r in runs}))}")
+    for group in dict.fromkeys(r.group for r in held):
+        print(group)
+        for r in sorted((r for r in held if r.group == group), key=lambda r: r.seconds):
+            job = min(r.jobs, key=lambda j: step_time(r.cfg, j, r.cluster, cal, r.framework, r.traits).total)
+            parts = step_time(r.cfg, job, r.cluster, cal, r.framework, r.traits)
+            g, p = job.layout, parts.total
+            print(f"  dp{g.dp} pp{g.pp} v{job.virtual} cp{g.cp} tp{g.x * g.y * g.z} mb{job.micro_batch}: measured "
+                  f"{r.seconds:8.2f} s, predicted {p:8.2f} ({r.seconds / p - 1:+.0%}); "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in parts.breakdown().items() if v))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DATA), help="the folder of the shipped calibration CSVs")
-    runs = shipped_runs(parser.parse_args().data)
+    parser.add_argument("--residuals", metavar="SOURCE", help="only: SOURCE's runs held out, one by one")
+    args = parser.parse_args()
+    runs = shipped_runs(args.data)
+    if args.residuals:
+        return residuals(runs, args.residuals)
     print(f"{len(runs)} runs from {len({r.source for r in runs})} sources; not priced: "
           + "; ".join(f"rows of {needle} ({why})" for needle, why in NOT_PRICED))
     cal = fit(runs)

@@ -34,7 +34,8 @@ DATA = Path(__file__).resolve().parent / "data"
 # Megatron-LM 2021 predates sequence parallelism.
 SHIPPED = {
     "megatron_llama31_8b_a100.csv": dict(model="llama-3.1-8b", global_batch="1024", recompute="none",
-                                         flops_convention="megatron", cluster="dgx-a100", inter_node_gbs="12.5"),
+                                         flops_convention="megatron", cluster="dgx-a100", inter_node_gbs="12.5",
+                                         virtual="1"),
     "megatron_gpt_a100_scaling.csv": dict(family="gpt2", tied="true", seq_parallel="false", cluster="dgx-a100",
                                           overlap_dp="false", flash_attention="false"),
     # Megatron-Core r0.8.0's H100 table: gradient reduce and parameter gather overlapped, selective
