@@ -27,6 +27,7 @@ from fourfold.plan.calibrate import (
     plan_scores,
     predicted_seconds,
     rule_scores,
+    split_parts,
 )
 from fourfold.plan.constants import UNCALIBRATED, Calibration, Profile, constants
 from fourfold.plan.costs import linear_tflops
@@ -180,6 +181,34 @@ def test_a_profile_refit_keeps_the_software_constants_and_recovers_the_clusters(
     assert abs(predicted_seconds(runs[-1], shipped) / runs[-1].seconds - 1) > 0.05  # (the preset's defaults do not)
 
 
+def test_a_fit_puts_the_time_where_the_recorded_split_measured_it():
+    """Runs on a cluster of the user's own whose links are slow (made by the shipped constants with
+    that profile): from the step times alone the profile-only fit can blame the GEMMs or the links;
+    with the runs' recorded splits (`fourfold train`'s timing: compute, data-parallel, the layers'
+    and the pipeline's waits; `split_parts`) it puts each part's time where the run measured it."""
+    shipped = Calibration()
+    mine = dataclasses.replace(make_cluster("dgx-h100"), name="my-h100")
+    truth = dataclasses.replace(shipped, profiles=(*shipped.profiles, Profile("my-h100", 0.6, 250, 0.25, 0.4)))
+    cfg = load_config("llama-3.1-8b")
+    runs = []
+    for tp, cp, pp, mb, world in [(8, 1, 1, 2, 16), (2, 2, 2, 1, 32)]:
+        job = Job(Layout(dp=world // (tp * cp * pp), pp=pp, cp=cp, y=tp), global_batch=256, micro_batch=mb,
+                  seq=16384, seq_parallel=True, precision="bf16")
+        p = perf.step_time(cfg, job, mine, truth, MEGATRON)
+        split = (("compute", p.compute + p.optimizer), ("dp", p.dp_comm), ("tensor", p.exposed_comm), ("cp", 0.0),
+                 ("ep", 0.0), ("pipeline", p.bubble + p.tied_embedding))
+        runs.append(dataclasses.replace(make_run(cfg, job, mine, MEGATRON, 1.0, "made"), seconds=p.total, split=split))
+    timed = fit(runs, start=shipped, software=False)
+    untimed = fit([dataclasses.replace(r, split=None) for r in runs], start=shipped, software=False)
+
+    def layers_error(cal):  # the layers' exposed collectives, model against measured
+        return max(abs(model / measured - 1) for r in runs for part, measured, model in split_parts(r, cal)
+                   if part == "layers")
+
+    assert all(predicted_seconds(r, c) == pytest.approx(r.seconds, rel=0.01) for r in runs for c in (timed, untimed))
+    assert layers_error(timed) < 0.05 < 0.2 < layers_error(untimed), (layers_error(timed), layers_error(untimed))
+
+
 COLUMNS = ["model", "gpu", "gpus_per_node", "cluster", "inter_node_gbs", "seq", "tp", "cp", "pp", "dp", "micro_batch",
            "global_batch", "measured_tflops_per_gpu", "flops_convention", "outcome"]
 
@@ -265,7 +294,10 @@ def test_a_run_directory_gives_its_job_and_median_step(tmp_path, capsys):
     assert main(args) == 0
     constants = len(HARDWARE_KNOBS)  # `--refit profile`, the default: the cluster's profile only
     out = capsys.readouterr().out
-    assert f"3 runs for {constants} constants: the fit is underdetermined" in out
+    assert f"3 runs (4 recorded parts of steps) for {constants} constants" not in out  # c's parts: 7 measurements
+    assert main(args[:3] + args[4:]) == 0  # a and b: step times only
+    assert f"2 runs (0 recorded parts of steps) for {constants} constants: the fit is underdetermined" in (
+        capsys.readouterr().out)
     assert re.search(r"^c +measured +1\.100 +0\.200 +0\.200 +0\.000$", out, re.M), out
     assert re.search(r"^c +model +\d+\.\d{3} +\d+\.\d{3} +\d+\.\d{3} +0\.000$", out, re.M), out
     _run_dir(tmp_path / "bare", {"dp": 2}, [1.0, 1.0], checkpoint=False)

@@ -309,7 +309,7 @@ NO_FIT = 3
 
 def _calibrate(args) -> int:
     """`fourfold calibrate`: fit the constants to the runs given, cross-validate, write the JSON."""
-    from fourfold.plan.calibrate import calibrate, comparison, knobs, split_table
+    from fourfold.plan.calibrate import calibrate, comparison, knobs, split_parts, split_table
     from fourfold.plan.measured import read_csv, read_run_dir, shipped_runs
 
     machine = (args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
@@ -338,9 +338,10 @@ def _calibrate(args) -> int:
     if split:
         print(split)
     fitted = len(knobs(runs, software))
-    if len(runs) <= fitted:
-        print(f"{len(runs)} runs for {fitted} constants: the fit is underdetermined; add runs (other grids, "
-              f"micro-batches, GPU counts)")
+    parts = sum(len(split_parts(r, cal)) for r in runs)  # a recorded split is one measurement a part
+    if len(runs) + parts <= fitted:
+        print(f"{len(runs)} runs ({parts} recorded parts of steps) for {fitted} constants: the fit is "
+              f"underdetermined; add runs (other grids, micro-batches, GPU counts), timed by `fourfold train`")
     print(f"wrote {args.output}: use it with plan/estimate --calibrate {args.output}")
     return 0
 

@@ -18,17 +18,39 @@ import numpy as np
 
 from fourfold.plan.constants import UNCALIBRATED, Calibration, Profile
 from fourfold.plan.measured import Run
-from fourfold.plan.perf import model_flops_per_token, step_time
+from fourfold.plan.perf import StepTime, model_flops_per_token, step_time
 from fourfold.plan.search import rank
 
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
-def predicted_seconds(run: Run, cal: Calibration) -> float:
-    """The model's step time for `run` (the fastest of its possible micro-batches and stages); a run
-    that says whether it overlapped the data-parallel collectives sets the overlaps."""
+def predicted_step(run: Run, cal: Calibration) -> StepTime:
+    """The model's step for `run` (the fastest of its possible micro-batches and stages); a run that
+    says whether it overlapped the data-parallel collectives sets the overlaps."""
     if run.overlap_dp is not None:
         overlap = float(run.overlap_dp)
         cal = replace(cal, dp_overlap=overlap, param_gather_overlap=overlap)
-    return min(step_time(run.cfg, job, run.cluster, cal, run.framework, run.traits).total for job in run.jobs)
+    return min((step_time(run.cfg, job, run.cluster, cal, run.framework, run.traits) for job in run.jobs),
+               key=lambda t: t.total)
+
+
+def predicted_seconds(run: Run, cal: Calibration) -> float:
+    return predicted_step(run, cal).total
+
+
+# A measured part of a step under this share of it is timer noise to a fit on logs: parts are
+# compared at no less than it
+SPLIT_FLOOR = 0.02
+
+
+def split_parts(run: Run, cal: Calibration) -> list[tuple[str, float, float]]:
+    """(part, measured, model) seconds a step of a run that recorded its split (`Run.split`): compute
+    (with the optimizer's update), the data-parallel waits, the layers' collectives (tensor, cp,
+    ep) and the pipeline's waits (its bubble and tied embedding); [] for a run without one."""
+    if not run.split:
+        return []
+    m, p = dict(run.split), predicted_step(run, cal)
+    return [("compute", m["compute"], p.compute + p.optimizer), ("dp", m["dp"], p.dp_comm),
+            ("layers", m["tensor"] + m["cp"] + m["ep"], p.exposed_comm),
+            ("pipeline", m["pipeline"], p.bubble + p.tied_embedding)]
 
 
 # ----- the fit -------------------------------------------------------------------------------------
@@ -97,9 +119,18 @@ def knobs(runs: list[Run], software: bool = True) -> list[tuple[str | None, Knob
     return [(None, k) for k in SOFTWARE_KNOBS] + [(c, k) for c in clusters for k in HARDWARE_KNOBS]
 
 
+def residuals(run: Run, cal: Calibration) -> list[float]:
+    """log(predicted / measured) of the run's step time and, where it recorded its split, of each
+    part (`split_parts`, each taken at no less than SPLIT_FLOOR of the step): a user's timed runs
+    tell the fit which constant a step's error belongs to (GEMMs, the links inside or across nodes)."""
+    floor = SPLIT_FLOOR * run.seconds
+    return [math.log(predicted_seconds(run, cal) / run.seconds)] + [
+        math.log(max(model, floor) / max(measured, floor)) for _, measured, model in split_parts(run, cal)]
+
+
 def log_errors(runs: list[Run], cal: Calibration) -> np.ndarray:
-    """log(predicted / measured) step time of each run."""
-    return np.array([math.log(predicted_seconds(r, cal) / r.seconds) for r in runs])
+    """The residuals (`residuals`) of every run, one after another."""
+    return np.array([e for r in runs for e in residuals(r, cal)])
 
 
 def _calibration(start: Calibration, fitted: list[tuple[str | None, Knob]], theta) -> Calibration:
@@ -131,10 +162,13 @@ def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, toler
              for r in runs}
     theta = np.clip([k.coordinate(getattr(start, k.name) if c is None else first[c][k.name]) for c, k in fitted],
                     low, high)
-    # a cluster's constants move only its own runs' times: their derivatives elsewhere are zero
-    moves = [np.arange(len(runs)) if c is None else np.array([j for j, run in enumerate(runs) if run.cluster.name == c])
-             for c, _ in fitted]
+    # a cluster's constants move only its own runs' residuals: their derivatives elsewhere are zero
     r = log_errors(runs, calibration(theta))
+    ends = np.cumsum([len(residuals(run, calibration(theta))) for run in runs])
+    rows = [np.arange(end - len(residuals(run, calibration(theta))), end) for run, end in zip(runs, ends)]
+    moves = [list(range(len(runs))) if c is None else [j for j, run in enumerate(runs) if run.cluster.name == c]
+             for c, _ in fitted]
+    moved_rows = [np.concatenate([rows[j] for j in m]) if m else np.array([], int) for m in moves]
     cost, damping = r @ r, 1e-2
     steps = 1e-4 * (high - low)
     for _ in range(iterations):
@@ -143,8 +177,8 @@ def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, toler
             h = -h if theta[i] + h > high[i] else h
             moved = theta.copy()
             moved[i] += h
-            column = np.zeros(len(runs))
-            column[moves[i]] = (log_errors([runs[j] for j in moves[i]], calibration(moved)) - r[moves[i]]) / h
+            column = np.zeros(len(r))
+            column[moved_rows[i]] = (log_errors([runs[j] for j in moves[i]], calibration(moved)) - r[moved_rows[i]]) / h
             columns.append(column)
         jacobian = np.column_stack(columns)
         a, g = jacobian.T @ jacobian, jacobian.T @ r
@@ -313,11 +347,8 @@ def split_table(runs: list[Run], cal: Calibration) -> str | None:
         return None
     lines = [f"{'run':<24} {'':<9} {'compute':>8} {'dp':>8} {'layers':>8} {'pipeline':>8}"]
     for r in timed:
-        m = dict(r.split)
-        p = step_time(r.cfg, r.jobs[0], r.cluster, cal, r.framework, r.traits)
-        measured = (m["compute"], m["dp"], m["tensor"] + m["cp"] + m["ep"], m["pipeline"])
-        model = (p.compute + p.optimizer, p.dp_comm, p.exposed_comm, p.bubble + p.tied_embedding)
-        for what, values in (("measured", measured), ("model", model)):
+        parts = split_parts(r, cal)
+        for what, values in (("measured", [m for _, m, _ in parts]), ("model", [p for _, _, p in parts])):
             lines.append(f"{r.source[:24]:<24} {what:<9} " + " ".join(f"{v:8.3f}" for v in values))
     lines.append("seconds a step: the median rank's (log.jsonl's timing records) against the fitted model's; "
                  "layers: the tensor-, context- and expert-parallel collectives that compute does not hide")
