@@ -1,5 +1,6 @@
 """A small Llama training step (forward, backward, AdamW) on the same ranks: fourfold data
-parallelism (ZeRO-1), fourfold 3D grids with overlap off and on, torch DDP and torch FSDP2.
+parallelism (ZeRO-1, its parameter all-gather waited at the update or left in flight behind the
+next forward), fourfold 3D grids with overlap off and on, torch DDP and torch FSDP2.
 
 Run: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 benchmarks/train_step.py [--repeat 5]
 """
@@ -28,10 +29,10 @@ CFG = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, v
                   tied=False, eps=1e-5)
 
 
-def fourfold_step(layout: Layout, overlap: OverlapOptions, ids: torch.Tensor):
+def fourfold_step(layout: Layout, overlap: OverlapOptions, ids: torch.Tensor, overlap_gather: bool = True):
     grid = Grid(layout)
     model = Transformer(grid, CFG, TensorOptions(overlap=overlap), seed=0)
-    opt = AdamW(GradientSync(model, grid), lr=1e-3)
+    opt = AdamW(GradientSync(model, grid), lr=1e-3, overlap_gather=overlap_gather)
     c = grid.coords
     local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
 
@@ -74,14 +75,15 @@ def main() -> None:
     ids = torch.randint(0, CFG.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     off = OverlapOptions(False, False, False)
     rows = []
-    for label, layout, overlap in [
-        (f"fourfold dp={world} (ZeRO-1)", Layout(dp=world), OverlapOptions()),
-        ("fourfold dp2 x2 z2, overlap off", Layout(dp=2, x=2, z=2), off),
-        ("fourfold dp2 x2 z2, overlap on", Layout(dp=2, x=2, z=2), OverlapOptions()),
-        ("fourfold dp2 y2 z2, overlap off", Layout(dp=2, y=2, z=2), off),
-        ("fourfold dp2 y2 z2, overlap on", Layout(dp=2, y=2, z=2), OverlapOptions()),
+    for label, layout, overlap, gather in [
+        (f"fourfold dp={world} (ZeRO-1), gather waited", Layout(dp=world), OverlapOptions(), False),
+        (f"fourfold dp={world} (ZeRO-1), gather hidden", Layout(dp=world), OverlapOptions(), True),
+        ("fourfold dp2 x2 z2, overlap off", Layout(dp=2, x=2, z=2), off, False),
+        ("fourfold dp2 x2 z2, overlap on", Layout(dp=2, x=2, z=2), OverlapOptions(), True),
+        ("fourfold dp2 y2 z2, overlap off", Layout(dp=2, y=2, z=2), off, False),
+        ("fourfold dp2 y2 z2, overlap on", Layout(dp=2, y=2, z=2), OverlapOptions(), True),
     ]:
-        step, grid = fourfold_step(layout, overlap, ids)
+        step, grid = fourfold_step(layout, overlap, ids, gather)
         seconds = best_time(step, args.repeat)
         grid.ledger.reset()
         step()

@@ -70,6 +70,7 @@ class OptimizerSection:
     beta2: float = 0.95  # AdamW's second-moment decay
     clip: float = 1.0  # the global gradient norm is clipped to this (0: no clipping)
     zero1: bool = True  # shard the optimizer state over the data-parallel ranks (ZeRO-1)
+    overlap_param_gather: bool = True  # ZeRO-1's parameter all-gather behind the next forward, bucket by bucket
 
 
 

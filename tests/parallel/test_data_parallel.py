@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fourfold.models.config import ModelConfig
+from fourfold.parallel import comm, data
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.optimizer import AdamW
@@ -27,14 +28,40 @@ def _batches(cfg):
     return [torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS * ACCUMULATE)]
 
 
+class _GathersRunWhenWaited:
+    """fourfold.parallel.data's `comm` with its async all-gathers run only when waited: a parameter
+    read before its bucket's gather is waited for then reads the old value, whatever the timing."""
+
+    def __getattr__(self, name):
+        return getattr(comm, name)
+
+    @staticmethod
+    def all_gather(tensor, group, dim=0, async_op=False, out=None):
+        if not async_op:
+            return comm.all_gather(tensor, group, dim, out=out)
+        return comm.Pending((), lambda: comm.all_gather(tensor, group, dim, out=out))
+
+
 def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOptions(), recompute="none", compile=False,
-           decay_vectors=False):
+           decay_vectors=False, overlap_gather=False):
+    if overlap_gather:
+        data.comm = _GathersRunWhenWaited()  # (this rank process's; put back below)
+    try:
+        return _steps(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap, recompute, compile, decay_vectors,
+                      overlap_gather)
+    finally:
+        data.comm = comm
+
+
+def _steps(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap, recompute, compile, decay_vectors,
+           overlap_gather):
     layout = Layout(**sizes)
     grid = Grid(layout)
     opts = TensorOptions(dtype=torch.float64, seq_parallel=seq_parallel, overlap=overlap, compile=compile)
     model = Transformer(grid, cfg, opts, seed=5, std=0.3, recompute=recompute)
     sync = GradientSync(model, grid, shard=shard, bucket_mb=bucket_mb)
-    opt = AdamW(sync, lr=1e-2, weight_decay=0.1, decay_vectors=decay_vectors, clip_norm=clip)
+    opt = AdamW(sync, lr=1e-2, weight_decay=0.1, decay_vectors=decay_vectors, clip_norm=clip,
+                overlap_gather=overlap_gather)
     c = grid.coords
     norms = []
     for step in range(STEPS):
@@ -45,6 +72,7 @@ def _train(cfg, sizes, shard, clip, seq_parallel, bucket_mb, overlap=OverlapOpti
             (model(local[:, :-1], local[:, 1:]).sum() / (ACCUMULATE * ids[:, 1:].numel())).backward()
         opt.step()
         norms.append(opt.last_norm)
+    sync.flush()  # (read outside a forward)
     sent = grid.ledger.bytes()
     return full_weights(model), norms, sent
 
@@ -109,6 +137,21 @@ def test_every_overlap_switch_changes_nothing(ranks, serial, recompute):
         _assert_equal(CFG, (weights, norms), serial[(CFG.family, 0.5)])
         sent.append(ledger)
     assert all(s == sent[0] for s in sent[1:])
+
+
+@pytest.mark.parametrize("sizes", [dict(dp=2, x=2, z=2), dict(dp=4, y=2)], ids=["dp2,x2,z2", "dp4,y2"])
+def test_the_parameter_gather_left_in_flight_changes_nothing(ranks, serial, sizes):
+    """AdamW(overlap_gather=True) (optimizer.overlap_param_gather): each bucket's updated parameters
+    are all-gathered behind the next forward, waited by the modules that use them (and by the z
+    weights' prefetch): the steps equal the serial run's and send the same bytes as the gather waited
+    at once; many small buckets (1 kB), so forwards wait on gathers of their own, each gather run
+    only when waited (`_GathersRunWhenWaited`: a read before its wait fails the test every time)."""
+    for cfg, clip, seq_parallel in [(CFG, 0.5, False), (GPT, None, True)]:
+        runs = [ranks.run(_train, 8, cfg, sizes, True, clip, seq_parallel, 0.001, OverlapOptions(), "none", False,
+                          False, overlap)[0] for overlap in (False, True)]
+        for weights, norms, _ in runs:
+            _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
+        assert runs[0][2] == runs[1][2]
 
 
 def test_compiled_norms_rope_and_activations_change_nothing(ranks, serial):

@@ -191,7 +191,9 @@ def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True
     the local tensors: nothing is copied or gathered. `replicas`: the ranks holding the same
     parameters (dp*cp; an expert's replicas for its weights); each offers only those assigned to it
     among its replicas (`params.assigned_by_group`), so none plans, stages or sends a chunk DCP would
-    drop as another replica's duplicate."""
+    drop as another replica's duplicate. The parameters' all-gathers in flight end first."""
+    if opt is not None:
+        opt.sync.flush()
     layouts = params.layouts(module)
     out = []
     if model:

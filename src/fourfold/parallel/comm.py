@@ -129,13 +129,19 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False):
-    """Concatenate every rank's `tensor` along `dim`, in group-rank order (a contiguous result)."""
+def all_gather(tensor: torch.Tensor, group: Group, dim: int = 0, async_op: bool = False,
+               out: torch.Tensor | None = None):
+    """Concatenate every rank's `tensor` along `dim`, in group-rank order (a contiguous result).
+    `out`: a flat tensor of group.size times a 1-D `tensor`'s elements to gather into (the result)."""
+    if out is not None and (tensor.dim() != 1 or out.shape != (group.size * tensor.numel(),)):
+        raise ValueError(f"all_gather into a buffer takes a 1-D tensor and a buffer of {group.size} times its "
+                         f"elements; got {tuple(tensor.shape)} into {tuple(out.shape)}")
     if group.size == 1:
-        return Pending.done(tensor) if async_op else tensor
+        result = tensor if out is None else out.copy_(tensor)
+        return Pending.done(result) if async_op else result
     dim %= tensor.dim()
     tensor = tensor.contiguous()
-    out = tensor.new_empty((group.size, *tensor.shape))
+    out = tensor.new_empty((group.size, *tensor.shape)) if out is None else out.view(group.size, -1)
     group._record("all_gather", out)
     # gloo wants flat buffers for the single-tensor form.
     with group.blocking(async_op):

@@ -11,7 +11,15 @@ Memory (as Megatron's distributed optimizer): once the buckets are known, each o
 buffer and its parameters' accumulators are views into it, so a bucket is reduced in place (the
 reduce-scatter writes this rank's shard over its own slice); the optimizer (fourfold.parallel.optimizer)
 reads the reduced shard there and `release` zeroes the buffer for the next step. No copy of the
-gradients is ever made.
+gradients is ever made. With ZeRO-1 the parameters too are views of one flat buffer a bucket, in
+their own dtype, into which the updated shards are all-gathered (`set_params`): no copy either.
+
+The parameter all-gather can be hidden (`set_params(..., overlap=True)`, Megatron's
+overlap_param_gather, FSDP2's prefetch): each bucket's gather is launched after the update in
+forward order (the last bucket filled in backward holds the first layers), and a module's forward
+waits only for the buckets of its own parameters (a forward pre-hook; a z weight's prefetch waits
+for its bucket too), so the gathers run behind the layers before them. Whatever reads parameters
+outside a forward (a checkpoint, a pipeline's tied copy) calls `wait_for` or `flush` first.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ class Bucket:
     pending: Pending | None = None
     reduced: torch.Tensor | None = None  # this rank's shard (ZeRO-1) or the whole bucket
     buffer: torch.Tensor | None = None  # the accumulators, padded to the group (main_grads are views)
+    weights: torch.Tensor | None = None  # ZeRO-1: the parameters, padded to the group (they are views)
+    gathering: Pending | None = None  # the updated parameters' all-gather in flight
 
     def padded(self) -> int:
         return -(-self.numel // self.group.size) * self.group.size
@@ -76,10 +86,16 @@ class GradientSync:
         self.main_grads = {p: torch.zeros_like(p, dtype=at_least_fp32(p.dtype)) for p in self.params}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
-        # Deferred weight gradients land after autograd's hooks have run (fourfold.parallel.overlap).
+        # Deferred weight gradients land after autograd's hooks have run (fourfold.parallel.overlap);
+        # a prefetched z weight block is gathered from its parameter once that is up to date.
         for layer in model.modules():  # (a tied head's copy on the last stage, a buffer, keeps its own: vocab.py)
             if isinstance(layer, ParallelLinear) and isinstance(layer.weight, nn.Parameter):
                 layer.overlap.on_grad_landed = self._on_grad
+                layer.overlap.before_read = self.wait_for
+        for module in model.modules():  # a forward waits for its own parameters' gathers (`set_params`)
+            if next(module.parameters(recurse=False), None) is not None:
+                module.register_forward_pre_hook(self._before_forward)
+        self._gathering: dict[int, Bucket] = {}  # parameter id -> its bucket, while its gather is in flight
         # Groups are created collectively by every rank; pipeline stages hold different
         # parameters, so each rank creates every group a bucket might use, now, in one order.
         for r in range(4):
@@ -137,13 +153,21 @@ class GradientSync:
             bucket.pending = comm.all_reduce(bucket.buffer, bucket.group, async_op=True)
 
     def _allocate_buffer(self, bucket: Bucket) -> None:
-        """Move the bucket's accumulators into one flat buffer (after the traced backward)."""
+        """Move the bucket's accumulators into one flat buffer (after the traced backward), and with
+        ZeRO-1 its parameters into another, in their dtype (the all-gather's output)."""
         first = self.main_grads[bucket.params[0]]
         bucket.buffer = torch.zeros(bucket.padded(), dtype=first.dtype, device=first.device)
+        if self.shard:
+            param = bucket.params[0]
+            bucket.weights = torch.zeros(bucket.padded(), dtype=param.dtype, device=param.device)
         for p, _, numel, at in bucket.segments(0, bucket.numel):  # whole parameters
             view = bucket.buffer[at : at + numel].view_as(p)
             view.copy_(self.main_grads[p])
             self.main_grads[p] = view  # the old accumulator is freed here, one bucket at a time
+            if self.shard:
+                weights = bucket.weights[at : at + numel].view_as(p)
+                weights.copy_(p.detach())
+                p.data = weights  # (the same Parameter: hooks, optimizer and layers keep it)
 
     def finish(self) -> list[Bucket]:
         """Launch what is left and wait for every bucket; `bucket.reduced` is then its reduced
@@ -165,6 +189,45 @@ class GradientSync:
             bucket.pending = None
         self._arrived.clear()
         return self.buckets
+
+    @torch.no_grad()
+    def set_params(self, masters: list[torch.Tensor], overlap: bool = False) -> None:
+        """The parameters := the updated fp32 `masters` (one a bucket: this rank's shard with ZeRO-1,
+        all-gathered into the bucket's parameters in their dtype, half the bytes of fp32 for bf16).
+        `overlap`: the gathers are left in flight, in forward order; each module's forward waits for
+        its own (the class docstring)."""
+        self.flush()
+        for bucket, master in reversed(list(zip(self.buckets, masters))):  # the first layers' bucket first
+            if not self.shard:
+                for p, _, numel, at in bucket.segments(0, bucket.numel):  # whole parameters
+                    p.copy_(master[at : at + numel].view_as(p))
+                continue
+            pending = comm.all_gather(master.to(bucket.weights.dtype), bucket.group, async_op=True, out=bucket.weights)
+            if overlap:
+                bucket.gathering = pending
+                self._gathering.update((id(p), bucket) for p in bucket.params)
+            else:
+                pending.wait()
+
+    def wait_for(self, params) -> None:
+        """Finish the all-gathers in flight of these parameters' buckets (a parameter or an iterable)."""
+        if not self._gathering:
+            return
+        for p in [params] if isinstance(params, torch.Tensor) else params:
+            bucket = self._gathering.get(id(p))
+            if bucket is not None:
+                bucket.gathering.wait()
+                bucket.gathering = None
+                for q in bucket.params:
+                    del self._gathering[id(q)]
+
+    def flush(self) -> None:
+        """Finish every parameter all-gather in flight (before parameters are read outside a forward)."""
+        self.wait_for([b.params[0] for b in self.buckets if b.gathering is not None])
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        if self._gathering:
+            self.wait_for(module.parameters(recurse=False))
 
     @staticmethod
     def release(bucket: Bucket) -> None:

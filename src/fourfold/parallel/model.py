@@ -88,7 +88,7 @@ class Model:
         """Forward and backward of this rank's micro-batches; returns its share of the mean loss
         (each micro-batch's summed token losses times `scale`)."""
         if self.pipeline is not None:
-            return self.pipeline.step(*batch, scale=scale)
+            return self.pipeline.step(*batch, scale=scale, ready=sync.wait_for)
         total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
         chunks = [t.chunk(self.microbatches) if t is not None else [None] * self.microbatches for t in batch]
         for m, (x, y, d) in enumerate(zip(*chunks)):

@@ -2,7 +2,8 @@
 (ZeRO-1) or replicated, with exact global-norm clipping.
 
 With ZeRO-1 each rank updates its shard of each reduced bucket (fourfold.parallel.data) and the
-updated parameters are all-gathered. The update is torch's fused AdamW kernel over all shards at
+updated parameters are all-gathered, in their dtype, into the bucket's parameter buffer; with
+`overlap_gather` the gathers stay in flight behind the next forward (`GradientSync.set_params`). The update is torch's fused AdamW kernel over all shards at
 once (`torch.optim.adamw.adamw(fused=True)`, CPU and CUDA). Whether a step is skipped (a
 non-finite gradient norm or loss) is decided on the device, so a step needs no host sync. The
 global norm counts every element once: each is weighted by 1/(number of ranks holding it), from
@@ -35,9 +36,12 @@ class AdamW:
 
     def __init__(self, sync: GradientSync, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, decay_vectors: bool = False, clip_norm: float | None = None,
-                 skip_non_finite: bool = True):
+                 skip_non_finite: bool = True, overlap_gather: bool = False):
         self.sync, self.lr, self.betas, self.eps, self.wd, self.clip = sync, lr, betas, eps, weight_decay, clip_norm
         self.decay_vectors = decay_vectors
+        # True: step returns with the updated parameters' all-gathers in flight, each waited by the
+        # first forward that uses it (GradientSync.set_params); read them otherwise after sync.flush()
+        self.overlap_gather = overlap_gather
         # False: update even from a non-finite gradient (it then reaches the moments); for callers
         # whose values are not real (FakeTensorMode), which need no check.
         self.skip_non_finite = skip_non_finite
@@ -127,6 +131,7 @@ class AdamW:
         changes (master weights, moments, step count) when the global norm is not finite (a
         finite loss can still overflow a gradient: inf * 0 would write NaN into the Adam moments)
         or `loss_finite` is False."""
+        self.sync.flush()  # (the last step's gathers read the master weights updated below)
         buckets = self.sync.finish()
         if not self.state:  # (and a checkpoint's, when resuming) from the first step on, skipped or not
             self._init_state(buckets)
@@ -149,11 +154,7 @@ class AdamW:
               [], [s["step"] for s in self.state], fused=True, amsgrad=False, beta1=b1, beta2=b2, lr=self.lr,
               weight_decay=0.0, eps=self.eps, maximize=False,
               found_inf=(~updated).float() if self.skip_non_finite else None)
-        for bucket, s in zip(buckets, self.state):
+        for bucket in buckets:
             self.sync.release(bucket)
-            # Gather in the parameters' dtype: half the bytes of fp32 for bf16 parameters.
-            dtype = bucket.params[0].dtype
-            full = comm.all_gather(s["master"].to(dtype), bucket.group) if self.sync.shard else s["master"]
-            for p, _, numel, at in bucket.segments(0, bucket.numel):  # whole parameters
-                p.copy_(full[at : at + numel].view_as(p))
+        self.sync.set_params([s["master"] for s in self.state], overlap=self.overlap_gather)
         return updated

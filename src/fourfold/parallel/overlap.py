@@ -36,13 +36,15 @@ class Overlapper:
 
     def __init__(self, options: OverlapOptions, z: Group):
         self.options, self.z = options, z
-        self._order: list = []  # (matrix, shard) in the order of the previous pass
+        self._order: list = []  # the linear layers in the order of the previous pass's gathers
         self._calls: list = []
         self._ahead: tuple[int, object, Pending] | None = None
         self._deferred: list[tuple[torch.Tensor, Pending]] = []
         self._callback_queued = False
         self._tracing = False  # prefetching starts once a model announces its passes
         self.on_grad_landed: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        # called with a weight shard before its prefetch reads it (GradientSync: its all-gather in flight)
+        self.before_read: Callable[[torch.Tensor], None] | None = None
 
     # ----- weight gathers --------------------------------------------------------------------
     def new_pass(self) -> None:
@@ -53,20 +55,26 @@ class Overlapper:
         if self._calls:
             self._order, self._calls = self._calls, []
 
-    def gather(self, matrix, shard: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer, shard: torch.Tensor) -> torch.Tensor:
+        """The weight block of `layer` (a ParallelLinear) from `shard`, its z shard (its weight, or
+        the weight saved for backward). The prefetch reads the next layer's weight as it is now: a
+        tensor kept from an earlier pass may alias a storage since replaced (GradientSync's buffers)."""
+        matrix = layer.matrix
         if not (self.options.prefetch_weights and self._tracing) or self.z.size == 1:
             return matrix.gather_block(shard)
         index = len(self._calls)
-        self._calls.append((matrix, shard))
-        if self._ahead is not None and self._ahead[0] == index and self._ahead[1] is matrix:
+        self._calls.append(layer)
+        if self._ahead is not None and self._ahead[0] == index and self._ahead[1] is layer:
             block = matrix.unpad(self._ahead[2].wait())
             self._ahead = None
         else:  # first pass, or the graph changed: gather now
             self._discard_ahead()
             block = matrix.gather_block(shard)
         if index + 1 < len(self._order):
-            following, following_shard = self._order[index + 1]
-            self._ahead = (index + 1, following, comm.all_gather(following_shard.detach(), self.z, async_op=True))
+            following = self._order[index + 1]
+            if self.before_read is not None:
+                self.before_read(following.weight)
+            self._ahead = (index + 1, following, comm.all_gather(following.weight.detach(), self.z, async_op=True))
         return block
 
     def _discard_ahead(self) -> None:

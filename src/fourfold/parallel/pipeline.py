@@ -20,6 +20,8 @@ copy of the optimizer state, and the gradient's transfer hides behind the pipeli
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -187,13 +189,17 @@ class Pipeline:
         return loss + moe.balance_loss(sums[0], sums[1], self.rows, self.grid, coef) / self.microbatches
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None, *,
-             scale: float) -> torch.Tensor:
+             scale: float, ready: Callable[[nn.Parameter], None] | None = None) -> torch.Tensor:
         """`documents` (`block.document_ids` of the inputs): attention within each document; the
-        schedule cuts them into micro-batches and hands each stage's forward its micro-batch's."""
+        schedule cuts them into micro-batches and hands each stage's forward its micro-batch's.
+        `ready`: waits for a parameter's all-gather in flight (`GradientSync.wait_for`), before the
+        tied table is read outside a forward."""
         if targets.shape != self.batch_shape:
             raise ValueError(f"this pipeline was built for local batches of shape {tuple(self.batch_shape)} "
                              f"({self.microbatches} micro-batches); got {tuple(targets.shape)}")
         self._scale = scale
+        if self.tied and self.has_first and ready is not None:
+            ready(self.models[0].embed.weight)
         self._set_copy()
         self._forwards = 0
         for model in self.models:  # one step of the schedule is the unit whose weight gathers repeat

@@ -271,19 +271,21 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     m = s.microbatches
     # Interleaved 1F1B (Narayanan et al. 2021): the bubble is (p-1)/v micro-batch times.
     bubble = (s.pp - 1) / s.virtual * (micro_compute + micro_comm)
-    dp_comm = _dp_exposed(cfg, s, cluster, k, c, micro_compute)
+    dp_comm = _dp_exposed(cfg, s, cluster, k, c, micro_compute, framework)
     flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.world_size
     tied = framework.tied_seconds(cfg, s, cluster, k, bubble) if cfg.tied and s.pp > 1 else 0.0
     return StepTime(m * micro_compute, m * micro_comm, bubble, dp_comm, c.optimizer, flops, tied)
 
 
 def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Compute,
-                micro_compute: float) -> float:
+                micro_compute: float, framework: Framework = FOURFOLD) -> float:
     """Data-parallel gradients (fp32) over dp*cp: the reduce-scatter, then the parameter all-gather
     after the update. Both runtimes launch each gradient bucket as soon as it is final in the last
     micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the fraction
-    `dp_overlap` of the reduce-scatter can hide behind that backward (2/3 of its compute); Megatron's
-    overlap_param_gather hides the all-gather behind the next step's first forward (1/3)."""
+    `dp_overlap` of the reduce-scatter can hide behind that backward (2/3 of its compute); the
+    all-gather hides behind the next step's first forward (1/3): fourfold's whole (each bucket waited
+    by the first layer using it, `GradientSync.set_params`), Megatron's as overlap_param_gather says
+    (`param_gather_overlap`)."""
     g = s.dp * s.cp
     if g == 1:
         return 0.0
@@ -298,4 +300,4 @@ def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Co
         reduce += float(bytes_sent("reduce_scatter", size, 4 * params)) / bw
         gather += float(bytes_sent("all_gather", size, s.element_bytes * params)) / bw
     return (exposed(reduce, micro_compute * 2 / 3, k.dp_overlap)
-            + exposed(gather, micro_compute / 3, k.param_gather_overlap))
+            + exposed(gather, micro_compute / 3, 1.0 if framework.hides_param_gather else k.param_gather_overlap))

@@ -100,7 +100,8 @@ class Trainer:
         self.sync = GradientSync(self.model.module, grid, shard=cfg.optimizer.zero1)
         o = cfg.optimizer
         self.opt = AdamW(self.sync, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-                         decay_vectors=o.decay_norms_and_biases, clip_norm=o.clip or None)
+                         decay_vectors=o.decay_norms_and_biases, clip_norm=o.clip or None,
+                         overlap_gather=o.overlap_param_gather)
         # Ranks holding the same parameters share their loads and saves: the dp*cp ranks, and for an
         # expert's weights under expert parallelism its replicas
         self.replicas = Replicas.of_grid(grid)
@@ -234,6 +235,7 @@ class Trainer:
 
     def evaluate(self, done: int) -> None:
         """The held-out loss after `done` steps, through the pipeline stages when there are."""
+        self.sync.flush()  # (a pipeline's tied copy reads its table outside a forward)
         held_out = evaluate(self.model, self.loader.held_out(), self.cfg.batch.seq,
                             max(1, self.cfg.batch.micro_batch // self.grid.size("z")), self.cfg.train.eval_tokens,
                             self.end_of_document)

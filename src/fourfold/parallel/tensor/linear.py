@@ -253,7 +253,7 @@ class ParallelLinear(ParallelModule):
             self.bias.zero_()  # GPT-2 starts biases at 0
 
     def gather_weight(self, shard: torch.Tensor) -> torch.Tensor:
-        return self.overlap.gather(self.matrix, shard)
+        return self.overlap.gather(self, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _Linear3D.apply(x, self.weight, self)

@@ -39,6 +39,7 @@ VIRTUALS = (2, 4)  # interleaved stages per pipeline rank the search tries
 class Fourfold(Framework):
     name = "fourfold"
     keeps_gathered_inputs = True
+    hides_param_gather = True  # GradientSync.set_params(overlap=True), the trainer's default
 
     def problems(self, cfg: ModelConfig, job: Job) -> list[Problem]:
         return problems(cfg, job, gpu=True)
