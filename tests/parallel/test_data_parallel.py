@@ -106,8 +106,14 @@ GRIDS = [dict(dp=8), dict(dp=2, x=2, y=2), dict(dp=2, y=2, z=2), dict(dp=4, z=2)
 @pytest.mark.parametrize("sizes", GRIDS, ids=lambda s: ",".join(f"{k}{v}" for k, v in s.items()))
 @pytest.mark.parametrize("shard", [True, False], ids=["zero1", "replicated"])
 def test_steps_equal_serial(ranks, serial, sizes, shard):
+    """ZeRO-1 as the trainer runs it: each bucket's parameter all-gather left in flight behind the
+    next forward (AdamW(overlap_gather=True), optimizer.overlap_param_gather), waited by the modules
+    that use it and by the z weights' prefetch; with many small buckets (1 kB) forwards wait on
+    gathers of their own, each run only when waited (`_GathersRunWhenWaited`: a parameter read
+    before its wait fails the test every time). The gather waited at once: the next test."""
     for cfg, clip, seq_parallel, bucket_mb in [(CFG, 0.5, False, 0.001), (GPT, None, True, 25.0)]:
-        weights, norms, _ = ranks.run(_train, 8, cfg, sizes, shard, clip, seq_parallel, bucket_mb)[0]
+        weights, norms, _ = ranks.run(_train, 8, cfg, sizes, shard, clip, seq_parallel, bucket_mb, OverlapOptions(),
+                                      "none", False, False, shard)[0]
         _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
 
 
@@ -129,29 +135,16 @@ SWITCHES = [OverlapOptions(False, False, False), OverlapOptions(True, False, Fal
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_every_overlap_switch_changes_nothing(ranks, serial, recompute):
-    """Values equal the serial run's and the bytes sent are the same with each switch on or off."""
+    """Values equal the serial run's and the bytes sent are the same with each switch on or off (the
+    tensor-parallel overlaps with ZeRO-1's parameter gather waited at the update, then all of them
+    with it left in flight)."""
     sent = []
-    for overlap in SWITCHES:
+    for overlap, gather in [(o, False) for o in SWITCHES] + [(OverlapOptions(), True)]:
         weights, norms, ledger = ranks.run(_train, 8, CFG, dict(dp=2, x=2, z=2), True, 0.5, False, 0.001, overlap,
-                                           recompute)[0]
+                                           recompute, False, False, gather)[0]
         _assert_equal(CFG, (weights, norms), serial[(CFG.family, 0.5)])
         sent.append(ledger)
     assert all(s == sent[0] for s in sent[1:])
-
-
-@pytest.mark.parametrize("sizes", [dict(dp=2, x=2, z=2), dict(dp=4, y=2)], ids=["dp2,x2,z2", "dp4,y2"])
-def test_the_parameter_gather_left_in_flight_changes_nothing(ranks, serial, sizes):
-    """AdamW(overlap_gather=True) (optimizer.overlap_param_gather): each bucket's updated parameters
-    are all-gathered behind the next forward, waited by the modules that use them (and by the z
-    weights' prefetch): the steps equal the serial run's and send the same bytes as the gather waited
-    at once; many small buckets (1 kB), so forwards wait on gathers of their own, each gather run
-    only when waited (`_GathersRunWhenWaited`: a read before its wait fails the test every time)."""
-    for cfg, clip, seq_parallel in [(CFG, 0.5, False), (GPT, None, True)]:
-        runs = [ranks.run(_train, 8, cfg, sizes, True, clip, seq_parallel, 0.001, OverlapOptions(), "none", False,
-                          False, overlap)[0] for overlap in (False, True)]
-        for weights, norms, _ in runs:
-            _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
-        assert runs[0][2] == runs[1][2]
 
 
 def test_compiled_norms_rope_and_activations_change_nothing(ranks, serial):
