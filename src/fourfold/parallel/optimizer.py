@@ -3,18 +3,19 @@
 
 With ZeRO-1 each rank updates its shard of each reduced bucket (fourfold.parallel.data) and the
 updated parameters are all-gathered, in their dtype, into the bucket's parameter buffer; with
-`overlap_gather` the gathers stay in flight behind the next forward (`GradientSync.set_params`). The update is torch's fused AdamW kernel over all shards at
-once (`torch.optim.adamw.adamw(fused=True)`, CPU and CUDA). Whether a step is skipped (a
-non-finite gradient norm or loss) is decided on the device, so a step needs no host sync. The
-global norm counts every element once: each is weighted by 1/(number of ranks holding it), from
-the parameter layouts' `replicated` dims.
+`overlap_gather` the gathers stay in flight behind the next forward
+(`GradientSync.set_params`). The update is torch's fused AdamW kernel over all shards at once
+(`torch.optim.adamw.adamw(fused=True)`, CPU and CUDA). Whether a step is skipped (a non-finite
+gradient norm or loss) is decided on the device, so a step needs no host sync. The global norm
+counts every element once: each is weighted by 1/(number of ranks holding it), from the
+parameter layouts' `replicated` dims.
 
 Weight decay applies to the matrices only (every parameter whose serial tensor has two dims or
 more: linears, embeddings, experts), not to norms' weights and biases, as Megatron-Core and
 Hugging Face's Trainer do; `decay_vectors=True` decays every parameter (fourfold before
 2026-12-04). The decay is decoupled, applied to the decayed runs of each shard before the fused
-update (which then runs without decay): the same arithmetic as torch's AdamW, in one more pass over
-those runs of the master weights, and no per-element mask in memory.
+update (which then runs without decay): the same arithmetic as torch's AdamW, in one more pass
+over those runs of the master weights, and no per-element mask in memory.
 """
 
 from __future__ import annotations
