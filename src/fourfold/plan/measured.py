@@ -237,9 +237,15 @@ def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
               virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b", stage_layers=stages)
     seconds = measured_seconds(values, cfg, job)
     overlap = _flag(values, "overlap_dp", False) if "overlap_dp" in values else None
+    recipe = PERFORMANCE_RECIPES.get(_source(values, source), {})
+    reduce = values.get("grad_reduce", recipe.get("grad_reduce", "fp32"))
+    if reduce not in ("fp32", "bf16"):
+        raise ValueError(f"grad_reduce={reduce!r}: give fp32 or bf16 (the gradients' reduce-scatter)")
     traits = RunTraits(_flag(values, "flash_attention", True),
                        _flag(values, "fp8", values.get("notes", "").upper().startswith("FP8")),
-                       values.get("cp_comm", "p2p"))
+                       values.get("cp_comm", "p2p"),
+                       _flag(values, "tp_comm_overlap", recipe.get("tp_comm_overlap", False)),
+                       2 if reduce == "bf16" else 4)
     return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, _source(values, source),
                     micro_batch is not None, virtual_known, overlap, traits)
 
@@ -285,6 +291,16 @@ SOURCES = (("performance_long_sequence", "NeMo long-sequence tables"),
            ("torchtitan", "torchtitan H100 tables"),
            ("NeMo framework", "NeMo performance summaries"), ("performance_summary", "NeMo performance summaries"),
            ("Megatron-Bridge", "Megatron-Bridge performance summaries"))
+# What the performance tables' runs ran beyond their columns: NeMo's and Megatron-Bridge's summaries
+# come from the recipes' performance settings (NeMo 2.2, nemo/collections/llm/recipes/llama3_70b.py
+# and llama31_405b.py, `pretrain_performance_optimizations`): Transformer Engine's tensor-parallel
+# communication overlap (MegatronCommOverlapCallback(tp_comm_overlap=True)) and the gradients
+# reduced in bf16 (grad_reduce_in_fp32=False). A CSV row may say either (columns tp_comm_overlap,
+# grad_reduce).
+PERFORMANCE_RECIPES = {
+    "NeMo performance summaries": dict(tp_comm_overlap=True, grad_reduce="bf16"),
+    "Megatron-Bridge performance summaries": dict(tp_comm_overlap=True, grad_reduce="bf16"),
+}
 # Rows of the shipped files the planner has no profile for, with why (read_csv skips them)
 NOT_PRICED = (("torchtitan", "FSDP (ZeRO-3) with torch's experimental context parallelism: neither the megatron "
                "nor the fourfold profile"),

@@ -40,6 +40,10 @@ class RunTraits:
     flash_attention: bool = True  # False: runs that predate it (Megatron-LM 2021)
     fp8: bool = False  # FP8 linear layers (Transformer Engine, torchao's Float8)
     cp_comm: str = "p2p"  # context parallelism's exchange: the ring ("p2p") or an all-gather of K and V
+    # Transformer Engine's userbuffers: the sequence-parallel collectives pipelined with their GEMMs
+    # (NeMo's and Megatron-Bridge's performance recipes: MegatronCommOverlapCallback(tp_comm_overlap=True))
+    tp_comm_overlap: bool = False
+    grad_reduce_bytes: int = 4  # the gradients' reduce-scatter in fp32 (4) or bf16 (2: grad_reduce_in_fp32=False)
 
     def __post_init__(self) -> None:
         if self.cp_comm not in CP_COMMS:
@@ -255,7 +259,8 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     context parallelism by all-gathered K and V instead of the ring."""
     k = constants(cal, cluster)
     c = _compute(cfg, s, cluster, k, framework, traits)
-    layer_comm = framework.tensor_comm(cfg, s, cluster, k, c.forward, linear_tflops(cluster, k, traits.fp8))
+    layer_comm = framework.tensor_comm(cfg, s, cluster, k, c.forward, linear_tflops(cluster, k, traits.fp8),
+                                       traits.tp_comm_overlap)
     if s.cp > 1:
         layer_comm += _ring_attention_exposed(cfg, s, cluster, k, framework, traits.cp_comm)
     T = s.seq / s.cp * s.micro_batch / s.z
@@ -271,21 +276,20 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     m = s.microbatches
     # Interleaved 1F1B (Narayanan et al. 2021): the bubble is (p-1)/v micro-batch times.
     bubble = (s.pp - 1) / s.virtual * (micro_compute + micro_comm)
-    dp_comm = _dp_exposed(cfg, s, cluster, k, c, micro_compute, framework)
+    dp_comm = _dp_exposed(cfg, s, cluster, k, c, micro_compute, framework, traits.grad_reduce_bytes)
     flops = model_flops_per_token(cfg, s.seq) * s.global_batch * s.seq / s.world_size
     tied = framework.tied_seconds(cfg, s, cluster, k, bubble) if cfg.tied and s.pp > 1 else 0.0
     return StepTime(m * micro_compute, m * micro_comm, bubble, dp_comm, c.optimizer, flops, tied)
 
 
 def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Compute,
-                micro_compute: float, framework: Framework = FOURFOLD) -> float:
-    """Data-parallel gradients (fp32) over dp*cp: the reduce-scatter, then the parameter all-gather
-    after the update. Both runtimes launch each gradient bucket as soon as it is final in the last
+                micro_compute: float, framework: Framework = FOURFOLD, grad_bytes: int = 4) -> float:
+    """Data-parallel gradients (fp32, or bf16: `grad_bytes` 2) over dp*cp: the reduce-scatter, then the parameter
+    all-gather after the update. Both runtimes launch each gradient bucket as soon as it is final in the last
     micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the fraction
-    `dp_overlap` of the reduce-scatter can hide behind that backward (2/3 of its compute); the
-    all-gather hides behind the next step's first forward (1/3): fourfold's whole (each bucket waited
-    by the first layer using it, `GradientSync.set_params`), Megatron's as overlap_param_gather says
-    (`param_gather_overlap`)."""
+    `dp_overlap` of the reduce-scatter can hide behind that backward (2/3 of its compute); the all-gather
+    hides behind the next step's first forward (1/3): fourfold's whole (each bucket waited by the first layer
+    using it, `GradientSync.set_params`), Megatron's as overlap_param_gather says (`param_gather_overlap`)."""
     g = s.dp * s.cp
     if g == 1:
         return 0.0
@@ -297,7 +301,7 @@ def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Co
         if size == 1 or params == 0:
             continue
         bw = bandwidth(s.layout, cluster, group, k.intra_node_efficiency, k.inter_node_efficiency)
-        reduce += float(bytes_sent("reduce_scatter", size, 4 * params)) / bw
+        reduce += float(bytes_sent("reduce_scatter", size, grad_bytes * params)) / bw
         gather += float(bytes_sent("all_gather", size, s.element_bytes * params)) / bw
     return (exposed(reduce, micro_compute * 2 / 3, k.dp_overlap)
             + exposed(gather, micro_compute / 3, 1.0 if framework.hides_param_gather else k.param_gather_overlap))

@@ -69,10 +69,11 @@ class Framework(ABC):
 
     @abstractmethod
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
-                    gemm_tflops: float) -> float:
+                    gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """Exposed tensor-parallel communication of one layer for one micro-batch (forward,
         backward, and the forward again under full recompute); `forward_seconds`: the layer's
-        forward; `gemm_tflops`: the linear layers' peak."""
+        forward; `gemm_tflops`: the linear layers' peak; `gemm_overlap`: a measured run's tensor
+        collectives pipelined with their GEMMs (`RunTraits.tp_comm_overlap`, where the profile has it)."""
 
     @abstractmethod
     def head_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, tokens: int) -> float:

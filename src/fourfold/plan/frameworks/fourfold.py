@@ -70,7 +70,7 @@ class Fourfold(Framework):
         return padded_vocab(vocab, y)
 
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
-                    gemm_tflops: float) -> float:
+                    gemm_tflops: float, gemm_overlap: bool = False) -> float:
         b = s.element_bytes  # bf16 on GPUs
         sizes, batch, seq = within_replica(s), int(s.micro_batch / s.z), int(s.seq / s.cp)
         forward, backward, weights = _layer_totals(cfg.block, sizes, batch, seq, s.seq_parallel,

@@ -87,20 +87,25 @@ class Megatron(Framework):
         return vocab
 
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
-                    gemm_tflops: float) -> float:
+                    gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """With sequence parallelism each sublayer all-gathers its input and reduce-scatters its output
         in forward, and the row-parallel linear all-gathers its output gradient in backward, exposed;
         the column-parallel linear's backward re-gathers its input (for the weight gradient) while its
         dX GEMM runs and reduce-scatters the input gradient while its dW GEMM runs. Without sequence
         parallelism: an all-reduce in forward, and one in backward behind the dW GEMM. A mixture's
         experts (without a shared one) move their tokens with the all-to-all dispatcher instead
-        (`_dispatch`), exposed."""
+        (`_dispatch`), exposed. `gemm_overlap` (Transformer Engine's userbuffers, NeMo's and
+        Megatron-Bridge's tp_comm_overlap, sequence parallel): every one of those collectives runs
+        in chunks beside the GEMM that consumes or produces it, exposed only where it is longer."""
         T = s.seq / s.cp * s.micro_batch / s.z
         dispatched = cfg.block.moe and not cfg.block.shared_ffn
         sublayers = 1 if dispatched else 2  # attention, and a dense MLP
         forward, backward, (regather, reduction) = _tensor_totals(int(T) * cfg.hidden, s.seq_parallel, sublayers)
         seconds = functools.partial(totals_seconds, s=s, cluster=cluster, element_size=s.element_bytes, cal=k)
         passes = 2 if s.recompute == "full" else 1
+        if gemm_overlap and s.seq_parallel and not dispatched and s.y > 1:
+            return _pipelined_with_gemms(cfg.block, T, s.y, seconds(regather), seconds(reduction), passes,
+                                         gemm_tflops, k)
         exposed = passes * seconds(forward) + seconds(backward) + sublayers * (seconds(regather) + seconds(reduction))
         for in_features, out_features in _column_parallel(cfg.block, s.y, dispatched):
             gemm = gemm_seconds(T, in_features, out_features / s.y, gemm_tflops, k)
@@ -139,6 +144,23 @@ def _column_parallel(block: BlockConfig, y: int, dispatched: bool) -> tuple[tupl
     plan = block_plan(block, 1, y, seq_parallel=False)
     return tuple((layer.in_features, layer.out_features) for layer in ((plan.qkv,) if dispatched else
                                                                           (plan.qkv, plan.up)))
+
+
+def _pipelined_with_gemms(block: BlockConfig, T: float, y: int, gather: float, scatter: float, passes: int,
+                          gemm_tflops: float, k: Constants) -> float:
+    """One layer's sequence-parallel collectives each pipelined with its GEMM (the seconds of one
+    all-gather and one reduce-scatter of the stream): forward, the all-gather into each
+    column-parallel GEMM (QKV, up) and the reduce-scatter out of each row-parallel one (out, down),
+    `passes` times; backward, the gather of dY into the row-parallel dX GEMM, and the column-parallel
+    linear's input re-gather and dX reduce-scatter beside its dX and dW GEMMs (as without it)."""
+    plan = block_plan(block, 1, y, seq_parallel=False)
+    exposed = 0.0
+    for column, row in ((plan.qkv, plan.out), (plan.up, plan.down)):
+        col = gemm_seconds(T, column.in_features, column.out_features / y, gemm_tflops, k)
+        rowg = gemm_seconds(T, row.in_features / y, row.out_features, gemm_tflops, k)
+        exposed += passes * (max(0.0, gather - col) + max(0.0, scatter - rowg))
+        exposed += max(0.0, gather - rowg) + max(0.0, gather - col) + max(0.0, scatter - col)
+    return exposed
 
 
 @functools.lru_cache(maxsize=4096)
