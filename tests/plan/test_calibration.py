@@ -67,7 +67,7 @@ def test_the_llama_a100_runs_are_plain_1f1b_with_their_micro_batch(published):
     assert all(r.micro_batch in (1, 2) for r in runs)
 
 
-def test_tensor_collectives_pipelined_with_their_gemms():
+def test_tensor_collectives_pipelined_with_their_gemms(published):
     """NeMo's and Megatron-Bridge's runs overlap Megatron's sequence-parallel collectives with their
     GEMMs (Transformer Engine's userbuffers; `RunTraits.tp_comm_overlap`, read from the source):
     each is exposed only where it outlasts its GEMM, so over fast links almost nothing shows, over
@@ -90,10 +90,9 @@ def test_tensor_collectives_pipelined_with_their_gemms():
     fp32, bf16 = (perf.step_time(cfg, job, slow, exposed, MEGATRON, perf.RunTraits(grad_reduce_bytes=b)).dp_comm
                   for b in (4, 2))
     assert 0 < bf16 < fp32
-    runs = [r for r in shipped_runs() if r.source in ("NeMo performance summaries",
-                                                      "Megatron-Bridge performance summaries")]
+    runs = [r for r in published if r.source in ("NeMo performance summaries", "Megatron-Bridge performance summaries")]
     assert runs and all(r.traits.tp_comm_overlap and r.traits.grad_reduce_bytes == 2 for r in runs)
-    assert not any(r.traits.tp_comm_overlap for r in shipped_runs() if r.source == "NeMo long-sequence tables")
+    assert not any(r.traits.tp_comm_overlap for r in published if r.source == "NeMo long-sequence tables")
 
 
 def test_long_sequences_and_context_parallelism_hold_on_a_source_left_out(published):
