@@ -163,8 +163,10 @@ class ParallelMoE(nn.Module):
             routes = [balanced_choice(e, len(flat), self.cfg, flat.device) for e in range(self.cfg.experts)] \
                 if fake else _routes(chosen, self.cfg.experts)
             self.routed = [len(token) for token, _ in routes]
-            for expert, (token, slot) in zip(self.experts, routes):  # in expert order, as transformers adds them up
-                out = out.index_add(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
+            # in expert order, as transformers adds them up; in place: no copy of [tokens, hidden] an expert
+            # (a token chooses an expert once, so no index repeats within a call)
+            for expert, (token, slot) in zip(self.experts, routes):
+                out.index_add_(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
         if self.shared is not None:
             gate = regions.sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
             out = out + gate * self.shared(flat[None])[0]
