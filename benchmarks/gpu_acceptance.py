@@ -31,6 +31,13 @@ Sections (each {"error": ...} if it raised; the others still run):
   flash           fourfold's attention forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)): a
                   silent fall-back to another kernel would raise here
 
+Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, docs/benchmarks.md):
+  param_gather    ZeRO-1's parameter all-gather left in flight (optimizer.overlap_param_gather true) against
+                  waited (false): step time of a dp-only 8-GPU job with bf16 parameters, and whether the
+                  first layers' forward runs while the gathers are in flight (an nsys timeline)
+  moe_index_add   a Mixtral layer's forward without expert parallelism: the HBM bytes the in-place index_add_
+                  saves (no [tokens, hidden] copy per expert)
+
 --dry-run (the default without CUDA): every section on a tiny model on CPU, which checks the code and
 measures nothing (compile is skipped: inductor on CPU takes minutes); tests/gpu/test_acceptance.py
 runs it. N >= 2 GPUs: also `torchrun --nproc-per-node N -m pytest tests/gpu -m gpu` (NCCL collectives).
