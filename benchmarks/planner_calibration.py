@@ -22,7 +22,15 @@ import dataclasses
 import numpy as np
 
 from fourfold.models.config import load_config
-from fourfold.plan.calibrate import fit, generation, held_out_table, kind_errors, leave_out, predicted_seconds
+from fourfold.plan.calibrate import (
+    fit,
+    generation,
+    held_out_table,
+    kind_errors,
+    leave_out,
+    predicted_job,
+    predicted_seconds,
+)
 from fourfold.plan.constants import Calibration
 from fourfold.plan.frameworks import MEGATRON
 from fourfold.plan.measured import DATA, NOT_PRICED, flops_per_sequence, shipped_runs
@@ -63,8 +71,7 @@ def residuals(runs, source: str) -> None:
     for group in dict.fromkeys(r.group for r in held):
         print(group)
         for r in sorted((r for r in held if r.group == group), key=lambda r: r.seconds):
-            job = min(r.jobs, key=lambda j: step_time(r.cfg, j, r.cluster, cal, r.framework, r.traits).total)
-            parts = step_time(r.cfg, job, r.cluster, cal, r.framework, r.traits)
+            job, parts = predicted_job(r, cal)
             g, p = job.layout, parts.total
             print(f"  dp{g.dp} pp{g.pp} v{job.virtual} cp{g.cp} tp{g.x * g.y * g.z} mb{job.micro_batch}: measured "
                   f"{r.seconds:8.2f} s, predicted {p:8.2f} ({r.seconds / p - 1:+.0%}); "

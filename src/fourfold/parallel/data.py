@@ -91,8 +91,10 @@ class GradientSync:
         for layer in model.modules():  # (a tied head's copy on the last stage, a buffer, keeps its own: vocab.py)
             if isinstance(layer, ParallelLinear) and isinstance(layer.weight, nn.Parameter):
                 layer.overlap.on_grad_landed = self._on_grad
-                layer.overlap.before_read = self.wait_for
-        for module in model.modules():  # a forward waits for its own parameters' gathers (`set_params`)
+                if shard:
+                    layer.overlap.before_read = self.wait_for
+        # with ZeRO-1 a forward waits for its own parameters' gathers (`set_params`); replicated, none is gathered
+        for module in model.modules() if shard else ():
             if next(module.parameters(recurse=False), None) is not None:
                 module.register_forward_pre_hook(self._before_forward)
         self._gathering: dict[int, Bucket] = {}  # parameter id -> its bucket, while its gather is in flight

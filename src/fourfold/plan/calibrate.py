@@ -20,20 +20,21 @@ from fourfold.plan.constants import UNCALIBRATED, Calibration, Profile
 from fourfold.plan.measured import Run
 from fourfold.plan.perf import StepTime, model_flops_per_token, step_time
 from fourfold.plan.search import rank
+from fourfold.spec.job import Job
 
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
-def predicted_step(run: Run, cal: Calibration) -> StepTime:
-    """The model's step for `run` (the fastest of its possible micro-batches and stages); a run that
-    says whether it overlapped the data-parallel collectives sets the overlaps."""
+def predicted_job(run: Run, cal: Calibration) -> tuple[Job, StepTime]:
+    """The model's step for `run` and the job it is of (the fastest of its possible micro-batches and
+    stages); a run that says whether it overlapped the data-parallel collectives sets the overlaps."""
     if run.overlap_dp is not None:
         overlap = float(run.overlap_dp)
         cal = replace(cal, dp_overlap=overlap, param_gather_overlap=overlap)
-    return min((step_time(run.cfg, job, run.cluster, cal, run.framework, run.traits) for job in run.jobs),
-               key=lambda t: t.total)
+    return min(((job, step_time(run.cfg, job, run.cluster, cal, run.framework, run.traits)) for job in run.jobs),
+               key=lambda pair: pair[1].total)
 
 
 def predicted_seconds(run: Run, cal: Calibration) -> float:
-    return predicted_step(run, cal).total
+    return predicted_job(run, cal)[1].total
 
 
 # A measured part of a step under this share of it is timer noise to a fit on logs: parts are
@@ -41,13 +42,14 @@ def predicted_seconds(run: Run, cal: Calibration) -> float:
 SPLIT_FLOOR = 0.02
 
 
-def split_parts(run: Run, cal: Calibration) -> list[tuple[str, float, float]]:
+def split_parts(run: Run, cal: Calibration, step: StepTime | None = None) -> list[tuple[str, float, float]]:
     """(part, measured, model) seconds a step of a run that recorded its split (`Run.split`): compute
     (with the optimizer's update), the data-parallel waits, the layers' collectives (tensor, cp,
-    ep) and the pipeline's waits (its bubble and tied embedding); [] for a run without one."""
+    ep) and the pipeline's waits (its bubble and tied embedding); [] for a run without one. `step`:
+    the model's step for the run, when the caller has it (`predicted_job`)."""
     if not run.split:
         return []
-    m, p = dict(run.split), predicted_step(run, cal)
+    m, p = dict(run.split), step or predicted_job(run, cal)[1]
     return [("compute", m["compute"], p.compute + p.optimizer), ("dp", m["dp"], p.dp_comm),
             ("layers", m["tensor"] + m["cp"] + m["ep"], p.exposed_comm),
             ("pipeline", m["pipeline"], p.bubble + p.tied_embedding)]
@@ -123,9 +125,9 @@ def residuals(run: Run, cal: Calibration) -> list[float]:
     """log(predicted / measured) of the run's step time and, where it recorded its split, of each
     part (`split_parts`, each taken at no less than SPLIT_FLOOR of the step): a user's timed runs
     tell the fit which constant a step's error belongs to (GEMMs, the links inside or across nodes)."""
-    floor = SPLIT_FLOOR * run.seconds
-    return [math.log(predicted_seconds(run, cal) / run.seconds)] + [
-        math.log(max(model, floor) / max(measured, floor)) for _, measured, model in split_parts(run, cal)]
+    floor, step = SPLIT_FLOOR * run.seconds, predicted_job(run, cal)[1]
+    return [math.log(step.total / run.seconds)] + [
+        math.log(max(model, floor) / max(measured, floor)) for _, measured, model in split_parts(run, cal, step)]
 
 
 def log_errors(runs: list[Run], cal: Calibration) -> np.ndarray:
@@ -163,9 +165,10 @@ def fit(runs: list[Run], start: Calibration = START, iterations: int = 30, toler
     theta = np.clip([k.coordinate(getattr(start, k.name) if c is None else first[c][k.name]) for c, k in fitted],
                     low, high)
     # a cluster's constants move only its own runs' residuals: their derivatives elsewhere are zero
-    r = log_errors(runs, calibration(theta))
-    ends = np.cumsum([len(residuals(run, calibration(theta))) for run in runs])
-    rows = [np.arange(end - len(residuals(run, calibration(theta))), end) for run, end in zip(runs, ends)]
+    per_run = [residuals(run, calibration(theta)) for run in runs]
+    r = np.array([e for errors in per_run for e in errors])
+    ends = np.cumsum([len(errors) for errors in per_run])
+    rows = [np.arange(end - len(errors), end) for errors, end in zip(per_run, ends)]
     moves = [list(range(len(runs))) if c is None else [j for j, run in enumerate(runs) if run.cluster.name == c]
              for c, _ in fitted]
     moved_rows = [np.concatenate([rows[j] for j in m]) if m else np.array([], int) for m in moves]

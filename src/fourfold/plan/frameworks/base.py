@@ -23,8 +23,8 @@ class Framework(ABC):
     name: str
     keeps_gathered_inputs: bool  # its linears can keep their gathered inputs for backward (a search option)
     # ZeRO-1's parameter all-gather left in flight behind the next forward by the runtime itself (True),
-    # or as the calibration or a measured run says (None: `param_gather_overlap`)
-    hides_param_gather: bool | None
+    # or as the calibration or a measured run says (False: `param_gather_overlap`)
+    hides_param_gather: bool
 
     def __repr__(self) -> str:
         return f"<{self.name} profile>"

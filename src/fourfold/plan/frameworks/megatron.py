@@ -26,7 +26,7 @@ MAX_VIRTUAL = 8  # the most interleaved stages per pipeline rank the search trie
 class Megatron(Framework):
     name = "megatron"
     keeps_gathered_inputs = False
-    hides_param_gather = None  # overlap_param_gather: a run or the calibration says
+    hides_param_gather = False  # overlap_param_gather: a run or the calibration says
 
     def problems(self, cfg: ModelConfig, job: Job) -> list[Problem]:
         found = problems(cfg, job, gpu=True)
