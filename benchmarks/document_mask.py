@@ -2,7 +2,7 @@
 forward and backward of the attention core alone, same shapes, on CPU.
 
 Two ranks, one thread each. First each rank times the whole sequence on its own (the 1-rank path:
-SDPA with is_causal, against `block.document_attention`, SDPA with a materialised block-diagonal
+SDPA with is_causal, against `block.masked_attention`, SDPA with a materialised block-diagonal
 mask); then the two time cp2 ring attention on their halves, without and with document ids (each
 block cut to the rows and keys that can share a document, masked by an additive bias on the CPU
 flash kernel). Windows hold 1, 4 or 16 documents, cut at seeded random places. Run from the repository
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fourfold.parallel import context
 from fourfold.parallel.grid import Grid
-from fourfold.parallel.tensor.block import document_attention
+from fourfold.parallel.tensor.block import masked_attention
 from fourfold.spec.layout import Layout
 from timing import best_time  # benchmarks/timing.py, beside this file
 
@@ -65,7 +65,7 @@ def main() -> None:
         def whole(n=n):
             if n is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return document_attention(q, k, v, docs[n], enable_gqa=True)
+            return masked_attention(q, k, v, docs[n], enable_gqa=True)
 
         def ring(n=n):
             return context.ring_attention(*local, cp, None if n is None else context.shard_sequence(docs[n], cp))
@@ -75,8 +75,8 @@ def main() -> None:
     attended = []  # (rows x keys) attended off the own block, both ranks, as a share of plain causal ring's
     for n in (1, 4, 16):
         mine = context.shard_sequence(docs[n], cp)
-        plan = context._document_plan(mine, context._chunks(mine, cp), cp)
-        attended.append(sum((r.stop - r.start) * (k.stop - k.start) for p in plan[1:] if p for r, k in p[1]))
+        plan = context.Documents(mine).ring(cp, mine.shape[1], 0, mine.device)
+        attended.append(sum((r.stop - r.start) * (k.stop - k.start) for p in plan[1:] if p for r, k in p.cut))
     attended = torch.tensor(attended, dtype=torch.float64) / (s // cp.size * s // (2 * cp.size))  # (s/cp x s/(2cp))
     dist.all_reduce(attended)
     attended /= cp.size * (cp.size - 1)

@@ -20,7 +20,7 @@ from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.model import Model, local_batch
 from fourfold.parallel.pipeline import Pipeline
-from fourfold.parallel.tensor.block import TensorOptions, document_attention, document_ids
+from fourfold.parallel.tensor.block import TensorOptions, masked_attention, document_ids
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
@@ -159,7 +159,7 @@ def test_masks_documents_context_parallel(ranks, references):
 
 
 def _ring_documents(cp: int, layouts: list[torch.Tensor]):
-    """(largest error of output, dQ, dK, dV of the ring and of `document_attention` against SDPA with
+    """(largest error of output, dQ, dK, dV of the ring and of `masked_attention` against SDPA with
     the whole mask over every layout, the ring steps each layout skipped on this rank, the (rows x
     keys) the ring attended off the own block)."""
     group = Grid(Layout(cp=cp)).group("cp")
@@ -181,13 +181,13 @@ def _ring_documents(cp: int, layouts: list[torch.Tensor]):
         errors += [(t.grad - context.shard_sequence(full.grad, group, 2)).abs().max().item()
                    for t, full in zip(local, (q, k, v))]
         banded = [t.detach().requires_grad_() for t in (q, k, v)]  # the 1-rank path, in bands
-        out = document_attention(*banded, documents, enable_gqa=True)
+        out = masked_attention(*banded, documents, enable_gqa=True)
         out.backward(grad)
         errors.append((out - expected).abs().max().item())
         errors += [(t.grad - full.grad).abs().max().item() for t, full in zip(banded, (q, k, v))]
-        plan = context._document_plan(mine, context._chunks(mine, group), group)
+        plan = context.Documents(mine).ring(group, mine.shape[1], 0, mine.device)
         skipped.append(plan.count(None))
-        area.append(sum((r.stop - r.start) * (k.stop - k.start) for p in plan[1:] if p for r, k in p[1]))
+        area.append(sum((r.stop - r.start) * (k.stop - k.start) for p in plan[1:] if p for r, k in p.cut))
     with pytest.raises(ValueError, match="must not decrease"):
         context.ring_attention(*local, group, mine.flip(1))
     return max(errors), skipped, area

@@ -62,7 +62,8 @@ def to_hf(cfg: ModelConfig) -> dict:
 def block(cfg: ModelConfig) -> BlockConfig:
     return BlockConfig(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn, norm="rms", activation="swiglu",
                        qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, mlp_bias=cfg.mlp_bias,
-                       rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, head_size=cfg.head_dim, eps=cfg.eps)
+                       rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, head_size=cfg.head_dim, eps=cfg.eps,
+                       window=cfg.sliding_window)
 
 
 def tensors(cfg: ModelConfig) -> dict[str, HFTensor]:

@@ -8,16 +8,19 @@ Backward runs the ring again, with each block's dK and dV accumulators travellin
 and returning to their owner at the end.
 
 With document ids (data.attention = document) every query sees only the keys of its own document
-at or before it. The ids of the whole sequence are all-gathered over cp once per call (b*s
-integers), so each rank knows every arriving block's ids without sending them round the ring, and
-which of its rows and the block's keys can share a document: each block's rows are cut into bands,
-each band attending only to the keys its documents (and causality) reach (`document_bands`; a step
-with none is skipped, the blocks still travel). A band gets the mask as an additive bias on the
-CPU's flash kernel, or explicit masked scores elsewhere (`attend_block_masked`).
+at or before it, and with a sliding window (Mistral's, Gemma 3's local layers) only the keys less
+than the window before it. The ids of the whole sequence are all-gathered over cp once per call
+(b*s integers), so each rank knows every arriving block's ids without sending them round the ring;
+the positions of every block are known from the chunk layout. Each block's rows are cut into bands,
+each attending only to the keys its documents, causality and window reach (`Documents.ring`; a step
+where no row sees the block is skipped, the blocks still travel so that every rank does the same
+exchanges). A band gets its mask as an additive bias on the CPU's flash kernel, or explicit masked
+scores elsewhere (`attend_block_masked`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -173,31 +176,55 @@ def _chunks(documents: torch.Tensor, cp: Group) -> torch.Tensor:
     return torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).transpose(0, 1)
 
 
-BANDS = 8  # row bands of a block with document ids, each cut to the keys its documents (and causality) reach
+def rank_positions(rank: int, ranks: int, seq: int) -> torch.Tensor:
+    """The global positions of the `seq` tokens cp rank `rank` of `ranks` holds (chunks rank and
+    2*ranks-1-rank; all of them on one rank), on the host: increasing along the rank's tokens."""
+    if ranks == 1:
+        return torch.arange(seq)
+    c = seq // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * ranks - 1 - rank) * c,
+                                                                           (2 * ranks - rank) * c)])
 
 
-def document_bands(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: slice,
-                   causal: bool) -> tuple[list[slice], torch.Tensor]:
-    """The rows of a block (this rank's ids `documents` [b, s], `rows` of them) in up to BANDS bands,
-    and for each the keys (`keys` of the owner's ids [b, s]) it can see: a [bands, 2] tensor of
-    (start, stop) on the device, empty where start >= stop. Ids never decrease along the rows nor
-    along the keys, so a band sees keys from the first whose id is its first row's to the last whose
-    id is its last row's (`causal`, the own block: to the band's last row), in every sequence of the
-    batch: the widest over the batch is kept, the mask does the rest."""
-    seq = documents.shape[1]
+BANDS = 8  # row bands of a masked block, each cut to the keys its documents, causality and window reach
+
+
+def _bands(rows: slice, seq: int, window: int) -> list[slice]:
+    """A block's rows in up to BANDS bands, none longer than the window (a band then sees about two
+    windows of keys, not the whole block)."""
     r0, r1 = rows.start or 0, seq if rows.stop is None else rows.stop
-    k0, k1 = keys.start or 0, owner.shape[1] if keys.stop is None else keys.stop
     size = -(-(r1 - r0) // BANDS)
-    bands = [slice(a, min(a + size, r1)) for a in range(r0, r1, size)]
+    size = min(size, window) if window else size
+    return [slice(a, min(a + size, r1)) for a in range(r0, r1, size)]
+
+
+def _position_reach(bands: list[slice], row_pos: torch.Tensor, key_pos: torch.Tensor, keys: slice,
+                    window: int) -> list[tuple[int, int]]:
+    """For each band, the (start, stop) of the keys (`keys` of the block, positions `key_pos`) at
+    or before its last row and, with a window, within it of its first row: host arithmetic on the
+    positions (both increasing), no device read."""
+    k0, k1 = keys.start or 0, len(key_pos) if keys.stop is None else keys.stop
+    out = []
+    for band in bands:
+        first, last = row_pos[band.start].item(), row_pos[band.stop - 1].item()
+        start = max(k0, int(torch.searchsorted(key_pos, first - window + 1))) if window else k0
+        out.append((start, min(k1, int(torch.searchsorted(key_pos, last, right=True)))))
+    return out
+
+
+def document_reach(documents: torch.Tensor, owner: torch.Tensor, bands: list[slice], keys: slice) -> torch.Tensor:
+    """For each band of rows of `documents` [b, s], the keys (`keys` of the owner's ids [b, s]) that
+    can share a document with it: a [bands, 2] tensor of (start, stop) on the device. Ids never
+    decrease along the rows nor along the keys, so a band sees keys from the first whose id is its
+    first row's to the last whose id is its last row's, in every sequence of the batch: the widest
+    over the batch is kept, the mask does the rest."""
+    k0, k1 = keys.start or 0, owner.shape[1] if keys.stop is None else keys.stop
     key_ids = owner[:, k0:k1].contiguous()
     firsts = documents[:, [band.start for band in bands]].contiguous()
+    lasts = documents[:, [band.stop - 1 for band in bands]].contiguous()
     start = k0 + torch.searchsorted(key_ids, firsts).amin(0)
-    if causal:
-        stop = torch.tensor([band.stop for band in bands], device=documents.device)
-    else:
-        lasts = documents[:, [band.stop - 1 for band in bands]].contiguous()
-        stop = k0 + torch.searchsorted(key_ids, lasts, right=True).amax(0)
-    return bands, torch.stack([start, stop], dim=1)
+    stop = k0 + torch.searchsorted(key_ids, lasts, right=True).amax(0)
+    return torch.stack([start, stop], dim=1)
 
 
 def decreasing(documents: torch.Tensor) -> torch.Tensor:
@@ -205,70 +232,93 @@ def decreasing(documents: torch.Tensor) -> torch.Tensor:
     return (documents.diff(dim=1) < 0).any()
 
 
-def block_mask(documents: torch.Tensor, owner: torch.Tensor, rows: slice, keys: slice, causal: bool):
-    """[b, rows, keys]: True where the row's document is the key's (and, `causal`, in the own block,
-    the key is not after the row)."""
-    mask = documents[:, rows, None] == owner[:, None, keys]
-    if causal:
-        at = torch.arange(documents.shape[1], device=documents.device)
-        mask &= at[rows, None] >= at[None, keys]
-    return mask
+@dataclasses.dataclass
+class BlockPlan:
+    """What a block of keys (one ring step's, or the whole sequence's) gets attended with: the rows
+    in bands, each with the keys it can see (`cut`); the positions and document ids of the rows
+    and of the block's keys, from which each band's mask is made."""
+
+    cut: list[tuple[slice, slice]]
+    row_pos: torch.Tensor  # [s] on the device
+    key_pos: torch.Tensor
+    ids: torch.Tensor | None  # [b, s] document ids, or None: one document a sequence
+    key_ids: torch.Tensor | None
+    window: int
+
+    def mask(self, rows: slice, keys: slice) -> torch.Tensor:
+        """[b or 1, rows, keys]: True where the key is not after the row, within the window, and in
+        the row's document."""
+        distance = self.row_pos[rows, None] - self.key_pos[None, keys]
+        mask = distance >= 0
+        if self.window:
+            mask &= distance < self.window
+        if self.ids is None:
+            return mask[None]
+        return mask & (self.ids[:, rows, None] == self.key_ids[:, None, keys])
 
 
 class Documents:
-    """A micro-batch's document ids [b, s] (`block.document_ids`, this rank's part) and the plans
-    attention makes from them: each made once, with its one host read, and shared by every layer of
-    the forward and its recompute (the ids are the same for all of them). A layer given a tensor
-    wraps it (`as_documents`)."""
+    """A micro-batch's attention masking: its document ids [b, s] (`block.document_ids`, this rank's
+    part; None: each sequence one document) and the plans attention makes from them for a window
+    (0: none), each made once, with at most one host read, and shared by every layer of the forward
+    and its recompute (the ids are the same for all of them). A layer given a tensor wraps it
+    (`as_documents`)."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(self, ids: torch.Tensor | None) -> None:
         self.ids = ids
-        self._plans: dict[object, list] = {}
+        self._plans: dict[object, object] = {}
 
-    def bands(self) -> list[tuple[slice, slice]]:
-        """Whole-sequence causal attention's (rows, keys) bands (`document_bands`)."""
-        if "bands" not in self._plans:
-            everything = slice(None)
-            bands, reach = document_bands(self.ids, self.ids, everything, everything, True)
-            bad, *reach = torch.cat([decreasing(self.ids).long().expand(1, 2), reach]).tolist()  # (one host read)
-            if bad[0]:
-                raise ValueError("document ids must not decrease along the sequence (as document_ids gives them)")
-            self._plans["bands"] = [(rows, slice(start, stop)) for rows, (start, stop) in zip(bands, reach)]
-        return self._plans["bands"]
+    def whole(self, seq: int, window: int, device) -> BlockPlan:
+        """Whole-sequence causal attention's plan on one rank."""
+        key = ("whole", seq, window)
+        if key not in self._plans:
+            self._plans[key] = _plans(self.ids, self.ids, [self.ids], [(slice(None), slice(None))],
+                                      rank_positions(0, 1, seq),
+                                      [rank_positions(0, 1, seq)], window, device)[0]
+        return self._plans[key]
 
-    def ring(self, cp: Group) -> list[tuple | None]:
-        """Ring attention's plan over `cp` (`_document_plan`)."""
-        if cp.ranks not in self._plans:
-            self._plans[cp.ranks] = _document_plan(self.ids, _chunks(self.ids, cp), cp)
-        return self._plans[cp.ranks]
+    def ring(self, cp: Group, seq: int, window: int, device) -> list[BlockPlan | None]:
+        """Ring attention's plan over `cp`, step by step (None: no row sees the arriving block)."""
+        key = (cp.ranks, seq, window)
+        if key not in self._plans:
+            n, i = cp.size, cp.rank
+            owners = [(i - step) % n for step in range(n)]
+            owner_ids = [None] * n
+            if self.ids is not None:
+                chunks = _chunks(self.ids, cp)
+                owner_ids = [torch.cat([chunks[:, j], chunks[:, 2 * n - 1 - j]], dim=1) for j in owners]
+            visible = [_visible(step, cp, seq)[:2] for step in range(n)]
+            whole = None if self.ids is None else chunks.flatten(1)
+            self._plans[key] = _plans(self.ids, whole, owner_ids, visible, rank_positions(i, n, seq),
+                                      [rank_positions(j, n, seq) for j in owners], window, device)
+        return self._plans[key]
 
 
 def as_documents(documents: torch.Tensor | Documents | None) -> Documents | None:
     return documents if documents is None or isinstance(documents, Documents) else Documents(documents)
 
 
-def _document_plan(documents: torch.Tensor, chunks: torch.Tensor, cp: Group) -> list[tuple | None]:
-    """For each ring step, None if no row that would see the arriving block (`_visible`) shares a
-    document with it, else (the owner's ids [b, s], [(rows, keys), ...]): the step's rows in bands,
-    each with the keys it can share a document with (`document_bands`)."""
-    n, i, seq = cp.size, cp.rank, documents.shape[1]
-    owners, bands, reach = [], [], [decreasing(chunks.flatten(1)).long().expand(1, 2)]
-    for step in range(n):
-        j = (i - step) % n
-        owners.append(torch.cat([chunks[:, j], chunks[:, 2 * n - 1 - j]], dim=1))
-        rows, keys, causal = _visible(step, cp, seq)
-        b, r = document_bands(documents, owners[-1], rows, keys, causal)
-        bands.append(b)
-        reach.append(r)
-    bad, *reach = torch.cat(reach).tolist()  # (one host read)
-    if bad[0]:
-        raise ValueError("document ids must not decrease along the sequence (as block.document_ids gives them)")
-    plan = []
-    for owner, step_bands in zip(owners, bands):
-        cut = [(band, slice(a, b)) for band, (a, b) in zip(step_bands, reach[: len(step_bands)]) if a < b]
-        reach = reach[len(step_bands):]
-        plan.append((owner, cut) if cut else None)
-    return plan
+def _plans(ids, whole, owner_ids, visible, row_pos, key_pos, window, device) -> list[BlockPlan | None]:
+    """One `BlockPlan` per block of keys (owner ids, (rows, keys) visible, key positions), None where
+    no band sees any key: the bands' reach by positions (host) cut to their documents' (one host read
+    for all blocks, with the check that the whole sequence's ids `whole` never decrease)."""
+    bands = [_bands(rows, len(row_pos), window) for rows, _ in visible]
+    reach = [_position_reach(b, row_pos, pos, keys, window) for b, (_, keys), pos in zip(bands, visible, key_pos)]
+    if ids is not None:
+        found = [decreasing(whole).long().expand(1, 2)]
+        found += [document_reach(ids, owner, b, keys) for owner, b, (_, keys) in zip(owner_ids, bands, visible)]
+        bad, *by_documents = torch.cat(found).tolist()  # (one host read)
+        if bad[0]:
+            raise ValueError("document ids must not decrease along the sequence (as block.document_ids gives them)")
+        for r in reach:
+            r[:] = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(r, by_documents[: len(r)])]
+            by_documents = by_documents[len(r):]
+    rows_at = row_pos.to(device)
+    plans = []
+    for b, r, owner, pos in zip(bands, reach, owner_ids, key_pos):
+        cut = [(band, slice(start, stop)) for band, (start, stop) in zip(b, r) if start < stop]
+        plans.append(BlockPlan(cut, rows_at, pos.to(device), ids, owner, window) if cut else None)
+    return plans
 
 
 def _merge(out, lse, o_b, lse_b):
@@ -289,25 +339,25 @@ def _exchange(tensors: list[torch.Tensor], cp: Group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, given: Documents | None):
+    def forward(ctx, q, k, v, cp: Group, plan: list[BlockPlan | None] | None):
+        """`plan`: the masked path's, step by step (`Documents.ring`); None: plain causal attention."""
         scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         out, lse, extra = q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc), None
-        documents, plan = (None, None) if given is None else (given.ids, given.ring(cp))
         block_k, block_v = k, v
         for step in range(cp.size):
             pending = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            # with document ids: band by band, each with the keys it can share a document with (none:
-            # no row that would see this block shares a document with it)
-            owner, cut = (None, [(rows, keys)]) if plan is None else plan[step] or (None, [])
+            # masked: band by band, each with the keys it can see (none: no row sees this block)
+            block = None if plan is None else plan[step]
+            cut = [(rows, keys)] if plan is None else block.cut if block is not None else []
             for rows, keys in cut:
                 if plan is None:
                     o_b, lse_b, extra = attend_block(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], causal,
                                                      scale)
                 else:
                     o_b, lse_b = attend_block_masked(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys],
-                                                     block_mask(documents, owner, rows, keys, causal), scale)
+                                                     block.mask(rows, keys).expand(q.shape[0], -1, -1), scale)
                 if step == 0:  # the own block covers every row, each seeing itself: a finite lse
                     out[:, :, rows], lse[:, :, rows] = o_b, lse_b
                 else:
@@ -315,13 +365,13 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block_k, block_v = pending.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.extra, ctx.plan = cp, extra, plan
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, documents = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         cp, plan = ctx.cp, ctx.plan
         scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
@@ -332,15 +382,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             pending_kv = _exchange([block_k, block_v], cp) if step + 1 < cp.size else None
             rows, keys, causal = _visible(step, cp, seq)
-            if plan is not None and plan[step] is None:  # skipped in forward: the accumulators pass on
+            block = None if plan is None else plan[step]
+            if plan is not None and block is None:  # skipped in forward: the accumulators pass on
                 incoming = _exchange(list(incoming.wait()), cp)
                 if pending_kv is not None:
                     block_k, block_v = pending_kv.wait()
                 continue
-            owner, cut = plan[step] if plan is not None else (None, [(rows, keys)])
             dk = torch.zeros_like(block_k, dtype=acc)
             dv = torch.zeros_like(block_v, dtype=acc)
-            for rows, keys in cut:
+            for rows, keys in [(rows, keys)] if plan is None else block.cut:
                 # a later rank's block is seen by the second half of the rows: that lse slice is a strided
                 # view, which the CUDA backward would misread
                 inputs = (grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys],
@@ -349,7 +399,7 @@ class _RingAttention(torch.autograd.Function):
                     dq_b, dk_b, dv_b = attend_block_backward(*inputs, causal, scale, ctx.extra)
                 else:
                     dq_b, dk_b, dv_b = attend_block_masked_backward(
-                        *inputs, block_mask(documents, owner, rows, keys, causal), scale)
+                        *inputs, block.mask(rows, keys).expand(q.shape[0], -1, -1), scale)
                 dq[:, :, rows] += dq_b
                 dk[:, :, keys] += dk_b
                 dv[:, :, keys] += dv_b
@@ -368,12 +418,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
-                   documents: torch.Tensor | Documents | None = None) -> torch.Tensor:
+                   documents: torch.Tensor | Documents | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's queries [b, heads, s, d] to the whole sequence's keys and
     values, of which this rank holds [b, kv_heads, s, d] (its two chunks, as `shard_sequence`).
     `documents`: this rank's [b, s] document ids of the whole sequence's (`block.document_ids`,
     sharded as the tokens; never decreasing along the sequence): each query then sees the keys of
-    its own document only."""
+    its own document only. `window` > 0: each query sees only the keys less than `window` positions
+    before it (a sliding window); the steps whose block no query can see are skipped."""
     if cp.size == 1:
         raise ValueError("ring attention needs cp > 1; use plain causal attention on one rank")
     if q.shape[1] % k.shape[1]:
@@ -382,4 +433,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
     if documents is not None and documents.ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"document ids {tuple(documents.ids.shape)} do not match the queries' [batch, seq] "
                          f"{(q.shape[0], q.shape[2])}")
-    return _RingAttention.apply(q, k, v, cp, documents)
+    window = window if window < q.shape[2] * cp.size else 0  # a window over the whole sequence masks nothing
+    if documents is None and not window:
+        return _RingAttention.apply(q, k, v, cp, None)
+    return _RingAttention.apply(q, k, v, cp, (documents or Documents(None)).ring(cp, q.shape[2], window, q.device))

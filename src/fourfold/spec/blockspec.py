@@ -66,6 +66,7 @@ class BlockConfig:
     rope_scaling: RopeScaling | None = None
     head_size: int = 0  # an explicit head dim (config.json's head_dim); 0: hidden / heads
     eps: float = 1e-5
+    window: int = 0  # a sliding window: each query sees the keys less than `window` positions before it (0: all)
     # Qwen3: queries and keys RMS-normalised over each head's features before RoPE, by a [head_dim]
     # weight each (attn.q_norm, attn.k_norm), held whole wherever heads are
     qk_norm: bool = False

@@ -123,10 +123,6 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
     if job.global_batch % (g.dp * job.micro_batch):
         add(f"batch.global_batch={job.global_batch} must be a multiple of dp*micro_batch = {g.dp}*{job.micro_batch}",
             f"use a global batch that is a multiple of {g.dp * job.micro_batch}, or change dp or the micro-batch")
-    if model.sliding_window and job.seq > model.sliding_window:
-        add(f"the model attends within a sliding window of {model.sliding_window} tokens, and fourfold's attention "
-            f"is full causal: batch.seq={job.seq} would attend further", f"use a sequence of at most "
-            f"{model.sliding_window} tokens")
     dynamic = model.rope_scaling is not None and model.rope_scaling.kind == "dynamic"  # made to run past them
     if job.seq > model.max_positions and not dynamic:
         add(f"batch.seq={job.seq} is longer than the model's {model.max_positions} positions",

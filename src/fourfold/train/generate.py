@@ -46,7 +46,7 @@ def open_model(path: str | Path) -> tuple[Transformer, object, int, int | None]:
         what = checkpoint.damage(path)
         if what:
             raise checkpoint.CheckpointError(f"the checkpoint {path} is damaged ({what}); give an intact one")
-    window = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)
+    window = cfg.max_positions  # (a sliding window is the attention's own: the context may be longer)
     check(cfg, Job(micro_batch=1, global_batch=1, seq=window, precision="float32"), world=1)
     if not (path / "tokenizer.json").is_file():
         raise checkpoint.CheckpointError(f"{path} has no tokenizer.json; put the model's tokenizer.json there "

@@ -127,20 +127,20 @@ def document_ids(ids: torch.Tensor, end_of_document: int) -> torch.Tensor:
     return ends.cumsum(-1) - ends
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | Documents, *,
-                       enable_gqa: bool) -> torch.Tensor:
-    """Causal attention within each document: the rows in bands (`context.document_bands`), each
-    band's SDPA over only the keys its documents reach, with the block-diagonal causal mask of that
-    part materialised ([b, 1, band, keys]). A correct path on any device, and on CPU with the mask
-    nearer plain causal attention's cost than one [s, s] mask (on CUDA a varlen flash kernel over
-    the documents' lengths would avoid the mask, not done yet). Ids must not decrease (checked).
-    The bands are made once per `Documents` (one host read a forward, not a layer)."""
-    documents = context.as_documents(documents)
-    ids, out = documents.ids, []
-    for rows, keys in documents.bands():  # (keys never empty: each row sees itself)
-        mask = context.block_mask(ids, ids, rows, keys, True)
-        out.append(F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], attn_mask=mask[:, None],
-                                                  enable_gqa=enable_gqa))
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | Documents | None,
+                     window: int = 0, *, enable_gqa: bool) -> torch.Tensor:
+    """Causal attention within each document (`documents`: [b, s] ids, or None: one a sequence) and
+    within a sliding `window` (0: none): the rows in bands (`context.Documents.whole`), each band's
+    SDPA over only the keys its documents and window reach, with the mask of that part materialised
+    ([b, 1, band, keys]). A correct path on any device, and on CPU with the mask nearer plain causal
+    attention's cost than one [s, s] mask (on CUDA a varlen or windowed flash kernel would avoid the
+    mask, not done yet). Ids must not decrease (checked). The bands are made once per `Documents`
+    (at most one host read a forward, not a layer)."""
+    documents = context.as_documents(documents) or context.Documents(None)
+    plan = documents.whole(q.shape[2], window, q.device)
+    out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                          attn_mask=plan.mask(rows, keys)[:, None], enable_gqa=enable_gqa)
+           for rows, keys in plan.cut]  # (keys never empty: each row sees itself)
     return torch.cat(out, dim=2)
 
 
@@ -203,7 +203,7 @@ class ParallelAttention(nn.Module):
     def core(self, qkv: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this rank's heads: [b, s, (q+k+v) features] -> [b, s, q features]. With
         `documents` ([b, s] document ids, `document_ids`) each token attends causally within its
-        own document only."""
+        own document only; with the block's sliding window, to the keys less than it before."""
         b, s, _ = qkv.shape
         d = self.cfg.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
@@ -221,10 +221,11 @@ class ParallelAttention(nn.Module):
             q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
+        window = self.cfg.window if self.cfg.window < s * self.cp.size else 0  # (a longer one masks nothing)
         if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
-            o = ring_attention(q, k, v, self.cp, documents)
-        elif documents is not None:
-            o = document_attention(q, k, v, documents, enable_gqa=self.heads != self.kv_heads)
+            o = ring_attention(q, k, v, self.cp, documents, window)
+        elif documents is not None or window:
+            o = masked_attention(q, k, v, documents, window, enable_gqa=self.heads != self.kv_heads)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return o.transpose(1, 2).reshape(b, s, self.heads * d)

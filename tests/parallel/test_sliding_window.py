@@ -1,0 +1,79 @@
+"""Sliding-window attention (Mistral's, Gemma 3's local layers): each query sees the keys less than
+`window` positions before it. Ring attention over cp 2 and 4 and the 1-rank banded path equal SDPA
+with the whole [s, s] mask (float64, GQA, forward and backward) for windows of one token, shorter
+than a cp chunk, longer, and longer than the sequence, alone and with document ids; the ring skips
+the blocks no query can see. (tests/models/test_model_families.py: Mistral with a window equals
+transformers on the 3D, cp, dp and pp grids.)"""
+
+import pytest
+import torch
+
+from fourfold.parallel import context
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.tensor.block import masked_attention
+from fourfold.spec.layout import Layout
+
+SEQ = 32
+WINDOWS = (1, 3, 4, 9, 17, 40)  # cp4's chunk: 4 tokens; cp2's: 8
+
+
+def _expected(q, k, v, documents, window, grad):
+    at = torch.arange(q.shape[2])
+    distance = at[:, None] - at[None, :]
+    mask = ((distance >= 0) & (distance < window))[None]
+    if documents is not None:
+        mask = mask & (documents[:, :, None] == documents[:, None, :])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    out.backward(grad)
+    return out.detach()
+
+
+def _windows(cp: int):
+    """(largest error of the ring's and the banded path's output, dQ, dK, dV, {(window, documents):
+    ring steps skipped on this rank})."""
+    group = Grid(Layout(cp=cp)).group("cp")
+    g = torch.Generator().manual_seed(3)
+    errors, skipped = [], {}
+    for window in WINDOWS:
+        for documents in (None, (torch.arange(SEQ) // 5)[None].expand(2, -1)):
+            q = torch.randn(2, 4, SEQ, 8, generator=g, dtype=torch.float64, requires_grad=True)
+            k, v = (torch.randn(2, 2, SEQ, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in "kv")
+            grad = torch.randn(2, 4, SEQ, 8, generator=g, dtype=torch.float64)
+            expected = _expected(q, k, v, documents, window, grad)
+            local = [context.shard_sequence(t.detach(), group, dim=2).requires_grad_() for t in (q, k, v)]
+            mine = None if documents is None else context.shard_sequence(documents, group)
+            out = context.ring_attention(*local, group, mine, window)
+            out.backward(context.shard_sequence(grad, group, dim=2))
+            errors.append((out - context.shard_sequence(expected, group, 2)).abs().max().item())
+            errors += [(t.grad - context.shard_sequence(full.grad, group, 2)).abs().max().item()
+                       for t, full in zip(local, (q, k, v))]
+            banded = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = masked_attention(*banded, documents, window, enable_gqa=True)
+            out.backward(grad)
+            errors.append((out - expected).abs().max().item())
+            errors += [(t.grad - full.grad).abs().max().item() for t, full in zip(banded, (q, k, v))]
+            if window < SEQ:
+                plan = context.Documents(mine).ring(group, SEQ // cp, window, q.device)
+                skipped[window, documents is not None] = plan.count(None)
+    return max(errors), skipped
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_with_a_sliding_window(ranks, cp):
+    results = ranks.run(_windows, cp, cp)
+    assert max(r[0] for r in results) < 1e-12
+    skipped = {key: sum(r[1][key] for r in results) for key in results[0][1]}
+    chunk = SEQ // (2 * cp)
+    # a window of one token: each query sees itself only, every other block is skipped; one within a
+    # chunk: a query sees its own chunk and the one before it, so of a rank's cp - 1 other blocks only
+    # those holding a chunk just before one of its own are attended
+    needed = sum(len({j for j in range(cp) if j != i and {j, 2 * cp - 1 - j} & {i - 1, 2 * cp - 2 - i}})
+                 for i in range(cp))
+    assert skipped[1, False] == skipped[1, True] == cp * (cp - 1), skipped
+    for window in WINDOWS:
+        if 1 < window <= chunk:
+            assert skipped[window, False] == cp * (cp - 1) - needed, (window, skipped)
+        if window < SEQ:
+            assert skipped[window, True] >= skipped[window, False]
+    shorter = [skipped[w, False] for w in WINDOWS if w < SEQ]
+    assert shorter == sorted(shorter, reverse=True), shorter  # a longer window skips no more
