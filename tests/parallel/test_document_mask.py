@@ -20,7 +20,7 @@ from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.model import Model, local_batch
 from fourfold.parallel.pipeline import Pipeline
-from fourfold.parallel.tensor.block import TensorOptions, masked_attention, document_ids
+from fourfold.parallel.tensor.block import TensorOptions, document_ids, masked_attention
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.job import Job
