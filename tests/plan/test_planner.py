@@ -363,3 +363,28 @@ def test_megatron_takes_the_split_that_counts_embedding_and_loss_as_layers(capsy
     commands = json.loads(capsys.readouterr().out)["commands"]
     assert f"--stage-layers {split}" in commands["estimate"] and f"--pipeline.stage_layers {split}" in commands["train"]
     assert main([*grid, "--stage-layers", "8," * 15 + "6"]) == 2  # not Megatron's split
+
+
+def test_a_sliding_window_prices_only_the_pairs_it_keeps():
+    """A 64k-token job of an 8B model with a 4096-token window: its attention's FLOPs and seconds are
+    the causal ones scaled by the pairs the window keeps (about 2 * 4096 / 65536 of them), the
+    linear layers' unchanged, and the step's compute less than half the global-attention model's."""
+    from fourfold.plan.constants import constants
+    from fourfold.plan.costs import attention_seconds
+    from fourfold.spec.counts import attended_pairs, flops_per_token
+
+    full = load_config("llama-3.1-8b")
+    windowed = replace(full, sliding_window=4096)
+    seq = 65536
+    ratio = attended_pairs(seq, 4096) / attended_pairs(seq, 0)
+    assert 0.12 < ratio < 0.125
+    attention = 6 * full.layers * full.hidden * seq  # 6 L h s a token
+    assert flops_per_token(windowed, seq) == pytest.approx(flops_per_token(full, seq) - attention * (1 - ratio),
+                                                           rel=1e-4)
+    args = (seq, 8, 1, 4, 128, 989.0, constants(Calibration(), CLUSTER))
+    assert attention_seconds(*args, window=4096) == pytest.approx(attention_seconds(*args) * ratio)
+    assert attention_seconds(*args, window=seq) == attention_seconds(*args)
+    job = Job(Layout(cp=8, x=1, y=8), global_batch=1, micro_batch=1, seq=seq)
+    full_step, windowed_step = (step_time(cfg, job, CLUSTER) for cfg in (full, windowed))
+    assert windowed_step.compute < 0.5 * full_step.compute
+    assert windowed_step.flops_per_gpu < 0.6 * full_step.flops_per_gpu  # (6N is about half of the full one)

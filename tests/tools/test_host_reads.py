@@ -58,6 +58,7 @@ def _step(cfg: ModelConfig, sizes: dict, documents: bool, recompute: str) -> dic
     ("document masking", DENSE, dict(dp=2), True, "full", 1),
     ("cp", DENSE, dict(cp=2), False, "none", 0),
     ("cp with document masking", DENSE, dict(cp=2), True, "none", 1),
+    ("sliding window, cp", dataclasses.replace(DENSE, sliding_window=5), dict(cp=2), False, "full", 0),  # host plans
     ("mixture", MOE, dict(dp=2), False, "none", LAYERS),  # the tokens per expert, once a layer (before: per expert)
     ("mixture, ep", MOE, dict(dp=2, ep=2), False, "none", LAYERS),  # the exchange's split sizes (before: 2 a layer)
 ])

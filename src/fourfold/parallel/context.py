@@ -20,6 +20,7 @@ scores elsewhere (`attend_block_masked`).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -176,14 +177,13 @@ def _chunks(documents: torch.Tensor, cp: Group) -> torch.Tensor:
     return torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).transpose(0, 1)
 
 
-def rank_positions(rank: int, ranks: int, seq: int) -> torch.Tensor:
+def rank_positions(rank: int, ranks: int, seq: int) -> list[int]:
     """The global positions of the `seq` tokens cp rank `rank` of `ranks` holds (chunks rank and
     2*ranks-1-rank; all of them on one rank), on the host: increasing along the rank's tokens."""
     if ranks == 1:
-        return torch.arange(seq)
+        return list(range(seq))
     c = seq // 2
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * ranks - 1 - rank) * c,
-                                                                           (2 * ranks - rank) * c)])
+    return [*range(rank * c, (rank + 1) * c), *range((2 * ranks - 1 - rank) * c, (2 * ranks - rank) * c)]
 
 
 BANDS = 8  # row bands of a masked block, each cut to the keys its documents, causality and window reach
@@ -198,7 +198,7 @@ def _bands(rows: slice, seq: int, window: int) -> list[slice]:
     return [slice(a, min(a + size, r1)) for a in range(r0, r1, size)]
 
 
-def _position_reach(bands: list[slice], row_pos: torch.Tensor, key_pos: torch.Tensor, keys: slice,
+def _position_reach(bands: list[slice], row_pos: list[int], key_pos: list[int], keys: slice,
                     window: int) -> list[tuple[int, int]]:
     """For each band, the (start, stop) of the keys (`keys` of the block, positions `key_pos`) at
     or before its last row and, with a window, within it of its first row: host arithmetic on the
@@ -206,9 +206,9 @@ def _position_reach(bands: list[slice], row_pos: torch.Tensor, key_pos: torch.Te
     k0, k1 = keys.start or 0, len(key_pos) if keys.stop is None else keys.stop
     out = []
     for band in bands:
-        first, last = row_pos[band.start].item(), row_pos[band.stop - 1].item()
-        start = max(k0, int(torch.searchsorted(key_pos, first - window + 1))) if window else k0
-        out.append((start, min(k1, int(torch.searchsorted(key_pos, last, right=True)))))
+        first, last = row_pos[band.start], row_pos[band.stop - 1]
+        start = max(k0, bisect.bisect_left(key_pos, first - window + 1)) if window else k0
+        out.append((start, min(k1, bisect.bisect_right(key_pos, last))))
     return out
 
 
@@ -313,11 +313,11 @@ def _plans(ids, whole, owner_ids, visible, row_pos, key_pos, window, device) -> 
         for r in reach:
             r[:] = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(r, by_documents[: len(r)])]
             by_documents = by_documents[len(r):]
-    rows_at = row_pos.to(device)
+    rows_at = torch.tensor(row_pos, device=device)
     plans = []
     for b, r, owner, pos in zip(bands, reach, owner_ids, key_pos):
         cut = [(band, slice(start, stop)) for band, (start, stop) in zip(b, r) if start < stop]
-        plans.append(BlockPlan(cut, rows_at, pos.to(device), ids, owner, window) if cut else None)
+        plans.append(BlockPlan(cut, rows_at, torch.tensor(pos, device=device), ids, owner, window) if cut else None)
     return plans
 
 

@@ -103,7 +103,7 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
             peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
     # the local queries against the whole sequence (ring attention brings the other chunks' keys)
     attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, traits.flash_attention,
-                                  traits.cp_comm == "all_gather")
+                                  traits.cp_comm == "all_gather", block.window)
     return forward + attention, forward
 
 
@@ -128,7 +128,7 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     tp_heads = framework.attention_split(cfg.block, s.x, s.y)
     # one ring step's attention: the rank's attention over its cp steps, on average
     block_attention = attention_seconds(s.seq, s.cp, s.micro_batch / s.z, cfg.heads / tp_heads, cfg.block.head_dim,
-                                        cluster.gpu.bf16_tflops, cal) / s.cp
+                                        cluster.gpu.bf16_tflops, cal, window=cfg.block.window) / s.cp
     forward = exposed(totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
                       cal.ring_overlap)
     backward = exposed(totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),

@@ -41,8 +41,18 @@ def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     return cfg.layers * (matrices + vectors) + embed + positions + final_norm
 
 
+def attended_pairs(seq: int, window: int) -> int:
+    """(query, key) pairs causal attention over `seq` tokens computes: seq (seq + 1) / 2, or with a
+    sliding window shorter than the sequence, min(position + 1, window) keys a query."""
+    if not window or window >= seq:
+        return seq * (seq + 1) // 2
+    return window * (window + 1) // 2 + (seq - window) * window
+
+
 def flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """6 N (non-embedding parameters a token runs through: a mixture's active ones) + 6 L h s for
-    causal attention (forward and backward)."""
+    causal attention (forward and backward; 12 h FLOPs per pair of the seq/2 keys a query sees,
+    fewer under a sliding window)."""
     matrices, _ = layer_params(cfg, active=True)
-    return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 6 * cfg.layers * cfg.hidden * seq
+    keys = seq / 2 if not cfg.block.window else attended_pairs(seq, cfg.block.window) / seq
+    return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 12 * cfg.layers * cfg.hidden * keys
