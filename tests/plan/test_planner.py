@@ -382,8 +382,8 @@ def test_a_sliding_window_prices_only_the_pairs_it_keeps():
     assert flops_per_token(windowed, seq) == pytest.approx(flops_per_token(full, seq) - attention * (1 - ratio),
                                                            rel=1e-4)
     args = (seq, 8, 1, 4, 128, 989.0, constants(Calibration(), CLUSTER))
-    assert attention_seconds(*args, window=4096) == pytest.approx(attention_seconds(*args) * ratio)
-    assert attention_seconds(*args, window=seq) == attention_seconds(*args)
+    assert windowed.attention_share(seq) == ratio and windowed.attention_share(4096) == 1.0
+    assert attention_seconds(*args, share=ratio) == pytest.approx(attention_seconds(*args) * ratio)
     job = Job(Layout(cp=8, x=1, y=8), global_batch=1, micro_batch=1, seq=seq)
     full_step, windowed_step = (step_time(cfg, job, CLUSTER) for cfg in (full, windowed))
     assert windowed_step.compute < 0.5 * full_step.compute

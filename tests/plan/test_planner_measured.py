@@ -117,3 +117,15 @@ def test_selective_recompute_keeps_at_most_70_percent_of_what_full_recompute_rem
         assert estimate == pytest.approx(peaks[recompute], rel=0.02), (recompute, estimate, peaks[recompute])
     kept = (peaks["selective"] - peaks["full"]) / (peaks["none"] - peaks["full"])
     assert kept <= 0.7, kept
+
+
+# Gemma 3 27B with six layers (five local, one global), bf16, rank 0 of 8 fake ranks: four norms a
+# block, q/k norms that keep the QKV output, GeGLU's gelu(gate), local layers' banded attention.
+GEMMA_6_LAYERS = load_config("gemma-3-27b").with_layers(6)
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, y=4, micro_batch=2, seq=8192), dict(cp=2, y=4, seq=8192)],
+                         ids=["x2y4-mb2", "cp2y4-ring"])
+def test_estimate_within_5_percent_of_fake_tensor_peak_of_gemma3(sizes):
+    estimate, measured = _fake_tensor_peak_and_estimate(GEMMA_6_LAYERS, sizes)
+    assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)

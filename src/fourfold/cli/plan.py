@@ -96,7 +96,7 @@ def _context(args):
         cal = dataclasses.replace(cal, latency_us=None)
     cfg = load_config(args.model)
     if getattr(args, "layers", None):
-        cfg = dataclasses.replace(cfg, layers=args.layers)
+        cfg = cfg.with_layers(args.layers)
     return cfg, cluster, cal
 
 

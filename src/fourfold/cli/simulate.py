@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.model)
     if args.layers:
-        cfg = dataclasses.replace(cfg, layers=args.layers)
+        cfg = cfg.with_layers(args.layers)
     job = Job(Layout.parse(args.grid, args.order), global_batch=args.global_batch, micro_batch=args.micro_batch,
               seq=args.seq, recompute=args.recompute, seq_parallel=args.seq_parallel, precision=args.precision,
               virtual=args.virtual, schedule="interleaved-1f1b" if args.virtual > 1 else "1f1b",

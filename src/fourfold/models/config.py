@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -22,6 +23,7 @@ METADATA = {"_name_or_path", "architectures", "bos_token_id", "eos_token_id", "p
             "id2label", "label2id", "problem_type", "is_encoder_decoder", "chunk_size_feed_forward",
             "initializer_range", "model_type", "tie_word_embeddings", "max_position_embeddings", "vocab_size",
             "task_specific_params", "finetuning_task", "_num_labels", "tokenizer_class", "prefix", "torchscript"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,49 @@ class ModelConfig:
     shared_ffn: int = 0  # a shared expert's FFN size, under a sigmoid gate (Qwen2-MoE); 0: none
     aux_loss: bool = False  # the load-balancing loss is added to the loss (config.json's output_router_logits)
     aux_loss_coef: float = 0.0  # its coefficient (router_aux_loss_coef)
+    # Layers of two kinds (Gemma 3): "full_attention" ones are `block`; "sliding_attention" ones attend
+    # within `sliding_window`, with RoPE's base `local_rope_theta` unscaled (0: the global layers' RoPE)
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float = 0.0
+    attention_scale: float = 0.0  # the attention scores' scale (0: 1 / sqrt(head_dim))
 
     def __post_init__(self) -> None:
         self.family_spec()  # an unknown family is refused here, by name
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # (a list from meta.json)
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown or self.layer_types and len(self.layer_types) != self.layers:
+            raise ValueError(f"layer_types must name each of the {self.layers} layers as one of "
+                             f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}")
+
+    def with_layers(self, n: int) -> "ModelConfig":
+        """The same model with `n` layers (their kinds in the same pattern: the first n, repeated)."""
+        kinds = tuple(self.layer_types[i % len(self.layer_types)] for i in range(n)) if self.layer_types else ()
+        return dataclasses.replace(self, layers=n, layer_types=kinds)
+
+    def layer_block(self, i: int) -> BlockConfig:
+        """Layer i's block: `block`, or a sliding-window layer's (`layer_types`)."""
+        if not self.layer_types or self.layer_types[i] == "full_attention":
+            return self.block
+        return self._sliding_block
+
+    @functools.cached_property
+    def _sliding_block(self) -> BlockConfig:
+        if not self.local_rope_theta:
+            return dataclasses.replace(self.block, window=self.sliding_window)
+        return dataclasses.replace(self.block, window=self.sliding_window, rope_theta=self.local_rope_theta,
+                                   rope_scaling=None)
+
+    def attention_share(self, seq: int) -> float:
+        """The (query, key) pairs the layers attend over `seq` tokens, as a share of causal attention's
+        in every layer (1 without sliding windows shorter than the sequence)."""
+        from fourfold.spec.counts import attended_pairs
+
+        window, local = self.block.window, self.layers  # (the planner asks for it on every evaluation)
+        if self.layer_types:
+            window, local = self.sliding_window, self.layer_types.count("sliding_attention")
+        if not window or window >= seq:
+            return 1.0
+        return (self.layers - local + local * attended_pairs(seq, window) / attended_pairs(seq, 0)) / self.layers
 
     def family_spec(self) -> "Family":
         from fourfold.models.registry import family  # the families import this module

@@ -35,3 +35,4 @@ class Family:
     tensors: Callable[["ModelConfig"], dict[str, HFTensor]]  # fourfold serial name -> its checkpoint tensor
     learned_positions: bool = False  # a [max_positions, hidden] table added to the embeddings (GPT-2)
     bos_is_eos: bool = False  # its tokenizers' convention when none names a beginning token (GPT-2)
+    scaled_embedding: bool = False  # the embeddings multiplied by sqrt(hidden), in the model's dtype (Gemma)

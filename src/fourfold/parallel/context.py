@@ -339,9 +339,8 @@ def _exchange(tensors: list[torch.Tensor], cp: Group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, plan: list[BlockPlan | None] | None):
+    def forward(ctx, q, k, v, cp: Group, plan: list[BlockPlan | None] | None, scale: float):
         """`plan`: the masked path's, step by step (`Documents.ring`); None: plain causal attention."""
-        scale = 1.0 / math.sqrt(q.shape[-1])
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         out, lse, extra = q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc), None
         block_k, block_v = k, v
@@ -366,14 +365,13 @@ class _RingAttention(torch.autograd.Function):
                 block_k, block_v = pending.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.extra, ctx.plan = cp, extra, plan
+        ctx.cp, ctx.extra, ctx.plan, ctx.scale = cp, extra, plan, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, plan = ctx.cp, ctx.plan
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        cp, plan, scale = ctx.cp, ctx.plan, ctx.scale
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q, dtype=acc)
@@ -414,17 +412,19 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 block_k, block_v = pending_kv.wait()
         dk, dv = incoming.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
-                   documents: torch.Tensor | Documents | None = None, window: int = 0) -> torch.Tensor:
+                   documents: torch.Tensor | Documents | None = None, window: int = 0,
+                   scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries [b, heads, s, d] to the whole sequence's keys and
     values, of which this rank holds [b, kv_heads, s, d] (its two chunks, as `shard_sequence`).
     `documents`: this rank's [b, s] document ids of the whole sequence's (`block.document_ids`,
     sharded as the tokens; never decreasing along the sequence): each query then sees the keys of
     its own document only. `window` > 0: each query sees only the keys less than `window` positions
-    before it (a sliding window); the steps whose block no query can see are skipped."""
+    before it (a sliding window); the steps whose block no query can see are skipped. `scale`: the
+    scores' (default 1 / sqrt(head_dim))."""
     if cp.size == 1:
         raise ValueError("ring attention needs cp > 1; use plain causal attention on one rank")
     if q.shape[1] % k.shape[1]:
@@ -434,6 +434,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
         raise ValueError(f"document ids {tuple(documents.ids.shape)} do not match the queries' [batch, seq] "
                          f"{(q.shape[0], q.shape[2])}")
     window = window if window < q.shape[2] * cp.size else 0  # a window over the whole sequence masks nothing
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if documents is None and not window:
-        return _RingAttention.apply(q, k, v, cp, None)
-    return _RingAttention.apply(q, k, v, cp, (documents or Documents(None)).ring(cp, q.shape[2], window, q.device))
+        return _RingAttention.apply(q, k, v, cp, None, scale)
+    plan = (documents or Documents(None)).ring(cp, q.shape[2], window, q.device)
+    return _RingAttention.apply(q, k, v, cp, plan, scale)

@@ -89,7 +89,8 @@ class Transformer(nn.Module):
         self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family_spec().learned_positions else None
         # keyed by global index so that parameter names stay the serial model's on a pipeline stage
         self.layers = nn.ModuleDict({
-            str(i): ParallelBlock(grid, block, opts, seed=seed, std=std, out_std=out_std, prefix=f"layers.{i}",
+            str(i): ParallelBlock(grid, cfg.layer_block(i), opts, seed=seed, std=std, out_std=out_std,
+                                  prefix=f"layers.{i}",
                                   selective_recompute=recompute == "selective", overlap=self.overlap)
             for i in range(cfg.layers)
         })
@@ -132,6 +133,8 @@ class Transformer(nn.Module):
         h = x
         if first:
             h = self.embed(x)
+            if self.cfg.family_spec().scaled_embedding:  # sqrt(hidden) rounded as transformers' float32 buffer
+                h = h * torch.tensor(self.cfg.hidden ** 0.5, dtype=torch.float32).to(h.dtype)
             if self.positions is not None:
                 h = h + self.positions(positions)
         for layer in self.layers.values():

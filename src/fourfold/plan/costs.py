@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 from fourfold.plan.constants import Calibration, Constants, constants
-from fourfold.spec.counts import attended_pairs
 from fourfold.spec.hardware import Cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
@@ -27,7 +26,8 @@ def gemm_efficiency(m: float, n: float, k: float, cal: Constants) -> float:
 
 
 def attention_seconds(seq: int, cp: int, batch: float, heads: float, head_dim: int, peak_tflops: float,
-                      cal: Constants, flash_attention: bool = True, gathered: bool = False, window: int = 0) -> float:
+                      cal: Constants, flash_attention: bool = True, gathered: bool = False,
+                      share: float = 1.0) -> float:
     """Forward seconds of one layer's causal attention on one rank, for `batch` sequences of `seq`
     tokens split over `cp` ranks. Flash attention skips the masked tiles (half the pairs) and runs
     at `attention_ratio` of the GEMMs' best rate, lowered by the keys a query attends in one kernel
@@ -39,12 +39,11 @@ def attention_seconds(seq: int, cp: int, batch: float, heads: float, head_dim: i
     all-gathered first (Llama 3's context parallelism), each local chunk attends every earlier key
     in one call, seq/2 keys a query on average as without cp. Without flash attention
     (Megatron-LM 2021): every pair's score is computed (no tile is skipped) by batched GEMMs at
-    their shape's efficiency. A sliding `window` shorter than the sequence: the causal time scaled
-    by the pairs the window keeps (`attended_pairs`), each call still paying its slowdown at the
-    keys a query sees (the runtime skips the ring's blocks no query reaches, so cp keeps its share)."""
-    if window and window < seq:
-        causal = attention_seconds(seq, cp, batch, heads, head_dim, peak_tflops, cal, flash_attention, gathered)
-        return causal * attended_pairs(seq, window) / attended_pairs(seq, 0)
+    their shape's efficiency. `share` < 1: sliding windows keep that share of causal attention's
+    pairs (`ModelConfig.attention_share`), and the time is scaled by it (the runtime skips the
+    ring's blocks no query reaches, so each cp rank keeps its part)."""
+    if share != 1.0:
+        return share * attention_seconds(seq, cp, batch, heads, head_dim, peak_tflops, cal, flash_attention, gathered)
     pair = 4 * head_dim * heads * batch  # FLOPs of one (query, key) pair: QK^T and PV
     peak = peak_tflops * 1e12
     if not flash_attention:

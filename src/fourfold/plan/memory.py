@@ -150,16 +150,19 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     attention = ({"attention probabilities": (s.micro_batch / z) * heads * (s.seq / c) ** 2} if math_path else
                  {"attention output and stats": (T * heads * d if c > 1 else 0.0) + T * heads / d})
     saved = {
-        "norm inputs": 2 * Ts * h / x,  # (and a [tokens] fp32 statistic: the rest is recomputed in backward)
+        # (and a [tokens] fp32 statistic: the rest is recomputed in backward); Gemma's post-norms: 4
+        "norm inputs": (4 if blk.post_norms else 2) * Ts * h / x,
         "qkv input": saved_input(plan.qkv),
         "q, k, v": T * (heads + 2 * kv) * d,
+        # q/k norms keep their inputs, views of the QKV output, so all of it stays alive
+        "qkv output": T * (heads + 2 * kv) * d if blk.qk_norm or blk.qk_norm_all_heads else 0.0,
         **attention,
         "rope tables": (2 * (s.seq / c) * d) if blk.rope else 0.0,  # one cos/sin pair for q and k
         "out-proj input": saved_input(plan.out),
         "mlp input": saved_input(plan.up),
         "gate/up output": T * up_rows,
-        # GELU's output; SwiGLU keeps only its inputs (the gate/up output: block._SwiGLU)
-        "activation output": 0.0 if blk.gated else T * ffn_local,
+        # GELU's output (GeGLU's gelu(gate) too); SwiGLU keeps only its inputs (the gate/up output: block._SwiGLU)
+        "activation output": 0.0 if blk.activation == "swiglu" else T * ffn_local,
         "down input": saved_input(plan.down),
     }
     if blk.moe:  # the experts on top_k * T tokens in all (whatever the routing, without expert parallelism;
@@ -169,7 +172,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         saved.update({
             "mlp input": T * h / x,  # the stream (gathered over y first with sequence parallelism), the router's input
             "gate/up output": routed * T * up_rows,
-            "activation output": 0.0 if blk.gated else routed * T * ffn_local,
+            "activation output": 0.0 if blk.activation == "swiglu" else routed * T * ffn_local,
             "down input": routed * saved_input(plan.down),
             # kept by their product with the routing weights (with expert parallelism: as they came back)
             "expert outputs": chosen,
@@ -185,7 +188,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
             chunks = mlp_chunks(blk, x, y, ffn=blk.shared_ffn)
             saved.update({
                 "shared gate/up output": T * plan.shared_up.out_features / chunks,
-                "shared activation output": 0.0 if blk.gated else T * blk.shared_ffn / chunks,
+                "shared activation output": 0.0 if blk.activation == "swiglu" else T * blk.shared_ffn / chunks,
                 "shared down input": saved_input(plan.shared_down),
                 "shared output": T * h / x + T,
             })

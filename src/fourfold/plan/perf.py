@@ -81,10 +81,11 @@ def _plan(block, x: int, y: int):
 @functools.lru_cache(maxsize=65536)  # many grids share a replica's shapes (dp and pp do not change them)
 def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float, peak_tflops: float,
                           cal: Constants, ep: int = 1, linear_tflops: float = 0.0,
-                          traits: RunTraits = RunTraits()) -> tuple[float, float]:
+                          traits: RunTraits = RunTraits(), attention_share: float = 1.0) -> tuple[float, float]:
     """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
     x = 1 for the megatron profile's 1D tensor parallelism; a mixture's experts/ep experts on the
-    rows the ep ranks send them. `linear_tflops`: the linear layers' peak (FP8's speed-up; 0: bf16)."""
+    rows the ep ranks send them. `linear_tflops`: the linear layers' peak (FP8's speed-up; 0: bf16).
+    `attention_share`: of causal attention's pairs, what the layers attend on average (sliding windows)."""
     T = seq / cp * batch
     peak = (linear_tflops or peak_tflops) * 1e12
     d = block.head_dim
@@ -103,7 +104,7 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
             peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
     # the local queries against the whole sequence (ring attention brings the other chunks' keys)
     attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, traits.flash_attention,
-                                  traits.cp_comm == "all_gather", block.window)
+                                  traits.cp_comm == "all_gather", attention_share)
     return forward + attention, forward
 
 
@@ -128,7 +129,7 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     tp_heads = framework.attention_split(cfg.block, s.x, s.y)
     # one ring step's attention: the rank's attention over its cp steps, on average
     block_attention = attention_seconds(s.seq, s.cp, s.micro_batch / s.z, cfg.heads / tp_heads, cfg.block.head_dim,
-                                        cluster.gpu.bf16_tflops, cal, window=cfg.block.window) / s.cp
+                                        cluster.gpu.bf16_tflops, cal, share=cfg.attention_share(s.seq)) / s.cp
     forward = exposed(totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
                       cal.ring_overlap)
     backward = exposed(totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
@@ -167,7 +168,7 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
              traits: RunTraits = RunTraits()) -> _Compute:
     forward, dw = _layer_compute_cached(cfg.block, s.x, s.y, s.seq, s.cp,
                                         s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
-                                        linear_tflops(cluster, cal, traits.fp8), traits)
+                                        linear_tflops(cluster, cal, traits.fp8), traits, cfg.attention_share(s.seq))
     T = s.seq / s.cp * s.micro_batch / s.z
     traffic = _elementwise_traffic(cfg, s, T, traits.fp8)
     if not traits.flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)

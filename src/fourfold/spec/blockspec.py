@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from fourfold.spec.layout import GridError
 
-NORMS = ("rms", "layer")
+NORMS = ("rms", "rms_plus_one", "layer")  # rms_plus_one: Gemma's, x / rms * (1 + weight)
 # A linear layer's kind -> (grid dim splitting its input features K, dim splitting its outputs N).
 LINEAR_KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
-ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("swiglu", "geglu_tanh", "gelu", "gelu_tanh")  # geglu_tanh: gelu_tanh(gate) * up
 
 
 ROPE_SCALINGS = ("linear", "llama3", "dynamic", "yarn")
@@ -67,6 +67,8 @@ class BlockConfig:
     head_size: int = 0  # an explicit head dim (config.json's head_dim); 0: hidden / heads
     eps: float = 1e-5
     window: int = 0  # a sliding window: each query sees the keys less than `window` positions before it (0: all)
+    attention_scale: float = 0.0  # the scores' scale (Gemma's query_pre_attn_scalar ** -0.5); 0: 1 / sqrt(head_dim)
+    post_norms: bool = False  # Gemma's: the attention's and the MLP's outputs normed before the residual add
     # Qwen3: queries and keys RMS-normalised over each head's features before RoPE, by a [head_dim]
     # weight each (attn.q_norm, attn.k_norm), held whole wherever heads are
     qk_norm: bool = False
@@ -95,7 +97,7 @@ class BlockConfig:
         if self.qk_norm and self.qk_norm_all_heads:
             raise ValueError("qk_norm (per head) and qk_norm_all_heads (over all heads) exclude each other")
         if self.experts and not (0 < self.top_k <= self.experts and self.gated):
-            raise ValueError(f"a mixture of {self.experts} SwiGLU experts needs 0 < top_k <= experts "
+            raise ValueError(f"a mixture of {self.experts} gated experts needs 0 < top_k <= experts "
                              f"(top_k={self.top_k}, activation {self.activation!r})")
 
     @property
@@ -104,7 +106,12 @@ class BlockConfig:
 
     @property
     def gated(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "geglu_tanh")
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return self.attention_scale or self.head_dim ** -0.5
 
     @property
     def moe(self) -> bool:

@@ -10,7 +10,8 @@ if TYPE_CHECKING:
 
 
 def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
-    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama (plus
+    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama (4h with
+    Gemma's norms after attention and the MLP; plus
     Qwen3's two [head_dim] q/k norm weights, or OLMoE's [heads * head_dim] and [kv_heads * head_dim] ones).
     A mixture's MLP: every expert's 3hF (with `active`, the top_k a token runs through), the
     router's E h, and a shared expert's 3hF_s with its gate's h."""
@@ -22,7 +23,7 @@ def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
         mlp = mlp * (b.top_k if active else b.experts) + b.experts * cfg.hidden
         mlp += (3 * cfg.hidden * b.shared_ffn + cfg.hidden) if b.shared_ffn else 0
     matrices += mlp
-    vectors = (2 if b.norm == "rms" else 4) * cfg.hidden
+    vectors = (2 if b.norm != "layer" else 4) * (2 if b.post_norms else 1) * cfg.hidden
     vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
     vectors += cfg.hidden if b.out_bias else 0
     vectors += 2 * d if b.qk_norm else 0
@@ -37,7 +38,7 @@ def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     matrices, vectors = layer_params(cfg, active)
     embed = cfg.vocab * cfg.hidden * (1 if cfg.tied else 2)
     positions = cfg.max_positions * cfg.hidden if cfg.family_spec().learned_positions else 0
-    final_norm = cfg.hidden * (1 if cfg.block.norm == "rms" else 2)
+    final_norm = cfg.hidden * (2 if cfg.block.norm == "layer" else 1)
     return cfg.layers * (matrices + vectors) + embed + positions + final_norm
 
 
@@ -54,5 +55,6 @@ def flops_per_token(cfg: ModelConfig, seq: int) -> float:
     causal attention (forward and backward; 12 h FLOPs per pair of the seq/2 keys a query sees,
     fewer under a sliding window)."""
     matrices, _ = layer_params(cfg, active=True)
-    keys = seq / 2 if not cfg.block.window else attended_pairs(seq, cfg.block.window) / seq
+    share = cfg.attention_share(seq)
+    keys = seq / 2 if share == 1.0 else share * attended_pairs(seq, 0) / seq
     return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 12 * cfg.layers * cfg.hidden * keys

@@ -116,7 +116,7 @@ def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, t
 def norm_passes(sizes: dict, kind: str, tokens: int) -> Passes:
     """Statistics all-reduced over x: RMSNorm one [tokens] sum, LayerNorm two; as many in backward
     (in fp32 at least, as `tensor.norm` computes them)."""
-    stats = [Collective("x", "all_reduce", tokens, wide=True)] * (1 if kind == "rms" else 2)
+    stats = [Collective("x", "all_reduce", tokens, wide=True)] * (2 if kind == "layer" else 1)
     return _passes(sizes, stats, stats)
 
 
@@ -180,10 +180,10 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
             mlp += _passes(sizes, [Collective("x", "all_reduce", tokens)], [Collective("x", "all_reduce", tokens)])
             mlp += linear(plan.shared_up) + linear(plan.shared_down)
         mlp += _passes(sizes, [], [Collective("y", "all_gather", features)] if seq_parallel else [])  # own tokens
-    return (norm_passes(sizes, cfg.norm, stream) + linear(plan.qkv)
-            + head_norm_passes(cfg, sizes, tokens, non_redundant=non_redundant)
+    norms = norm_passes(sizes, cfg.norm, stream) * (2 if cfg.post_norms else 1)  # (before and after: Gemma's)
+    return (norms + linear(plan.qkv) + head_norm_passes(cfg, sizes, tokens, non_redundant=non_redundant)
             + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant) + linear(plan.out)
-            + norm_passes(sizes, cfg.norm, stream) + mlp)
+            + norms + mlp)
 
 
 def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, **options) -> list[Collective]:

@@ -128,7 +128,7 @@ def document_ids(ids: torch.Tensor, end_of_document: int) -> torch.Tensor:
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | Documents | None,
-                     window: int = 0, *, enable_gqa: bool) -> torch.Tensor:
+                     window: int = 0, *, enable_gqa: bool, scale: float | None = None) -> torch.Tensor:
     """Causal attention within each document (`documents`: [b, s] ids, or None: one a sequence) and
     within a sliding `window` (0: none): the rows in bands (`context.Documents.whole`), each band's
     SDPA over only the keys its documents and window reach, with the mask of that part materialised
@@ -139,7 +139,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     documents = context.as_documents(documents) or context.Documents(None)
     plan = documents.whole(q.shape[2], window, q.device)
     out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                          attn_mask=plan.mask(rows, keys)[:, None], enable_gqa=enable_gqa)
+                                          attn_mask=plan.mask(rows, keys)[:, None], enable_gqa=enable_gqa,
+                                          scale=scale)
            for rows, keys in plan.cut]  # (keys never empty: each row sees itself)
     return torch.cat(out, dim=2)
 
@@ -192,7 +193,8 @@ class ParallelAttention(nn.Module):
         if self.cfg.qk_norm:  # Qwen3's: each head's queries and keys RMS-normalised before RoPE
             self.q_norm, self.k_norm = (
                 HeadNorm(grid, self.cfg.head_dim, self.cfg.eps, own_heads=self.own_heads, dtype=opts.dtype,
-                         name=f"{prefix}.attn.{n}", compile=opts.compile) for n in ("q_norm", "k_norm"))
+                         name=f"{prefix}.attn.{n}", compile=opts.compile, plus_one=self.cfg.norm == "rms_plus_one")
+                for n in ("q_norm", "k_norm"))
         if self.cfg.qk_norm_all_heads:  # OLMoE's: over all heads' features, statistics summed over the head group
             self.q_norm, self.k_norm = (
                 AllHeadsNorm(grid, heads * self.cfg.head_dim, plan.attention_chunks, self.cfg.eps,
@@ -223,11 +225,13 @@ class ParallelAttention(nn.Module):
             v = v.contiguous()
         window = self.cfg.window if self.cfg.window < s * self.cp.size else 0  # (a longer one masks nothing)
         if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
-            o = ring_attention(q, k, v, self.cp, documents, window)
+            o = ring_attention(q, k, v, self.cp, documents, window, scale=self.cfg.scale)
         elif documents is not None or window:
-            o = masked_attention(q, k, v, documents, window, enable_gqa=self.heads != self.kv_heads)
+            o = masked_attention(q, k, v, documents, window, enable_gqa=self.heads != self.kv_heads,
+                                 scale=self.cfg.scale)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads,
+                                               scale=self.cfg.scale)
         return o.transpose(1, 2).reshape(b, s, self.heads * d)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,6 +262,9 @@ class ParallelMLP(nn.Module):
             return self.down(a)
 
     def _activation(self, u: torch.Tensor) -> torch.Tensor:
+        if self.cfg.activation == "geglu_tanh":  # Gemma's
+            gate, up = u.chunk(2, dim=-1)
+            return self.gelu(gate, "tanh") * up
         if self.cfg.gated:
             return self.swiglu(*u.chunk(2, dim=-1))
         return self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
@@ -287,7 +294,8 @@ _REBUILD = object()  # what the hooks keep in place of the dropped tensor
 
 class ParallelBlock(nn.Module):
     """h + attn(norm(h)), then + mlp(norm(h)): a pre-norm Llama/GPT block (the MLP a mixture of experts
-    when the block config has experts)."""
+    when the block config has experts); with `post_norms` (Gemma's), h + norm(attn(norm(h))), then
+    + norm(mlp(norm(h)))."""
 
     def __init__(self, grid: Grid, cfg: BlockConfig, opts: TensorOptions, *, seed: int, std: float = 0.02,
                  out_std: float | None = None, prefix: str = "block", selective_recompute: bool = False,
@@ -305,6 +313,11 @@ class ParallelBlock(nn.Module):
         self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
                                       overlap=overlap, recompute_core=selective_recompute)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
+        self.attn_post_norm = self.mlp_post_norm = None
+        if cfg.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = (
+                ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.{n}", **norm)
+                for n in ("attn_post_norm", "mlp_post_norm"))
         def mlp(plan: BlockPlan) -> ParallelMLP:
             return ParallelMLP(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix, overlap=overlap,
                                rebuild_activation=rebuild)
@@ -314,8 +327,10 @@ class ParallelBlock(nn.Module):
                     if cfg.moe else mlp(plan))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        h = h + self._normed(self.attn_norm, h, lambda n: self.attn(n, positions, documents))
-        return h + self._normed(self.mlp_norm, h, self.mlp)
+        a = self._normed(self.attn_norm, h, lambda n: self.attn(n, positions, documents))
+        h = h + (a if self.attn_post_norm is None else self.attn_post_norm(a))
+        m = self._normed(self.mlp_norm, h, self.mlp)
+        return h + (m if self.mlp_post_norm is None else self.mlp_post_norm(m))
 
     def _normed(self, norm: ParallelNorm, h: torch.Tensor, then) -> torch.Tensor:
         """then(norm(h)); with selective recompute (eager) the norm's output, the next GEMM's input, is

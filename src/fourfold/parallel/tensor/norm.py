@@ -7,7 +7,8 @@ squares over thousands of features lose most of their bits), and backward keeps 
 and the per-token statistics. With `compile` (train.compile) the elementwise work between the
 collectives runs under torch.compile; the arithmetic is the same. The same statistics serve the q/k
 norms: per head (Qwen3's `HeadNorm`, nothing to sum) and over all heads (OLMoE's `AllHeadsNorm`, summed over
-the ranks holding the other heads).
+the ranks holding the other heads). Gemma's RMSNorm (`rms_plus_one`) scales by 1 + weight (stored
+as transformers stores it: zeros are the identity) and casts after scaling.
 """
 
 from __future__ import annotations
@@ -38,24 +39,26 @@ def _square_sum(f):
     return f.square().sum(-1, keepdim=True)
 
 
-def _output(f, square_sum, weight, bias, hidden: int, eps: float, dtype: torch.dtype):
+def _output(f, square_sum, weight, bias, hidden: int, eps: float, dtype: torch.dtype, plus_one: bool):
     rstd = torch.rsqrt(square_sum / hidden + eps)
-    return _scaled(f, rstd, weight, bias, dtype), rstd
+    return _scaled(f, rstd, weight, bias, dtype, plus_one), rstd
 
 
-def _scaled(f, rstd, weight, bias, dtype: torch.dtype):
+def _scaled(f, rstd, weight, bias, dtype: torch.dtype, plus_one: bool = False):
+    if plus_one:  # Gemma's: scaled by 1 + weight in fp32 at least, then cast (Llama casts, then scales)
+        return ((f * rstd) * (1 + weight.to(f.dtype))).to(dtype)
     out = (f * rstd).to(dtype) * weight
     return out + bias if bias is not None else out
 
 
-def _backward_sums(h, mean, rstd, weight, grad, has_bias: bool):
+def _backward_sums(h, mean, rstd, weight, grad, has_bias: bool, plus_one: bool):
     acc = rstd.dtype
     n = (h.to(acc) - mean if mean is not None else h.to(acc)) * rstd  # the normalised input
     tokens = tuple(range(grad.dim() - 1))
     g = grad.to(acc)
     grad_weight = (g * n).sum(tokens).to(weight.dtype)
     grad_bias = g.sum(tokens).to(weight.dtype) if has_bias else None
-    gn = g * weight.to(acc)
+    gn = g * (1 + weight.to(acc) if plus_one else weight.to(acc))
     ones_projection = gn.sum(-1, keepdim=True) if mean is not None else None  # (LayerNorm's)
     return n, gn, grad_weight, grad_bias, (gn * n).sum(-1, keepdim=True), ones_projection
 
@@ -85,19 +88,21 @@ def _compiled() -> dict:
 
 class _Normalise(torch.autograd.Function):
     """(h - mean) / rms (LayerNorm, `centred`) or h / rms (RMSNorm) over the features of all x
-    ranks, times weight (plus bias), in fp32 at least."""
+    ranks, times weight (plus bias; `plus_one`: times 1 + weight), in fp32 at least."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, x: Group, eps: float, hidden: int, centred: bool, use_compile: bool,
-                stats: list | None):
+                stats: list | None, plus_one: bool = False):
         k = _compiled() if use_compile else _EAGER
         mean = comm.all_reduce(k["sum"](k["centre"](h, None)), x) / hidden if centred else None
         f = k["centre"](h, mean)
-        out, rstd = k["output"](f, comm.all_reduce(k["square_sum"](f), x), weight, bias, hidden, eps, h.dtype)
+        out, rstd = k["output"](f, comm.all_reduce(k["square_sum"](f), x), weight, bias, hidden, eps, h.dtype,
+                                plus_one)
         ctx.save_for_backward(h, weight, mean, rstd)
         if stats is not None:  # for `ParallelNorm.rebuilt`
             stats.append((mean, rstd))
-        ctx.x, ctx.hidden, ctx.has_bias, ctx.use_compile = x, hidden, bias is not None, use_compile
+        ctx.x, ctx.hidden, ctx.has_bias, ctx.use_compile, ctx.plus_one = x, hidden, bias is not None, use_compile, \
+            plus_one
         return out
 
     @staticmethod
@@ -105,11 +110,11 @@ class _Normalise(torch.autograd.Function):
         h, weight, mean, rstd = ctx.saved_tensors
         k = _compiled() if ctx.use_compile else _EAGER
         n, gn, grad_weight, grad_bias, n_projection, ones_projection = k["backward_sums"](h, mean, rstd, weight, grad,
-                                                                                           ctx.has_bias)
+                                                                                           ctx.has_bias, ctx.plus_one)
         n_projection = comm.all_reduce(n_projection, ctx.x)
         ones_projection = comm.all_reduce(ones_projection, ctx.x) if mean is not None else None
         dh = k["grad_input"](n, gn, rstd, n_projection, ones_projection, ctx.hidden, h.dtype)
-        return dh, grad_weight, grad_bias, None, None, None, None, None, None
+        return dh, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 class ParallelNorm(ParallelModule):
@@ -132,19 +137,19 @@ class ParallelNorm(ParallelModule):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.weight.fill_(1)
+        self.weight.fill_(0 if self.kind == "rms_plus_one" else 1)  # (the identity either way)
         if self.bias is not None:
             self.bias.zero_()
 
     def forward(self, h: torch.Tensor, stats: list | None = None) -> torch.Tensor:
         """The normalised h; `stats` (a list) gets its (mean, rstd), from which `rebuilt` makes it again."""
         return _Normalise.apply(h, self.weight, self.bias, self.grid.group("x"), self.eps, self.hidden,
-                                self.kind == "layer", self.compile, stats)
+                                self.kind == "layer", self.compile, stats, self.kind == "rms_plus_one")
 
     def rebuilt(self, h: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor) -> torch.Tensor:
         """forward(h) again from its statistics, without their collectives (the eager operations:
         the same values as the eager forward's)."""
-        return _scaled(_centre(h, mean), rstd, self.weight, self.bias, h.dtype)
+        return _scaled(_centre(h, mean), rstd, self.weight, self.bias, h.dtype, self.kind == "rms_plus_one")
 
     def load(self, read, put) -> None:
         local = self.weight.numel()
@@ -180,9 +185,10 @@ class _QKNorm(ParallelModule):
     `HeadNorm` and `AllHeadsNorm` share. `grad_sum` and `replicated`: its `ParamLayout`."""
 
     def __init__(self, grid: Grid, name: str, eps: float, compile: bool, dtype: torch.dtype, *, features: int,
-                 group: Group, offset: int, local: int, grad_sum: tuple[str, ...], replicated: tuple[str, ...]):
+                 group: Group, offset: int, local: int, grad_sum: tuple[str, ...], replicated: tuple[str, ...],
+                 plus_one: bool = False):
         super().__init__()
-        self.grid, self.name, self.eps, self.compile = grid, name, eps, compile
+        self.grid, self.name, self.eps, self.compile, self.plus_one = grid, name, eps, compile, plus_one
         self.features, self.group, self.offset, self.local = features, group, offset, local
         self.grad_sum, self.replicated = grad_sum, replicated
         self.weight = nn.Parameter(torch.empty(local, dtype=dtype))
@@ -190,11 +196,11 @@ class _QKNorm(ParallelModule):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        self.weight.fill_(1)
+        self.weight.fill_(0 if self.plus_one else 1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return _Normalise.apply(h, self.weight, None, self.group, self.eps, self.features, False, self.compile,
-                                None)
+                                None, self.plus_one)
 
     def load(self, read, put) -> None:
         put(self.weight, read(f"{self.name}.weight", slice(self.offset, self.offset + self.local), None))
@@ -213,11 +219,12 @@ class HeadNorm(_QKNorm):
     change it: attention runs after the QKV projection has gathered the tokens over y."""
 
     def __init__(self, grid: Grid, head_dim: int, eps: float, *, own_heads: bool, dtype: torch.dtype, name: str,
-                 compile: bool = False):
+                 compile: bool = False, plus_one: bool = False):
         # no reduction of the statistics: a group of this rank alone (its collectives cost and record nothing)
         alone = Group(f"{name}.alone", None, (grid.rank,), 0, grid.ledger)
         super().__init__(grid, name, eps, compile, dtype, features=head_dim, group=alone, offset=0, local=head_dim,
-                         grad_sum=("x", "y", "z") if own_heads else ("y", "z"), replicated=("x", "y", "z"))
+                         grad_sum=("x", "y", "z") if own_heads else ("y", "z"), replicated=("x", "y", "z"),
+                         plus_one=plus_one)
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         return {f"{self.name}.weight": pick(self.weight).detach()}
