@@ -95,7 +95,7 @@ def saved_random_model(config: dict, path, scale=lambda name: 0.05, **options):
 
     torch.manual_seed(0)
     hf_config = transformers.AutoConfig.for_model(**config)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", **options)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, **{"attn_implementation": "sdpa", **options})
     model = model.double().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

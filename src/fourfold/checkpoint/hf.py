@@ -19,6 +19,7 @@ from torch import nn
 
 from fourfold.checkpoint import META, CheckpointError, latest
 from fourfold.models.config import ModelConfig
+from fourfold.models.family import HFTensor
 from fourfold.parallel import comm
 from fourfold.parallel.tensor.params import Read, Replicas, assigned_by_group, copy_into, layouts, load, parallel_layers
 
@@ -69,12 +70,15 @@ def checkpoint_reader(directory: str | os.PathLike, cfg: ModelConfig, dtype: tor
     tensors = cfg.family_spec().tensors(cfg)
 
     def read(name, rows, cols):
-        hf, offset, conv1d = tensors[name]
-        t = sliced(hf)
-        if not conv1d:
-            return (t[rows] if cols is None else t[rows, cols]).to(dtype)
-        shifted = slice(rows.start + offset, rows.stop + offset)
-        return (t[shifted] if cols is None else t[cols, shifted].T).to(dtype)
+        where = tensors[name]
+        t, lead, step = sliced(where.name), () if where.expert is None else (where.expert,), where.stride
+        # the contiguous span of the tensor's rows holding ours (every step-th of it)
+        span = slice(where.offset + rows.start * step, where.offset + (rows.stop - 1) * step + 1)
+        if cols is None:
+            return t[lead + (span,)][::step].to(dtype)
+        if not where.conv1d:
+            return t[lead + (span, cols)][::step].to(dtype)
+        return t[lead + (cols, span)][:, ::step].T.to(dtype)
 
     return read
 
@@ -134,18 +138,34 @@ def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Replicas |
             comm.all_reduce(p.data, replicas.experts if is_expert[i] else replicas.dense)
 
 
-def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
-    """transformers name -> the fourfold tensors it is made of, in order, each (name, transposed)."""
-    out: dict[str, list[tuple[int, str, bool]]] = {}
-    for ours, (hf, offset, conv1d) in cfg.family_spec().tensors(cfg).items():
-        out.setdefault(hf, []).append((offset, ours, conv1d))
-    return {hf: [(ours, conv1d) for _, ours, conv1d in sorted(parts)] for hf, parts in out.items()}
+def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, HFTensor]]]:
+    """transformers name -> the fourfold tensors it is made of, each (name, where it lies in it), by
+    expert and first row."""
+    out: dict[str, list[tuple[str, HFTensor]]] = {}
+    for ours, where in cfg.family_spec().tensors(cfg).items():
+        out.setdefault(where.name, []).append((ours, where))
+    return {hf: sorted(parts, key=lambda p: (p[1].expert or 0, p[1].offset)) for hf, parts in out.items()}
 
 
-def hf_tensor(parts: list[tuple[str, bool]], tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One transformers tensor from the fourfold tensors `hf_sources` names for it."""
-    tensors = [t.T if conv1d and t.dim() == 2 else t for t, (_, conv1d) in zip(tensors, parts)]
-    return (torch.cat(tensors, dim=-1) if len(tensors) > 1 else tensors[0]).contiguous()
+def hf_tensor(parts: list[tuple[str, HFTensor]], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One transformers tensor from the fourfold tensors `hf_sources` names for it: each expert's
+    parts put at their rows (the last dim of a Conv1D tensor, the first otherwise), the experts
+    stacked."""
+    experts: dict[int | None, list] = {}
+    for t, (_, where) in zip(tensors, parts):
+        stored = t.T if where.conv1d and t.dim() == 2 else t
+        experts.setdefault(where.expert, []).append((stored, where))
+    whole = []
+    for pieces in experts.values():
+        axis = -1 if pieces[0][1].conv1d else 0
+        shape = list(pieces[0][0].shape)
+        shape[axis] = sum(t.shape[axis] for t, _ in pieces)
+        out = pieces[0][0].new_empty(shape)
+        for t, where in pieces:
+            rows = where.offset + where.stride * torch.arange(t.shape[axis])
+            out.index_copy_(axis % out.dim(), rows, t)
+        whole.append(out)
+    return (torch.stack(whole) if None not in experts else whole[0]).contiguous()
 
 
 def to_hf_tensors(cfg: ModelConfig, serial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -38,7 +38,6 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from fourfold.models.config import load_config
     from fourfold.spec.job import Job

@@ -23,6 +23,8 @@ class HFTensor(NamedTuple):
     name: str  # the checkpoint's tensor
     offset: int = 0  # first row of ours within it (GPT-2's fused c_attn: q, k, v side by side)
     conv1d: bool = False  # stored transposed ([in, out], GPT-2's Conv1D)
+    expert: int | None = None  # its index along the first dim of experts stacked in one tensor (GPT-OSS)
+    stride: int = 1  # our rows are every stride-th of the tensor's from offset (GPT-OSS's interleaved gate, up)
 
 
 @dataclass(frozen=True)

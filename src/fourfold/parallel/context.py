@@ -283,12 +283,12 @@ class Documents:
         if key not in self._plans:
             n, i = cp.size, cp.rank
             owners = [(i - step) % n for step in range(n)]
-            owner_ids = [None] * n
-            if self.ids is not None:
+            owner_ids, whole = [self.ids] * n, self.ids  # (one rank: its own)
+            if self.ids is not None and n > 1:
                 chunks = _chunks(self.ids, cp)
                 owner_ids = [torch.cat([chunks[:, j], chunks[:, 2 * n - 1 - j]], dim=1) for j in owners]
+                whole = chunks.flatten(1)
             visible = [_visible(step, cp, seq)[:2] for step in range(n)]
-            whole = None if self.ids is None else chunks.flatten(1)
             self._plans[key] = _plans(self.ids, whole, owner_ids, visible, rank_positions(i, n, seq),
                                       [rank_positions(j, n, seq) for j in owners], window, device)
         return self._plans[key]
@@ -328,8 +328,20 @@ def _merge(out, lse, o_b, lse_b):
     lse.copy_(merged)
 
 
+class _Kept:
+    """What `_exchange` returns on a ring of one rank: its own tensors, nothing sent."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.tensors
+
+
 def _exchange(tensors: list[torch.Tensor], cp: Group):
     """Send `tensors` to the next cp rank and receive the previous rank's, asynchronously."""
+    if cp.size == 1:
+        return _Kept(tensors)
     tensors = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in tensors]
     transfers = [P2P("send", t, (cp.rank + 1) % cp.size) for t in tensors]
@@ -339,8 +351,10 @@ def _exchange(tensors: list[torch.Tensor], cp: Group):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, plan: list[BlockPlan | None] | None, scale: float):
-        """`plan`: the masked path's, step by step (`Documents.ring`); None: plain causal attention."""
+    def forward(ctx, q, k, v, cp: Group, plan: list[BlockPlan | None] | None, scale: float,
+                sinks: torch.Tensor | None):
+        """`plan`: the masked path's, step by step (`Documents.ring`); None: plain causal attention.
+        `sinks` [heads]: a logit per head in every row's softmax, with no value (GPT-OSS's)."""
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         out, lse, extra = q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc), None
         block_k, block_v = k, v
@@ -363,14 +377,18 @@ class _RingAttention(torch.autograd.Function):
                     _merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
             if pending is not None:
                 block_k, block_v = pending.wait()
+        if sinks is not None:  # one more term of the softmax: the rows' weights shrink by exp(lse - total)
+            total = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
+            out.mul_(torch.exp(lse - total).unsqueeze(-1))
+            lse = total
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cp, ctx.extra, ctx.plan, ctx.scale = cp, extra, plan, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cp, plan, scale = ctx.cp, ctx.plan, ctx.scale
         seq, acc = q.shape[2], comm.at_least_fp32(q.dtype)
         grad_out = grad_out.contiguous()
@@ -412,21 +430,26 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 block_k, block_v = pending_kv.wait()
         dk, dv = incoming.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = None
+        if sinks is not None:  # d(sink) = -(its weight) * (dout . out) summed over the rows: the blocks' kernels,
+            # given the final out and lse, already give q, k and v theirs
+            rowsum = (grad_out.to(acc) * out.to(acc)).sum(-1)
+            dsinks = -(torch.exp(sinks.to(acc)[None, :, None] - lse) * rowsum).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
                    documents: torch.Tensor | Documents | None = None, window: int = 0,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries [b, heads, s, d] to the whole sequence's keys and
     values, of which this rank holds [b, kv_heads, s, d] (its two chunks, as `shard_sequence`).
     `documents`: this rank's [b, s] document ids of the whole sequence's (`block.document_ids`,
     sharded as the tokens; never decreasing along the sequence): each query then sees the keys of
     its own document only. `window` > 0: each query sees only the keys less than `window` positions
     before it (a sliding window); the steps whose block no query can see are skipped. `scale`: the
-    scores' (default 1 / sqrt(head_dim))."""
-    if cp.size == 1:
-        raise ValueError("ring attention needs cp > 1; use plain causal attention on one rank")
+    scores' (default 1 / sqrt(head_dim)). `sinks` [heads]: a learned logit per head that every row's
+    softmax also takes, with no value (GPT-OSS's attention sinks). On one rank (cp 1) the ring is
+    the own block alone: the path for sinks, which need the log-sum-exp SDPA does not return."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     documents = as_documents(documents)
@@ -436,6 +459,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
     window = window if window < q.shape[2] * cp.size else 0  # a window over the whole sequence masks nothing
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if documents is None and not window:
-        return _RingAttention.apply(q, k, v, cp, None, scale)
+        return _RingAttention.apply(q, k, v, cp, None, scale, sinks)
     plan = (documents or Documents(None)).ring(cp, q.shape[2], window, q.device)
-    return _RingAttention.apply(q, k, v, cp, plan, scale)
+    return _RingAttention.apply(q, k, v, cp, plan, scale, sinks)

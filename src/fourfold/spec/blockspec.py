@@ -16,7 +16,8 @@ from fourfold.spec.layout import GridError
 NORMS = ("rms", "rms_plus_one", "layer")  # rms_plus_one: Gemma's, x / rms * (1 + weight)
 # A linear layer's kind -> (grid dim splitting its input features K, dim splitting its outputs N).
 LINEAR_KINDS = {"x-in": ("x", "y"), "y-in": ("y", "x")}
-ACTIVATIONS = ("swiglu", "geglu_tanh", "gelu", "gelu_tanh")  # geglu_tanh: gelu_tanh(gate) * up
+# geglu_tanh: gelu_tanh(gate) * up (Gemma's); swiglu_clamped: GPT-OSS's (BlockConfig.glu_limit, glu_alpha)
+ACTIVATIONS = ("swiglu", "swiglu_clamped", "geglu_tanh", "gelu", "gelu_tanh")
 
 
 ROPE_SCALINGS = ("linear", "llama3", "dynamic", "yarn")
@@ -69,6 +70,11 @@ class BlockConfig:
     window: int = 0  # a sliding window: each query sees the keys less than `window` positions before it (0: all)
     attention_scale: float = 0.0  # the scores' scale (Gemma's query_pre_attn_scalar ** -0.5); 0: 1 / sqrt(head_dim)
     post_norms: bool = False  # Gemma's: the attention's and the MLP's outputs normed before the residual add
+    sinks: bool = False  # GPT-OSS's: a learned logit per head in every row's softmax (attn.sinks, [heads])
+    router_bias: bool = False  # GPT-OSS's router has a bias
+    # swiglu_clamped: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
+    glu_limit: float = 7.0
+    glu_alpha: float = 1.702
     # Qwen3: queries and keys RMS-normalised over each head's features before RoPE, by a [head_dim]
     # weight each (attn.q_norm, attn.k_norm), held whole wherever heads are
     qk_norm: bool = False
@@ -106,7 +112,7 @@ class BlockConfig:
 
     @property
     def gated(self) -> bool:
-        return self.activation in ("swiglu", "geglu_tanh")
+        return self.activation in ("swiglu", "swiglu_clamped", "geglu_tanh")
 
     @property
     def scale(self) -> float:

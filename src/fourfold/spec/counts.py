@@ -27,8 +27,11 @@ def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
     vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
     vectors += cfg.hidden if b.out_bias else 0
     vectors += 2 * d if b.qk_norm else 0
+    vectors += cfg.heads if b.sinks else 0
     vectors += (cfg.heads + cfg.kv_heads) * d if b.qk_norm_all_heads else 0
-    vectors += ((2 if b.gated else 1) * cfg.ffn + cfg.hidden) if b.mlp_bias else 0
+    mlp_biases = ((2 if b.gated else 1) * cfg.ffn + cfg.hidden) if b.mlp_bias else 0
+    vectors += mlp_biases * ((b.top_k if active else b.experts) if b.moe else 1)  # (GPT-OSS's experts have them)
+    vectors += b.experts if b.router_bias else 0
     return matrices, vectors
 
 

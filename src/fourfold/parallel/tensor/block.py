@@ -20,13 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fourfold.parallel import context
+from fourfold.parallel import comm, context
 from fourfold.parallel.context import Documents, ring_attention
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions, Overlapper
+from fourfold.parallel.tensor import init
 from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
 from fourfold.parallel.tensor.moe import ParallelMoE
 from fourfold.parallel.tensor.norm import AllHeadsNorm, HeadNorm, ParallelNorm, compiled
+from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, vector_piece
 from fourfold.spec.blockspec import BlockConfig, BlockPlan, LinearPlan, RopeScaling, block_plan
 
 
@@ -179,6 +181,40 @@ def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, 
                           dtype=opts.dtype, name=f"{prefix}.{layer.name}", overlap=overlap)
 
 
+class HeadSinks(ParallelModule):
+    """GPT-OSS's attention sinks: a logit per query head (serial `layers.{i}.attn.sinks`, [heads]) that
+    every row's softmax also takes. A rank holds its heads' slice (chunk `c["y"] * x + c["x"]` of the
+    heads on the non-redundant path, `c["y"]` on the published one, where the x ranks compute the same
+    heads: replicated over x); the gradient is summed over z (other tokens; dp and cp by the sync)."""
+
+    def __init__(self, grid: Grid, plan: BlockPlan, *, own_heads: bool, dtype: torch.dtype, name: str, seed: int,
+                 std: float):
+        super().__init__()
+        c, self.grid, self.name, self.seed, self.std, self.own_heads = grid.coords, grid, name, seed, std, own_heads
+        self.heads, self.local = plan.cfg.heads, plan.local_heads
+        self.offset = (c["y"] * grid.size("x") + c["x"] if own_heads else c["y"]) * self.local
+        self.weight = nn.Parameter(torch.empty(self.local, dtype=dtype))
+        self.initialise()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.copy_(init.normal(self.seed, self.name, torch.arange(self.local) + self.offset, self.std,
+                                      self.weight.dtype))
+
+    def load(self, read, put) -> None:
+        put(self.weight, read(self.name, slice(self.offset, self.offset + self.local), None))
+
+    def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
+        piece = vector_piece(self.name, self.heads, self.offset, self.local)
+        return {self.weight: ParamLayout(("z",), ("z",) if self.own_heads else ("x", "z"), (piece,))}
+
+    def full_weights(self, pick) -> dict[str, torch.Tensor]:
+        t = pick(self.weight).detach()
+        if self.own_heads:  # chunk y * x_size + x: over x within a y block, then the y blocks
+            t = comm.all_gather(t, self.grid.group("x"))
+        return {self.name: comm.all_gather(t, self.grid.group("y"))}
+
+
 class ParallelAttention(nn.Module):
     def __init__(self, grid: Grid, plan: BlockPlan, opts: TensorOptions, *, seed: int, std: float, out_std: float,
                  prefix: str, overlap: Overlapper, recompute_core: bool = False):
@@ -195,6 +231,8 @@ class ParallelAttention(nn.Module):
                 HeadNorm(grid, self.cfg.head_dim, self.cfg.eps, own_heads=self.own_heads, dtype=opts.dtype,
                          name=f"{prefix}.attn.{n}", compile=opts.compile, plus_one=self.cfg.norm == "rms_plus_one")
                 for n in ("q_norm", "k_norm"))
+        self.sinks = HeadSinks(grid, plan, own_heads=self.own_heads, dtype=opts.dtype, name=f"{prefix}.attn.sinks",
+                               seed=seed, std=std) if self.cfg.sinks else None
         if self.cfg.qk_norm_all_heads:  # OLMoE's: over all heads' features, statistics summed over the head group
             self.q_norm, self.k_norm = (
                 AllHeadsNorm(grid, heads * self.cfg.head_dim, plan.attention_chunks, self.cfg.eps,
@@ -224,8 +262,10 @@ class ParallelAttention(nn.Module):
             # A view of qkv saved for backward would keep all of qkv alive beside the rotated q, k.
             v = v.contiguous()
         window = self.cfg.window if self.cfg.window < s * self.cp.size else 0  # (a longer one masks nothing)
-        if self.cp.size > 1:  # keys and values of the other sequence chunks come round the cp ring
-            o = ring_attention(q, k, v, self.cp, documents, window, scale=self.cfg.scale)
+        if self.cp.size > 1 or self.sinks is not None:  # the other chunks' keys and values come round the cp ring
+            # (sinks need the log-sum-exp: on one rank, the ring of its own block)
+            o = ring_attention(q, k, v, self.cp, documents, window, scale=self.cfg.scale,
+                               sinks=None if self.sinks is None else self.sinks.weight)
         elif documents is not None or window:
             o = masked_attention(q, k, v, documents, window, enable_gqa=self.heads != self.kv_heads,
                                  scale=self.cfg.scale)
@@ -265,6 +305,10 @@ class ParallelMLP(nn.Module):
         if self.cfg.activation == "geglu_tanh":  # Gemma's
             gate, up = u.chunk(2, dim=-1)
             return self.gelu(gate, "tanh") * up
+        if self.cfg.activation == "swiglu_clamped":  # GPT-OSS's
+            gate, up = u.chunk(2, dim=-1)
+            gate, up = gate.clamp(max=self.cfg.glu_limit), up.clamp(-self.cfg.glu_limit, self.cfg.glu_limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.cfg.glu_alpha))
         if self.cfg.gated:
             return self.swiglu(*u.chunk(2, dim=-1))
         return self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")

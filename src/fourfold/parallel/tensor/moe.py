@@ -33,20 +33,23 @@ from torch._subclasses.fake_tensor import is_fake
 from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor import init, regions
-from fourfold.parallel.tensor.params import ExpertShard, ParallelModule, ParamLayout, Piece
+from fourfold.parallel.tensor.params import ExpertShard, ParallelModule, ParamLayout, Piece, vector_piece
 from fourfold.spec.blockspec import BlockPlan
 
 
 class ReplicatedLinear(ParallelModule):
     """A small [out, hidden] matrix (the router, the shared expert's gate) on the residual stream:
     its columns split over x as the stream's features, replicated over y and z (not worth a z
-    gather); the products all-reduced over x, used identically by every x rank."""
+    gather); the products all-reduced over x, used identically by every x rank. A bias (GPT-OSS's
+    router) is held whole by every rank and added after the reduction."""
 
-    def __init__(self, grid: Grid, hidden: int, out: int, *, name: str, seed: int, std: float, dtype: torch.dtype):
+    def __init__(self, grid: Grid, hidden: int, out: int, *, name: str, seed: int, std: float, dtype: torch.dtype,
+                 bias: bool = False):
         super().__init__()
         self.grid, self.hidden, self.out, self.name, self.seed, self.std = grid, hidden, out, name, seed, std
         self.local = hidden // grid.size("x")
         self.weight = nn.Parameter(torch.empty(out * self.local, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out, dtype=dtype)) if bias else None
         self.initialise()
 
     @property
@@ -58,22 +61,34 @@ class ReplicatedLinear(ParallelModule):
         rows, cols = torch.arange(self.out)[:, None], torch.arange(self.local)[None, :] + self.col0
         values = init.normal(self.seed, self.name, rows * self.hidden + cols, self.std, self.weight.dtype)
         self.weight.copy_(values.reshape(-1))
+        if self.bias is not None:
+            self.bias.zero_()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return regions.all_reduce_replicated(h @ self.weight.view(self.out, self.local).t(), self.grid.group("x"))
+        out = regions.all_reduce_replicated(h @ self.weight.view(self.out, self.local).t(), self.grid.group("x"))
+        return out if self.bias is None else out + self.bias
 
     def load(self, read, put) -> None:
         put(self.weight, read(self.name, slice(0, self.out), slice(self.col0, self.col0 + self.local)).reshape(-1))
+        if self.bias is not None:
+            put(self.bias, read(f"{self.name}.bias", slice(0, self.out), None))
 
     def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
         # Its tokens are split over z only (replicated over y even with sequence parallelism: gathered first).
         piece = Piece(self.name, (self.out, self.hidden), (0, self.col0), (self.out, self.local),
                       (0, self.out * self.local), 0)
-        return {self.weight: ParamLayout(("z",), ("y", "z"), (piece,))}
+        out = {self.weight: ParamLayout(("z",), ("y", "z"), (piece,))}
+        if self.bias is not None:  # every x rank adds it to the same reduced products
+            out[self.bias] = ParamLayout(("z",), ("x", "y", "z"), (vector_piece(f"{self.name}.bias", self.out, 0,
+                                                                                 self.out),))
+        return out
 
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         t = pick(self.weight).detach().view(self.out, self.local)
-        return {self.name: comm.all_gather(t, self.grid.group("x"), dim=1)}
+        out = {self.name: comm.all_gather(t, self.grid.group("x"), dim=1)}
+        if self.bias is not None:
+            out[f"{self.name}.bias"] = pick(self.bias).detach()
+        return out
 
 
 @dataclasses.dataclass
@@ -117,7 +132,7 @@ class ParallelMoE(nn.Module):
         cfg = plan.cfg
         self.grid, self.cfg, self.seq_parallel, self.capacity_factor = grid, cfg, seq_parallel, capacity_factor
         self.router = ReplicatedLinear(grid, cfg.hidden, cfg.experts, name=f"{prefix}.mlp.router", seed=seed, std=std,
-                                       dtype=dtype)
+                                       dtype=dtype, bias=cfg.router_bias)
         # Expert parallelism: this rank holds experts [first, first + experts/ep) of the mixture.
         self.dispatch = grid.expert_group("ep")
         local = cfg.experts // self.dispatch.size
