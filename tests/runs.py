@@ -1,6 +1,8 @@
 """What tests do with a training run in this process: prepare its corpus, train it, read a
 checkpoint whole."""
 
+import json
+
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -30,3 +32,12 @@ def whole_checkpoint(path):
     state = {k: torch.full(tuple(md.size), float("nan"), dtype=md.properties.dtype) for k, md in saved.items()}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state
+
+
+def step_losses(run_dir):
+    """The last logged loss of each step of a run (a restarted run logs the replayed steps again)."""
+    out = {}
+    for record in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines()):
+        if "loss" in record and "event" not in record:
+            out[record["step"]] = record["loss"]
+    return out

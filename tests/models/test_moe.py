@@ -24,7 +24,7 @@ from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
 from moe_on_grids import run_moe, run_moe_pipeline
-from runs import train_run, whole_checkpoint
+from runs import step_losses, train_run, whole_checkpoint
 from serial_reference import (
     cp_shard,
     load_balancing_in_input_dtype,
@@ -262,26 +262,17 @@ def mixtral_run(ranks, tmp_path_factory):
     return run
 
 
-def _step_losses(run_dir):
-    """The last logged loss of each step (a restarted run logs the replayed steps again)."""
-    out = {}
-    for record in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines()):
-        if "loss" in record and "event" not in record:
-            out[record["step"]] = record["loss"]
-    return out
-
-
 def test_expert_parallel_training_learns_and_resumes_bitwise(mixtral_run, tmp_path):
     """50 steps on dp4 ep4: the loss falls. The same run resumed from its step-25 checkpoint gives
     every later step's loss bit for bit. (A killed rank restarted by torchrun resumes the same way:
     tests/train/test_trainer.py kills one.)"""
-    expected = _step_losses(mixtral_run.folder / "ep4")
+    expected = step_losses(mixtral_run.folder / "ep4")
     assert list(expected) == list(range(50)) and all(math.isfinite(x) for x in expected.values())
     assert sum(list(expected.values())[-5:]) / 5 < expected[0] - 0.8, expected
     start = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000025"
     mixtral_run.train_here("--grid.dp", "4", "--grid.ep", "4", "--log.run_dir", str(tmp_path), "--checkpoint.load",
                            str(start))
-    assert _step_losses(tmp_path) == {s: expected[s] for s in range(25, 50)}
+    assert step_losses(tmp_path) == {s: expected[s] for s in range(25, 50)}
 
 
 # (dp2 with micro-batches of 4: the load-balancing loss is a micro-batch's, so its tokens stay the same)
@@ -297,8 +288,8 @@ def test_an_expert_parallel_checkpoint_continues_on_another_ep(mixtral_run, grid
 
     start = mixtral_run.folder / "ep4" / "checkpoints" / "step-00000025"
     mixtral_run.train_here(*grid, "--log.run_dir", str(tmp_path), "--checkpoint.load", str(start))
-    expected = _step_losses(mixtral_run.folder / "ep4")
-    got = _step_losses(tmp_path)
+    expected = step_losses(mixtral_run.folder / "ep4")
+    got = step_losses(tmp_path)
     assert list(got) == list(range(25, 50))
     assert got == pytest.approx({s: expected[s] for s in got}, rel=1e-9)
     mine, theirs = (whole_checkpoint(run / "checkpoints" / "step-00000050")

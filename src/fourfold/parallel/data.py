@@ -136,7 +136,8 @@ class GradientSync:
         key = ("edp", *layout.grad_sum) if layout.expert else ("dp", "cp", *layout.grad_sum)
         bucket = self._open.get(key)
         if bucket is None:
-            if layout.expert and layout.grad_sum:  # (none today: an expert's weights are whole over its tokens)
+            # an expert's weights are whole over its tokens; its biases are summed over z, which `rules` keeps 1
+            if layout.expert and any(self.grid.size(d) > 1 for d in layout.grad_sum):
                 raise NotImplementedError(f"an expert weight summed over {layout.grad_sum} besides its replicas")
             group = self.grid.expert_group("edp") if layout.expert else self.grid.group(key)
             bucket = self._open[key] = Bucket(group)
