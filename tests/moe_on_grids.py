@@ -41,8 +41,9 @@ def run_moe(paths, ids, sizes, seq_parallel, recompute, capacity_factor=0.0):
         grid.ledger.reset()
         loss = model(inputs, targets).sum() / ids[:, 1:].numel() + model.router_loss()
         loss.backward()
-        routing = [tuple(layer.mlp.routed) for layer in model.layers.values()]
-        exchanged = [layer.mlp.exchanged for layer in model.layers.values()]
+        # (a dense layer among the mixtures, DeepSeek-V3's first: no routing)
+        routing = [tuple(getattr(layer.mlp, "routed", ())) for layer in model.layers.values()]
+        exchanged = [getattr(layer.mlp, "exchanged", (0, 0)) for layer in model.layers.values()]
         volume_sizes = dict(layout.sizes, ep=layout.ep)
         expected = model_collectives(cfg, volume_sizes, len(local), inputs.shape[1], seq_parallel=seq_parallel,
                                      recompute=recompute, routing=routing, exchanged=exchanged)

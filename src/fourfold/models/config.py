@@ -58,6 +58,20 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     local_rope_theta: float = 0.0
     attention_scale: float = 0.0  # the attention scores' scale (0: 1 / sqrt(head_dim))
+    # Multi-head latent attention (DeepSeek-V3: `BlockConfig`'s fields of the same names; kv_lora 0: none)
+    q_lora: int = 0
+    kv_lora: int = 0
+    nope_dim: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek-V3's mixture: the first `dense_layers` layers are dense MLPs of `dense_ffn`; routing within the
+    # best `top_groups` of `groups` expert groups, the weights times `routed_scale`
+    dense_layers: int = 0
+    dense_ffn: int = 0
+    groups: int = 1
+    top_groups: int = 1
+    routed_scale: float = 1.0
 
     def __post_init__(self) -> None:
         self.family_spec()  # an unknown family is refused here, by name
@@ -68,15 +82,23 @@ class ModelConfig:
                              f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}")
 
     def with_layers(self, n: int) -> "ModelConfig":
-        """The same model with `n` layers (their kinds in the same pattern: the first n, repeated)."""
+        """The same model with `n` layers (their kinds in the same pattern: the first n, repeated; a
+        mixture's first dense layers among the first n)."""
         kinds = tuple(self.layer_types[i % len(self.layer_types)] for i in range(n)) if self.layer_types else ()
-        return dataclasses.replace(self, layers=n, layer_types=kinds)
+        return dataclasses.replace(self, layers=n, layer_types=kinds, dense_layers=min(self.dense_layers, n))
 
     def layer_block(self, i: int) -> BlockConfig:
-        """Layer i's block: `block`, or a sliding-window layer's (`layer_types`)."""
+        """Layer i's block: `block`, a sliding-window layer's (`layer_types`), or one of the first dense
+        layers of a mixture (`dense_layers`)."""
+        if i < self.dense_layers:
+            return self._dense_block
         if not self.layer_types or self.layer_types[i] == "full_attention":
             return self.block
         return self._sliding_block
+
+    @functools.cached_property
+    def _dense_block(self) -> BlockConfig:
+        return dataclasses.replace(self.block, ffn=self.dense_ffn, experts=0, top_k=0, shared_ffn=0)
 
     @functools.cached_property
     def _sliding_block(self) -> BlockConfig:

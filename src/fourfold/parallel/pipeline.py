@@ -65,6 +65,8 @@ def stage_model(grid: Grid, cfg: ModelConfig, opts: TensorOptions, layers: range
             if p not in new:
                 new[p] = nn.Parameter(torch.empty_like(p, device=grid.device), p.requires_grad)
             setattr(module, name, new[p])
+        for name, b in module.named_buffers(recurse=False):  # (DeepSeek-V3's balancing bias: zeros until loaded)
+            setattr(module, name, torch.zeros_like(b, device=grid.device))
     with torch.device(grid.device):  # the initial values computed where they live, as without pp
         for layer in parallel_layers(model):
             layer.reset_parameters()

@@ -75,6 +75,23 @@ class BlockConfig:
     # swiglu_clamped: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
     glu_limit: float = 7.0
     glu_alpha: float = 1.702
+    # Multi-head latent attention (DeepSeek-V2/V3, kv_lora > 0: `parallel.tensor.latent`): q from a latent of
+    # q_lora features, k's per-head part and v from one of kv_lora, one rotary key part of rope_dim for all heads;
+    # head_size is then nope_dim + rope_dim (q's and k's), v_dim the values'
+    q_lora: int = 0
+    kv_lora: int = 0
+    nope_dim: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
+    rope_interleave: bool = False  # RoPE on interleaved pairs (DeepSeek's)
+    # Routing: "softmax" (top-k of the softmax), or "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, plus a
+    # balancing bias for the choice only, the top `top_groups` of `groups` expert groups by their two best
+    # scores, top-k within them); the weights times `routed_scale`. `shared_gate`: a shared expert's sigmoid gate.
+    routing: str = "softmax"
+    groups: int = 1
+    top_groups: int = 1
+    routed_scale: float = 1.0
+    shared_gate: bool = True
     # Qwen3: queries and keys RMS-normalised over each head's features before RoPE, by a [head_dim]
     # weight each (attn.q_norm, attn.k_norm), held whole wherever heads are
     qk_norm: bool = False
@@ -113,6 +130,10 @@ class BlockConfig:
     @property
     def gated(self) -> bool:
         return self.activation in ("swiglu", "swiglu_clamped", "geglu_tanh")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora > 0
 
     @property
     def scale(self) -> float:
@@ -262,7 +283,8 @@ def block_plan(cfg: BlockConfig, x: int, y: int, *, seq_parallel: bool, non_redu
         cfg, heads_chunks, ffn_chunks,
         qkv=LinearPlan("attn.qkv", "x-in", cfg.hidden, qkv_rows, "scatter_features" if own_heads else "all_reduce",
                        "tokens" if seq_parallel else "none", cfg.qkv_bias),
-        out=LinearPlan("attn.o", "y-in", cfg.heads * d, (RowSource("attn.o", 0, cfg.hidden),),
+        out=LinearPlan("attn.o", "y-in", cfg.heads * (cfg.v_dim if cfg.mla else d),
+                       (RowSource("attn.o", 0, cfg.hidden),),
                        "scatter_tokens" if seq_parallel else "all_reduce", "features" if own_heads else "none",
                        cfg.out_bias),
         up=up, down=down, shared_up=shared_up, shared_down=shared_down, head_group="x_y" if own_heads else "y",

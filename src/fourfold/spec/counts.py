@@ -7,29 +7,36 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fourfold.models.config import ModelConfig
+    from fourfold.spec.blockspec import BlockConfig
 
 
-def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
-    """(matrix parameters, vector parameters) of one block: 2h^2(1 + k/a) + 3hF and 2h for Llama (4h with
-    Gemma's norms after attention and the MLP; plus
-    Qwen3's two [head_dim] q/k norm weights, or OLMoE's [heads * head_dim] and [kv_heads * head_dim] ones).
-    A mixture's MLP: every expert's 3hF (with `active`, the top_k a token runs through), the
+def layer_params(cfg: ModelConfig, active: bool = False, block: BlockConfig | None = None) -> tuple[int, int]:
+    """(matrix parameters, vector parameters) of one block (`block`, default the model's): 2h^2(1 + k/a)
+    + 3hF and 2h for Llama (4h with Gemma's norms after attention and the MLP; plus Qwen3's two
+    [head_dim] q/k norm weights, or OLMoE's [heads * head_dim] and [kv_heads * head_dim] ones). Latent
+    attention: its two down-projections, two per-head up-projections, the output and the latents'
+    norms. A mixture's MLP: every expert's 3hF (with `active`, the top_k a token runs through), the
     router's E h, and a shared expert's 3hF_s with its gate's h."""
-    b = cfg.block
-    d = b.head_dim
-    matrices = cfg.hidden * (cfg.heads + 2 * cfg.kv_heads) * d + cfg.heads * d * cfg.hidden
-    mlp = (3 if b.gated else 2) * cfg.hidden * cfg.ffn
+    b = block or cfg.block
+    h, d, heads, kv = b.hidden, b.head_dim, b.heads, b.kv_heads
+    if b.mla:
+        matrices = (h * b.q_lora + b.q_lora * heads * d + h * (b.kv_lora + b.rope_dim)
+                    + b.kv_lora * heads * (b.nope_dim + b.v_dim) + heads * b.v_dim * h)
+        vectors = b.q_lora + b.kv_lora + ((b.q_lora + b.kv_lora + b.rope_dim + h) if b.qkv_bias else 0)
+    else:
+        matrices = h * (heads + 2 * kv) * d + heads * d * h
+        vectors = (heads + 2 * kv) * d if b.qkv_bias else 0
+        vectors += h if b.out_bias else 0
+    mlp = (3 if b.gated else 2) * h * b.ffn
     if b.moe:
-        mlp = mlp * (b.top_k if active else b.experts) + b.experts * cfg.hidden
-        mlp += (3 * cfg.hidden * b.shared_ffn + cfg.hidden) if b.shared_ffn else 0
+        mlp = mlp * (b.top_k if active else b.experts) + b.experts * h
+        mlp += (3 * h * b.shared_ffn + (h if b.shared_gate else 0)) if b.shared_ffn else 0
     matrices += mlp
-    vectors = (2 if b.norm != "layer" else 4) * (2 if b.post_norms else 1) * cfg.hidden
-    vectors += (cfg.heads + 2 * cfg.kv_heads) * d if b.qkv_bias else 0
-    vectors += cfg.hidden if b.out_bias else 0
+    vectors += (2 if b.norm != "layer" else 4) * (2 if b.post_norms else 1) * h
     vectors += 2 * d if b.qk_norm else 0
-    vectors += cfg.heads if b.sinks else 0
-    vectors += (cfg.heads + cfg.kv_heads) * d if b.qk_norm_all_heads else 0
-    mlp_biases = ((2 if b.gated else 1) * cfg.ffn + cfg.hidden) if b.mlp_bias else 0
+    vectors += heads if b.sinks else 0
+    vectors += (heads + kv) * d if b.qk_norm_all_heads else 0
+    mlp_biases = ((2 if b.gated else 1) * b.ffn + h) if b.mlp_bias else 0
     vectors += mlp_biases * ((b.top_k if active else b.experts) if b.moe else 1)  # (GPT-OSS's experts have them)
     vectors += b.experts if b.router_bias else 0
     return matrices, vectors
@@ -37,12 +44,18 @@ def layer_params(cfg: ModelConfig, active: bool = False) -> tuple[int, int]:
 
 def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     """Every parameter, a tied embedding once (transformers' count); with `active`, a mixture's
-    parameters one token runs through (its top_k experts)."""
-    matrices, vectors = layer_params(cfg, active)
+    parameters one token runs through (its top_k experts). Layers of several kinds each count theirs."""
+    per_block: dict[int, int] = {}
+    layers = 0
+    for i in range(cfg.layers):
+        block = cfg.layer_block(i)
+        if id(block) not in per_block:
+            per_block[id(block)] = sum(layer_params(cfg, active, block))
+        layers += per_block[id(block)]
     embed = cfg.vocab * cfg.hidden * (1 if cfg.tied else 2)
     positions = cfg.max_positions * cfg.hidden if cfg.family_spec().learned_positions else 0
     final_norm = cfg.hidden * (2 if cfg.block.norm == "layer" else 1)
-    return cfg.layers * (matrices + vectors) + embed + positions + final_norm
+    return layers + embed + positions + final_norm
 
 
 def attended_pairs(seq: int, window: int) -> int:

@@ -167,7 +167,8 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
     else:  # `fourfold.parallel.tensor.moe`
         features = tokens * (cfg.hidden // sizes["x"])
         mlp = _passes(sizes, [Collective("y", "all_gather", features)] if seq_parallel else [], [])  # the tokens
-        mlp += _passes(sizes, [Collective("x", "all_reduce", tokens * cfg.experts)],  # router logits
+        # router logits (DeepSeek-V3's in fp32 at least)
+        mlp += _passes(sizes, [Collective("x", "all_reduce", tokens * cfg.experts, wide=cfg.routing != "softmax")],
                        [Collective("x", "all_reduce", tokens * cfg.top_k)])  # the weights' gradient
         sent, received = (n * (cfg.hidden // sizes["x"]) for n in exchanged)
         # expert parallelism: the counts, the rows out to the experts' ranks and back (their gradients reversed)
@@ -176,14 +177,30 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
                        [Collective("ep", "all_to_all_v", received), Collective("ep", "all_to_all_v", sent)])
         for n in routed:
             mlp += linear(plan.up, n) + linear(plan.down, n)
-        if plan.shared_up is not None:  # its gate's logit and gradient, as the router's
-            mlp += _passes(sizes, [Collective("x", "all_reduce", tokens)], [Collective("x", "all_reduce", tokens)])
+        if plan.shared_up is not None:  # its gate's logit and gradient, as the router's (DeepSeek-V3's: no gate)
+            if cfg.shared_gate:
+                mlp += _passes(sizes, [Collective("x", "all_reduce", tokens)], [Collective("x", "all_reduce", tokens)])
             mlp += linear(plan.shared_up) + linear(plan.shared_down)
         mlp += _passes(sizes, [], [Collective("y", "all_gather", features)] if seq_parallel else [])  # own tokens
     norms = norm_passes(sizes, cfg.norm, stream) * (2 if cfg.post_norms else 1)  # (before and after: Gemma's)
-    return (norms + linear(plan.qkv) + head_norm_passes(cfg, sizes, tokens, non_redundant=non_redundant)
-            + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant) + linear(plan.out)
-            + norms + mlp)
+    if cfg.mla:
+        attention = latent_attention_passes(cfg, plan, sizes, tokens, seq_parallel=seq_parallel)
+    else:
+        attention = linear(plan.qkv) + head_norm_passes(cfg, sizes, tokens, non_redundant=non_redundant)
+    return (norms + attention + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant)
+            + linear(plan.out) + norms + mlp)
+
+
+def latent_attention_passes(cfg: BlockConfig, plan, sizes: dict, tokens: int, *, seq_parallel: bool) -> Passes:
+    """Multi-head latent attention's own collectives (`parallel.tensor.latent`) on `tokens` (this cp
+    rank's): with sequence parallelism the stream's tokens gathered over y (each rank keeps its part
+    of the gradient: none back); the two latents' products all-reduced over x; in backward the
+    gradients of the query latent, the kv latent and the rotary key all-reduced over the head group."""
+    gather = [Collective("y", "all_gather", tokens * (cfg.hidden // sizes["x"]))] if seq_parallel else []
+    latents = [Collective("x", "all_reduce", tokens * cfg.q_lora),
+               Collective("x", "all_reduce", tokens * (cfg.kv_lora + cfg.rope_dim))]
+    grads = [Collective(plan.head_group, "all_reduce", tokens * n) for n in (cfg.q_lora, cfg.kv_lora, cfg.rope_dim)]
+    return _passes(sizes, gather + latents, grads)
 
 
 def block_collectives(cfg: BlockConfig, sizes: dict, batch: int, seq: int, **options) -> list[Collective]:
@@ -230,23 +247,26 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens
 
-    def block(routed: tuple[int, ...] = (), exchanged: tuple[int, int] = (0, 0)) -> Passes:
-        passes = block_passes(cfg.block, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
+    def block(b: BlockConfig, routed: tuple[int, ...] = (), exchanged: tuple[int, int] = (0, 0)) -> Passes:
+        passes = block_passes(b, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
                               keep_inputs=keep_inputs, non_redundant=non_redundant, routed=routed,
                               exchanged=exchanged)
         if recompute == "full":  # the block's forward runs again during backward, its collectives too
             return Passes(passes.forward, passes.forward + passes.backward)
         if recompute == "selective":  # the attention core, q/k norms and ring included, runs again in backward
-            core = (head_norm_passes(cfg.block, sizes, batch * seq, non_redundant=non_redundant)
-                    + ring_attention_passes(cfg.block, sizes, batch, seq, non_redundant=non_redundant))
+            core = (head_norm_passes(b, sizes, batch * seq, non_redundant=non_redundant)
+                    + ring_attention_passes(b, sizes, batch, seq, non_redundant=non_redundant))
             return Passes(passes.forward, core.forward + passes.backward)
         return passes
 
     n = cfg.layers if layers is None else layers
+    blocks = [cfg.layer_block(i) for i in range(n)]  # (a pipeline stage's: priced as the first n layers)
     if routing is not None:
-        total = sum(map(block, routing, exchanged or [(0, 0)] * len(routing)), Passes([], []))
+        total = sum(map(block, blocks, routing, exchanged or [(0, 0)] * len(routing)), Passes([], []))
     else:
-        total = block() * n
+        total = Passes([], [])
+        for b in dict.fromkeys(blocks):  # each kind of layer once, times its count
+            total = total + block(b) * blocks.count(b)
     if first:
         total = embedding_passes(sizes, cfg.vocab, cfg.hidden, tokens, seq_parallel=seq_parallel) + total
     if last:

@@ -25,6 +25,7 @@ from fourfold.parallel.context import Documents, ring_attention
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions, Overlapper
 from fourfold.parallel.tensor import init
+from fourfold.parallel.tensor.latent import LatentAttention
 from fourfold.parallel.tensor.linear import ParallelLinear, RowSource
 from fourfold.parallel.tensor.moe import ParallelMoE
 from fourfold.parallel.tensor.norm import AllHeadsNorm, HeadNorm, ParallelNorm, compiled
@@ -354,8 +355,13 @@ class ParallelBlock(nn.Module):
         # Selective recompute rebuilds the norms' outputs and the MLP activation in backward, eager only
         # (compiled, a rebuilt tensor could round otherwise than the fused forward did).
         self.rebuild_norms = rebuild = selective_recompute and not opts.compile
-        self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
-                                      overlap=overlap, recompute_core=selective_recompute)
+        if cfg.mla:
+            out = _linear(grid, plan.out, prefix, opts, seed=seed, std=out_std, overlap=overlap)
+            self.attn = LatentAttention(grid, plan, out, opts, seed=seed, std=std, prefix=prefix,
+                                        recompute_core=selective_recompute)
+        else:
+            self.attn = ParallelAttention(grid, plan, opts, seed=seed, std=std, out_std=out_std, prefix=prefix,
+                                          overlap=overlap, recompute_core=selective_recompute)
         self.mlp_norm = ParallelNorm(grid, cfg.hidden, cfg.norm, cfg.eps, name=f"{prefix}.mlp_norm", **norm)
         self.attn_post_norm = self.mlp_post_norm = None
         if cfg.post_norms:

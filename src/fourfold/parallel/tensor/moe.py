@@ -44,12 +44,16 @@ class ReplicatedLinear(ParallelModule):
     router) is held whole by every rank and added after the reduction."""
 
     def __init__(self, grid: Grid, hidden: int, out: int, *, name: str, seed: int, std: float, dtype: torch.dtype,
-                 bias: bool = False):
+                 bias: bool = False, wide: bool = False, balance_bias: bool = False):
+        """`wide`: the products in fp32 at least (DeepSeek-V3's router); `balance_bias`: DeepSeek-V3's
+        aux-loss-free balancing bias, [out] in fp32 at least, no parameter (`ParallelMoE`)."""
         super().__init__()
         self.grid, self.hidden, self.out, self.name, self.seed, self.std = grid, hidden, out, name, seed, std
-        self.local = hidden // grid.size("x")
+        self.local, self.wide = hidden // grid.size("x"), wide
         self.weight = nn.Parameter(torch.empty(out * self.local, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype)) if bias else None
+        balance = torch.zeros(out, dtype=comm.at_least_fp32(dtype)) if balance_bias else None
+        self.register_buffer("balance_bias", balance, persistent=False)
         self.initialise()
 
     @property
@@ -65,13 +69,18 @@ class ReplicatedLinear(ParallelModule):
             self.bias.zero_()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        out = regions.all_reduce_replicated(h @ self.weight.view(self.out, self.local).t(), self.grid.group("x"))
+        weight = self.weight.view(self.out, self.local)
+        if self.wide:
+            h, weight = h.to(comm.at_least_fp32(h.dtype)), weight.to(comm.at_least_fp32(h.dtype))
+        out = regions.all_reduce_replicated(h @ weight.t(), self.grid.group("x"))
         return out if self.bias is None else out + self.bias
 
     def load(self, read, put) -> None:
         put(self.weight, read(self.name, slice(0, self.out), slice(self.col0, self.col0 + self.local)).reshape(-1))
         if self.bias is not None:
             put(self.bias, read(f"{self.name}.bias", slice(0, self.out), None))
+        if self.balance_bias is not None:
+            self.balance_bias.copy_(read(f"{self.name}.balance_bias", slice(0, self.out), None))
 
     def param_layouts(self) -> dict[nn.Parameter, ParamLayout]:
         # Its tokens are split over z only (replicated over y even with sequence parallelism: gathered first).
@@ -88,6 +97,8 @@ class ReplicatedLinear(ParallelModule):
         out = {self.name: comm.all_gather(t, self.grid.group("x"), dim=1)}
         if self.bias is not None:
             out[f"{self.name}.bias"] = pick(self.bias).detach()
+        if self.balance_bias is not None:
+            out[f"{self.name}.balance_bias"] = self.balance_bias.clone()
         return out
 
 
@@ -131,8 +142,9 @@ class ParallelMoE(nn.Module):
         super().__init__()
         cfg = plan.cfg
         self.grid, self.cfg, self.seq_parallel, self.capacity_factor = grid, cfg, seq_parallel, capacity_factor
+        grouped = cfg.routing == "sigmoid_grouped"
         self.router = ReplicatedLinear(grid, cfg.hidden, cfg.experts, name=f"{prefix}.mlp.router", seed=seed, std=std,
-                                       dtype=dtype, bias=cfg.router_bias)
+                                       dtype=dtype, bias=cfg.router_bias, wide=grouped, balance_bias=grouped)
         # Expert parallelism: this rank holds experts [first, first + experts/ep) of the mixture.
         self.dispatch = grid.expert_group("ep")
         local = cfg.experts // self.dispatch.size
@@ -144,8 +156,9 @@ class ParallelMoE(nn.Module):
         self.shared = self.shared_gate = None
         if plan.shared_up is not None:
             self.shared = mlp(dataclasses.replace(plan, up=plan.shared_up, down=plan.shared_down))
-            self.shared_gate = ReplicatedLinear(grid, cfg.hidden, 1, name=f"{prefix}.mlp.shared_gate", seed=seed,
-                                                std=std, dtype=dtype)
+            if cfg.shared_gate:
+                self.shared_gate = ReplicatedLinear(grid, cfg.hidden, 1, name=f"{prefix}.mlp.shared_gate", seed=seed,
+                                                    std=std, dtype=dtype)
         self.stats: RouterStats | None = None  # the last forward's
         self.routed: list[int] = []  # tokens each of this rank's experts got in the last forward (for the volumes)
         self.exchanged = (0, 0)  # with expert parallelism: rows sent to, and received from, the other ranks
@@ -159,10 +172,13 @@ class ParallelMoE(nn.Module):
         shape = h.shape
         flat = h.reshape(-1, shape[-1])
         logits = self.router(flat)
-        probs = F.softmax(logits, dim=-1, dtype=comm.at_least_fp32(logits.dtype))
-        weights, chosen = torch.topk(probs, self.cfg.top_k, dim=-1)
-        if self.cfg.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.cfg.routing == "sigmoid_grouped":
+            weights, chosen, probs = self._grouped(logits)
+        else:
+            probs = F.softmax(logits, dim=-1, dtype=comm.at_least_fp32(logits.dtype))
+            weights, chosen = torch.topk(probs, self.cfg.top_k, dim=-1)
+            if self.cfg.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         # d(weight) is a dot product over the hidden features, which x splits
         weights = regions.sum_gradients(weights.to(h.dtype), self.grid.group("x"))
         fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
@@ -182,12 +198,31 @@ class ParallelMoE(nn.Module):
             # (a token chooses an expert once, so no index repeats within a call)
             for expert, (token, slot) in zip(self.experts, routes):
                 out.index_add_(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
-        if self.shared is not None:
+        if self.shared_gate is not None:
             gate = regions.sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
             out = out + gate * self.shared(flat[None])[0]
+        elif self.shared is not None:  # (DeepSeek-V3's: ungated)
+            out = out + self.shared(flat[None])[0]
         self.stats = self._stats(logits)
         out = out.view(shape)
         return regions.own_part(out, y, dim=1) if self.seq_parallel else out
+
+    def _grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter), in fp32 at least: (the chosen
+        experts' weights, the chosen experts, the scores as a distribution for the load's entropy).
+        The balancing bias picks the experts; the weights are the sigmoid scores alone."""
+        cfg = self.cfg
+        scores = torch.sigmoid(logits)
+        choice = scores + self.router.balance_bias
+        groups = choice.view(-1, cfg.groups, cfg.experts // cfg.groups).topk(2, dim=-1).values.sum(-1)
+        best = torch.topk(groups, cfg.top_groups, dim=-1, sorted=False).indices
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(cfg.experts // cfg.groups, dim=1), float("-inf"))
+        chosen = torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        if cfg.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scale, chosen, scores.detach() / scores.detach().sum(-1, keepdim=True)
 
     def _exchanged(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The experts' weighted outputs under expert parallelism: each choice's token sent to the rank
