@@ -71,6 +71,9 @@ class OptimizerSection:
     clip: float = 1.0  # the global gradient norm is clipped to this (0: no clipping)
     zero1: bool = True  # shard the optimizer state over the data-parallel ranks (ZeRO-1)
     overlap_param_gather: bool = True  # ZeRO-1's parameter all-gather behind the next forward, bucket by bucket
+    # DeepSeek-V3's aux-loss-free balancing: after each step every expert's bias moves by this toward balance
+    # (+ when it took fewer than the mean of the step's choices, - when more); 0 keeps the biases as loaded
+    balance_bias_speed: float = 0.001
 
 
 

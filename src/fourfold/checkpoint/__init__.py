@@ -201,6 +201,8 @@ def local_rectangles(module: nn.Module, opt: AdamW | None, *, model: bool = True
         for i, (p, layout) in enumerate(layouts.items()):
             if i in owned:
                 out += rectangles(layout, p.detach().reshape(-1), prefix="model/")
+        for b, layout in params.buffer_layouts(module).items():  # (whole on every rank: DCP writes one copy)
+            out += rectangles(layout, b.reshape(-1), prefix="model/")
     if opt is not None and opt.state:
         for bucket, state in zip(opt.sync.buckets, opt.state):
             # each parameter's part of this rank's slice of the bucket
@@ -421,6 +423,8 @@ def _shared_rectangles(module: nn.Module, replicas: params.Replicas) -> list[Rec
     for p, layout in params.layouts(module).items():
         lo, hi = _share(p.numel(), replicas.of(layout))
         rects += rectangles(layout, p.detach().reshape(-1)[lo:hi], lo=lo, prefix="model/")
+    for b, layout in params.buffer_layouts(module).items():  # (small: every rank reads them whole)
+        rects += rectangles(layout, b.reshape(-1), prefix="model/")
     return rects
 
 

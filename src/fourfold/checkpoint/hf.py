@@ -21,7 +21,16 @@ from fourfold.checkpoint import META, CheckpointError, latest
 from fourfold.models.config import ModelConfig
 from fourfold.models.family import HFTensor
 from fourfold.parallel import comm
-from fourfold.parallel.tensor.params import Read, Replicas, assigned_by_group, copy_into, layouts, load, parallel_layers
+from fourfold.parallel.tensor.params import (
+    Read,
+    Replicas,
+    assigned_by_group,
+    buffer_layouts,
+    copy_into,
+    layouts,
+    load,
+    parallel_layers,
+)
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
@@ -136,6 +145,11 @@ def load_hf(model: nn.Module, directory: str | os.PathLike, replicas: Replicas |
             if i not in mine:
                 p.zero_()
             comm.all_reduce(p.data, replicas.experts if is_expert[i] else replicas.dense)
+        for i, layer in enumerate(layers):  # checkpointed buffers (a balancing bias) as the parameters
+            for b in buffer_layouts(layer):
+                if i not in mine:
+                    b.zero_()
+                comm.all_reduce(b, replicas.experts if is_expert[i] else replicas.dense)
 
 
 def hf_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, HFTensor]]]:

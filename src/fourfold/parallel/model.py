@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fourfold.models.config import ModelConfig
-from fourfold.parallel import context
+from fourfold.parallel import comm, context
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions
@@ -111,6 +111,19 @@ class Model:
                 if isinstance(layer.mlp, ParallelMoE):
                     load[int(index)] = layer.mlp.take_load()
         return load
+
+    @torch.no_grad()
+    def balance_experts(self, speed: float, updated: torch.Tensor) -> None:
+        """DeepSeek-V3's balancing biases moved by `speed` toward balance from the step's choices, summed
+        over the ranks holding other tokens (one all-reduce of [layers, experts]; the x, y ranks route the
+        same tokens, so every rank moves its copy alike); not where the step's update was skipped."""
+        layers = [layer.mlp for part in self.parts for layer in part.layers.values()
+                  if isinstance(layer.mlp, ParallelMoE) and layer.mlp.router.balance_bias is not None]
+        if not layers:
+            return
+        counts = comm.all_reduce(torch.stack([m.take_chosen() for m in layers]), self.grid.token_group())
+        for m, chosen in zip(layers, counts):
+            m.balance(chosen, speed * updated)
 
     @torch.no_grad()
     def losses(self, batch: LocalBatch) -> torch.Tensor | None:

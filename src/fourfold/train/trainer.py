@@ -171,6 +171,7 @@ class Trainer:
         loss = comm.all_reduce(loss.double().reshape(1), self.loss_group)[0]
         # A non-finite loss, or a finite loss whose gradients overflowed, skips the update.
         updated = self.opt.step(loss_finite=torch.isfinite(loss))
+        self.model.balance_experts(cfg.optimizer.balance_bias_speed, updated)
         self.bad = torch.where(updated, 0, self.bad + 1)
         grid.clock.step_ended()
         self.window.append(dict(step=step, began=began, lr=self.opt.lr, loss=loss, norm=self.opt.norm,

@@ -92,6 +92,13 @@ class ReplicatedLinear(ParallelModule):
                                                                                  self.out),))
         return out
 
+    def buffer_layouts(self) -> dict[torch.Tensor, ParamLayout]:
+        """The balancing bias, whole on every rank: checkpointed beside the parameters (no gradient)."""
+        if self.balance_bias is None:
+            return {}
+        piece = vector_piece(f"{self.name}.balance_bias", self.out, 0, self.out)
+        return {self.balance_bias: ParamLayout((), ("x", "y", "z"), (piece,))}
+
     def full_weights(self, pick) -> dict[str, torch.Tensor]:
         t = pick(self.weight).detach().view(self.out, self.local)
         out = {self.name: comm.all_gather(t, self.grid.group("x"), dim=1)}
@@ -164,6 +171,7 @@ class ParallelMoE(nn.Module):
         self.exchanged = (0, 0)  # with expert parallelism: rows sent to, and received from, the other ranks
         # the training forwards' routing since `take_load` (`_count`): on the device, read with the step's records
         self.load: torch.Tensor | None = None
+        self.chosen: torch.Tensor | None = None  # with a balancing bias: the choices since the last `balance`
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.grid.group("y")
@@ -280,6 +288,23 @@ class ParallelMoE(nn.Module):
         entropy = torch.special.entr(probs.detach()).sum().to(torch.float64)
         mine = torch.cat([counts, entropy[None]])
         self.load = mine if self.load is None else self.load + mine
+        if self.router.balance_bias is not None:  # the step's choices, for `balance` (the load is the window's)
+            step = counts[: self.cfg.experts]
+            self.chosen = step if self.chosen is None else self.chosen + step
+
+    @torch.no_grad()
+    def balance(self, counts: torch.Tensor, speed: float | torch.Tensor) -> None:
+        """DeepSeek-V3's aux-loss-free balancing: the bias of each expert that took fewer than the mean of
+        `counts` (the step's choices per expert, summed over every rank holding other tokens) rises by
+        `speed`, of each that took more falls by it; outside the gradient, the same on every rank."""
+        self.router.balance_bias += speed * torch.sign(counts.mean() - counts).to(self.router.balance_bias.dtype)
+
+    def take_chosen(self) -> torch.Tensor:
+        """This rank's choices per expert since the last take ([experts], float64; zeros if none)."""
+        chosen = self.chosen if self.chosen is not None else torch.zeros(
+            self.cfg.experts, dtype=torch.float64, device=self.router.weight.device)
+        self.chosen = None
+        return chosen
 
     def take_load(self) -> torch.Tensor:
         """`load` since the last take (zeros if no training forward ran), and forget it."""

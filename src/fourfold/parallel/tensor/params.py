@@ -132,6 +132,15 @@ def layouts(module: nn.Module) -> dict[nn.Parameter, ParamLayout]:
     return out
 
 
+def buffer_layouts(module: nn.Module) -> dict[torch.Tensor, ParamLayout]:
+    """Every checkpointed buffer of `module` (DeepSeek-V3's balancing biases: state beside the parameters
+    that no gradient or optimizer touches), laid out as a parameter is."""
+    out: dict[torch.Tensor, ParamLayout] = {}
+    for layer in parallel_layers(module):
+        out.update(getattr(layer, "buffer_layouts", dict)())
+    return out
+
+
 def dict_reader(weights: dict[str, torch.Tensor]) -> Read:
     """A `Read` over serial tensors held in memory."""
 
