@@ -199,13 +199,16 @@ def test_a_missing_tensor_is_named_on_every_rank_before_any_is_read(ranks, check
 def test_presets_read_as_hf_configs():
     names = preset_names()
     for n in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-2-7b", "llama-2-13b", "llama-2-70b",
-              "gpt-5b", "gpt-80b", "gpt-640b", "gpt-3-175b", "tiny-llama", "tiny-gpt", "gemma-3-27b"):
+              "gpt-5b", "gpt-80b", "gpt-640b", "gpt-3-175b", "tiny-llama", "tiny-gpt", "gemma-3-27b",
+              "gpt-oss-120b", "gpt-oss-20b", "deepseek-v3"):
         assert n in names
     assert round(load_config("llama-3.1-8b").parameter_count() / 1e9, 2) == 8.03
     assert round(load_config("llama-3.1-405b").parameter_count() / 1e9, 1) == 405.9
     assert round(load_config("gpt-3-175b").parameter_count() / 1e9, 1) == 174.6
     assert round(load_config("gemma-3-27b").parameter_count() / 1e9, 2) == 27.01
-    with pytest.raises(ValueError, match="neither a config.json nor a preset; presets: gemma-3-27b, gpt-10b"):
+    assert round(load_config("deepseek-v3").parameter_count() / 1e9) == 671
+    assert round(load_config("gpt-oss-120b").parameter_count() / 1e9, 1) == 116.8
+    with pytest.raises(ValueError, match="neither a config.json nor a preset; presets: deepseek-v3, gemma-3-27b, gpt"):
         load_config("no-such-model")
 
 

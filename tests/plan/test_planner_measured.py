@@ -129,3 +129,15 @@ GEMMA_6_LAYERS = load_config("gemma-3-27b").with_layers(6)
 def test_estimate_within_5_percent_of_fake_tensor_peak_of_gemma3(sizes):
     estimate, measured = _fake_tensor_peak_and_estimate(GEMMA_6_LAYERS, sizes)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)
+
+
+# DeepSeek-V3 with four layers (three dense, one of 256 experts), bf16, rank 0 of 8 fake ranks: latent
+# attention (its replicated latents, per-head projections not split over z, V padded), the dense and the
+# routed layers each priced as its kind.
+DEEPSEEK_4_LAYERS = load_config("deepseek-v3").with_layers(4)
+
+
+@pytest.mark.parametrize("sizes", [dict(dp=8, ep=8), dict(dp=2, cp=2, y=2, ep=4)], ids=["dp8-ep8", "dp2cp2y2-ep4-ring"])
+def test_estimate_within_5_percent_of_fake_tensor_peak_of_deepseek_v3(sizes):
+    estimate, measured = _fake_tensor_peak_and_estimate(DEEPSEEK_4_LAYERS, sizes)
+    assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fourfold.models.config import ModelConfig
-from fourfold.plan.routing import expert_params, replicated_params, routed_tokens
-from fourfold.spec.blockspec import block_plan, mlp_chunks
+from fourfold.plan.routing import expert_params, head_params, replicated_params, routed_tokens
+from fourfold.spec.blockspec import BlockConfig, block_plan, mlp_chunks
 from fourfold.spec.counts import layer_params
 from fourfold.spec.job import Job, most_layers_on_a_rank
 from fourfold.spec.rules import loss_chunk_tokens, padded_vocab
@@ -105,18 +105,39 @@ def megatron_memory(cfg: ModelConfig, s: Job, memory_gib: float, rule80: bool = 
 def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention: bool = True,
                     gloo: bool = False) -> Memory:
     """fourfold's runtime on the most loaded pipeline stage, bytes, against the whole card; `gloo`:
-    on CPU processes, whose reduce-scatter (an all-to-all) receives into a second buffer."""
+    on CPU processes, whose reduce-scatter (an all-to-all) receives into a second buffer. A model
+    whose layers are of several kinds (DeepSeek-V3's first dense layers) is each kind's memory
+    weighted by its share of the layers: exact for the terms that add up over layers (weights,
+    gradients, optimizer state, activations), the average of the others."""
+    kinds: dict[BlockConfig, int] = {}
+    for i in range(cfg.layers):
+        b = cfg.layer_block(i)
+        kinds[b] = kinds.get(b, 0) + 1
+    if len({(b.experts, b.ffn, b.mla) for b in kinds}) == 1:  # (windows and RoPE change no byte)
+        return _uniform_memory(cfg, cfg.block, s, memory_gib, flash_attention, gloo)
+    parts = [(n / cfg.layers, _uniform_memory(cfg, b, s, memory_gib, flash_attention, gloo)) for b, n in kinds.items()]
+    terms = {k: sum(share * m.terms[k] for share, m in parts) for k in parts[0][1].terms}
+    first = parts[0][1]
+    return Memory(terms, first.limit_bytes, replicas=first.replicas, expert_replicas=first.expert_replicas,
+                  expert_weights=sum(share * m.expert_weights for share, m in parts))
+
+
+def _uniform_memory(cfg: ModelConfig, blk: BlockConfig, s: Job, memory_gib: float, flash_attention: bool,
+                    gloo: bool) -> Memory:
+    """`fourfold_memory` of the model with every layer's block `blk`."""
     h, v, L = cfg.hidden, padded_vocab(cfg.vocab, s.y), cfg.layers  # the tables' rows, padded to a multiple of y
     x, y, z, c, p = s.x, s.y, s.z, s.cp, s.pp
-    blk = cfg.block
     d = blk.head_dim
-    matrices, vectors = layer_params(cfg)
-    replicated = replicated_params(blk)  # a mixture's router and shared gate: split over x only
+    matrices, vectors = layer_params(cfg, block=blk)
+    replicated = replicated_params(blk)  # a mixture's router and shared gate, the latents: split over x only
     experts = expert_params(blk)  # a mixture's experts: split over x, y, z and over the ep ranks
+    heads = head_params(blk)  # latent attention's per-head projections: by head group, not over z
     ep, replicas = s.layout.ep, s.dp * c
     layers_here = most_layers_on_a_rank(L, s)
     expert_held = layers_here * experts / (x * y * z * ep)
-    params = layers_here * ((matrices - replicated - experts) / (x * y * z) + (vectors + replicated) / x)
+    chunks = block_plan(blk, x, y, seq_parallel=s.seq_parallel).attention_chunks
+    params = layers_here * ((matrices - replicated - experts - heads) / (x * y * z) + (vectors + replicated) / x
+                            + heads / chunks)
     embed = h * v / (x * y * z)
     # Tied with pp > 1, the last stage holds a copy of the table that is no parameter: its weights and
     # an fp32 gradient, (e + 4) bytes an element, less than the first stage's table with its optimizer
@@ -134,7 +155,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     T = (s.seq / c) * (s.micro_batch / z)  # tokens on this rank
     Ts = T / y if s.seq_parallel else T  # tokens of the residual stream
     plan = block_plan(blk, x, y, seq_parallel=s.seq_parallel)
-    heads, kv, ffn_local = plan.local_heads, plan.local_kv_heads, plan.local_ffn
+    heads_local, kv, ffn_local = plan.local_heads, plan.local_kv_heads, plan.local_ffn
     up_rows = plan.up.out_features / plan.mlp_chunks
 
     def saved_input(layer) -> float:
@@ -147,17 +168,17 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     math_path = not flash_attention and c == 1  # ring attention (cp > 1) keeps no probabilities
     # The flash kernel's output, [b, s, heads, d] in memory, is the out-projection's input as it is (a view:
     # counted there); ring attention's merged output is a tensor of its own.
-    attention = ({"attention probabilities": (s.micro_batch / z) * heads * (s.seq / c) ** 2} if math_path else
-                 {"attention output and stats": (T * heads * d if c > 1 else 0.0) + T * heads / d})
+    attention = ({"attention probabilities": (s.micro_batch / z) * heads_local * (s.seq / c) ** 2} if math_path else
+                 {"attention output and stats": (T * heads_local * d if c > 1 else 0.0) + T * heads_local / d})
     saved = {
         # (and a [tokens] fp32 statistic: the rest is recomputed in backward); Gemma's post-norms: 4
         "norm inputs": (4 if blk.post_norms else 2) * Ts * h / x,
         "qkv input": saved_input(plan.qkv),
-        "q, k, v": T * (heads + 2 * kv) * d,
+        "q, k, v": T * (heads_local + 2 * kv) * d,
         # q/k norms keep their inputs, views of the QKV output, so all of it stays alive
-        "qkv output": T * (heads + 2 * kv) * d if blk.qk_norm or blk.qk_norm_all_heads else 0.0,
+        "qkv output": T * (heads_local + 2 * kv) * d if blk.qk_norm or blk.qk_norm_all_heads else 0.0,
         **attention,
-        "rope tables": (2 * (s.seq / c) * d) if blk.rope else 0.0,  # one cos/sin pair for q and k
+        "rope tables": (2 * (s.seq / c) * (blk.rope_dim if blk.mla else d)) if blk.rope else 0.0,  # for q and k
         "out-proj input": saved_input(plan.out),
         "mlp input": saved_input(plan.up),
         "gate/up output": T * up_rows,
@@ -165,6 +186,14 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
         "activation output": 0.0 if blk.activation == "swiglu" else T * ffn_local,
         "down input": saved_input(plan.down),
     }
+    if blk.mla:  # the stream (gathered over y with sequence parallelism), the latents before and after their
+        # norms (kv's with its rotary part), q, k and V padded to their head size, the kernel's output
+        saved.update({
+            "qkv input": T * h / x,
+            "q, k, v": 3 * T * heads_local * d,
+            "latents": T * (2 * blk.q_lora + 2 * blk.kv_lora + blk.rope_dim),
+            "attention output and stats": T * heads_local * d + T * heads_local / d,
+        })
     if blk.moe:  # the experts on top_k * T tokens in all (whatever the routing, without expert parallelism;
         # with it, the rows this rank's experts received from the ep group: top_k * T at a balanced routing)
         routed = routed_tokens(blk, T) / T
@@ -216,7 +245,8 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
                                     if p > 1 else layers_here)
     # The largest weight block of one matrix on this rank (before the z split): with z > 1 it is
     # gathered (bf16) while its layer runs, and its gradient block exists before the z reduce-scatter.
-    layer_block = max(layer.in_features * layer.out_features for layer in plan.linears) / (x * y)
+    layer_block = max(layer.in_features * layer.out_features for layer in plan.linears
+                      if not (blk.mla and layer is plan.qkv)) / (x * y)  # (latent attention has no QKV projection)
     largest_block = max(layer_block, h * v / (x * y))
     head_block = h * v / (x * y)
     gathered = e * largest_block if z > 1 else 0.0

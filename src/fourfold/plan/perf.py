@@ -91,7 +91,14 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
     d = block.head_dim
     plan = _plan(block, x, y)
     forward = 0.0
+    if block.mla:  # the latents on every y rank (columns over x), the per-head projections on this rank's heads
+        heads = plan.local_heads
+        for k, n in ((block.hidden / x, block.q_lora), (block.hidden / x, block.kv_lora + block.rope_dim),
+                     (block.q_lora, heads * d), (block.kv_lora, heads * (block.nope_dim + block.v_dim))):
+            forward += 2 * T * k * n / (peak * gemm_efficiency(T, k, n, cal))
     for layer in plan.linears:  # each rank's block of each GEMM (z only splits the stored weights)
+        if block.mla and layer is plan.qkv:  # (latent attention has none)
+            continue
         k_local = layer.in_features / (x if layer.in_dim == "x" else y)
         n_local = layer.out_features / (x if layer.out_dim == "x" else y)
         # a mixture's experts: each on its share of the routed tokens, one after another (routing.py);

@@ -70,12 +70,21 @@ def exchanged_rows(block: BlockConfig, tokens: int, ep: int, rank: int = 0) -> t
 
 
 def replicated_params(block: BlockConfig) -> int:
-    """Parameters of a mixture's layer held split over x only (replicated over y and z): the router
-    (experts x hidden) and the shared expert's gate (hidden). `spec.counts.layer_params` counts them
-    among the matrices."""
+    """Parameters of a layer held split over x only (replicated over y and z): a mixture's router
+    (experts x hidden) and shared expert's gate (hidden); latent attention's two down-projections.
+    `spec.counts.layer_params` counts them among the matrices."""
+    latents = block.hidden * (block.q_lora + block.kv_lora + block.rope_dim) if block.mla else 0
     if not block.moe:
+        return latents
+    return latents + block.experts * block.hidden + (block.hidden if block.shared_ffn and block.shared_gate else 0)
+
+
+def head_params(block: BlockConfig) -> int:
+    """Latent attention's per-head up-projections (q_b, kv_b): split by head group, not over z
+    (`parallel.tensor.latent.HeadLinear`). `spec.counts.layer_params` counts them among the matrices."""
+    if not block.mla:
         return 0
-    return block.experts * block.hidden + (block.hidden if block.shared_ffn else 0)
+    return block.heads * (block.q_lora * block.head_dim + block.kv_lora * (block.nope_dim + block.v_dim))
 
 
 def expert_params(block: BlockConfig) -> int:

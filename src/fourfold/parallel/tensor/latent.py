@@ -20,8 +20,9 @@ How the grid holds it (docs/architecture.md, "Multi-head latent attention"):
   gradient into q_a, kv_a, their norms and the stream is whole. Their weights are not split over z
   (the weights z-shards are the linears' own machinery): replicated over z.
 - The output projection is the block plan's, on heads * v features.
-Under context parallelism the ring's flash kernels need one head size: v is padded with zeros to
-nope + rope features (exact; 1.5x V's bytes on the ring for V3), and the output cut back.
+Flash kernels (torch's CPU one, FlashAttention on CUDA, the ring's) take one head size: v is padded
+with zeros to nope + rope features (exact; 1.5x the PV product and V's bytes on the ring for V3), and
+the output cut back. A kernel that takes a smaller V head (cuDNN's, TE's) would save that: a GPU lever.
 """
 
 from __future__ import annotations
@@ -167,14 +168,16 @@ class LatentAttention(nn.Module):
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None], cos, sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, self.heads, -1, -1)], dim=-1)
-        if self.cp.size > 1:  # the ring's flash kernels take one head size: V padded with zeros
-            o = ring_attention(q, k, F.pad(v, (0, q.shape[-1] - cfg.v_dim)), self.cp, documents, scale=cfg.scale)
-            o = o[..., : cfg.v_dim]
+        # flash kernels take one head size: V padded with zeros to q's and k's, the output cut back
+        v = F.pad(v, (0, q.shape[-1] - cfg.v_dim))
+        if self.cp.size > 1:
+            o = ring_attention(q, k, v, self.cp, documents, scale=cfg.scale)
         elif documents is not None:
             from fourfold.parallel.tensor.block import masked_attention  # (block imports this module)
 
-            o = masked_attention(q, k, v.contiguous(), documents, enable_gqa=False, scale=cfg.scale)
+            o = masked_attention(q, k, v, documents, enable_gqa=False, scale=cfg.scale)
         else:
-            o = F.scaled_dot_product_attention(q, k, v.contiguous(), is_causal=True, scale=cfg.scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.scale)
+        o = o[..., : cfg.v_dim]
         return o.transpose(1, 2).reshape(b, s, self.heads * cfg.v_dim)
 
