@@ -124,8 +124,7 @@ def test_selective_recompute_keeps_at_most_70_percent_of_what_full_recompute_rem
 GEMMA_6_LAYERS = load_config("gemma-3-27b").with_layers(6)
 
 
-@pytest.mark.parametrize("sizes", [dict(x=2, y=4, micro_batch=2, seq=8192), dict(cp=2, y=4, seq=8192)],
-                         ids=["x2y4-mb2", "cp2y4-ring"])
+@pytest.mark.parametrize("sizes", [dict(x=2, y=4, micro_batch=2, seq=8192)], ids=["x2y4-mb2"])
 def test_estimate_within_5_percent_of_fake_tensor_peak_of_gemma3(sizes):
     estimate, measured = _fake_tensor_peak_and_estimate(GEMMA_6_LAYERS, sizes)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)
@@ -137,7 +136,8 @@ def test_estimate_within_5_percent_of_fake_tensor_peak_of_gemma3(sizes):
 DEEPSEEK_4_LAYERS = load_config("deepseek-v3").with_layers(4)
 
 
-@pytest.mark.parametrize("sizes", [dict(dp=8, ep=8), dict(dp=2, cp=2, y=2, ep=4)], ids=["dp8-ep8", "dp2cp2y2-ep4-ring"])
+# (docs/planner.md: within 1.1% on dp8 ep8, dp4 x2 ep4, x2 y4 and dp4 y2 ep4 selective too; one grid here)
+@pytest.mark.parametrize("sizes", [dict(dp=2, cp=2, y=2, ep=4)], ids=["dp2cp2y2-ep4-ring"])
 def test_estimate_within_5_percent_of_fake_tensor_peak_of_deepseek_v3(sizes):
     estimate, measured = _fake_tensor_peak_and_estimate(DEEPSEEK_4_LAYERS, sizes)
     assert estimate == pytest.approx(measured, rel=0.05), (estimate / 2**30, measured / 2**30)

@@ -3,6 +3,7 @@ the trainer's MFU and the planner alike."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,11 +67,17 @@ def attended_pairs(seq: int, window: int) -> int:
     return window * (window + 1) // 2 + (seq - window) * window
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks for it at every evaluation
 def flops_per_token(cfg: ModelConfig, seq: int) -> float:
-    """6 N (non-embedding parameters a token runs through: a mixture's active ones) + 6 L h s for
-    causal attention (forward and backward; 12 h FLOPs per pair of the seq/2 keys a query sees,
-    fewer under a sliding window)."""
-    matrices, _ = layer_params(cfg, active=True)
+    """6 N (non-embedding parameters a token runs through: a mixture's active ones, each layer's as
+    its kind) + 6 L h s for causal attention (forward and backward; 12 h FLOPs per pair of the seq/2
+    keys a query sees, fewer under a sliding window)."""
+    kinds: dict[BlockConfig, int] = {}
+    for i in range(cfg.layers):
+        kinds[cfg.layer_block(i)] = kinds.get(cfg.layer_block(i), 0) + 1
+    matrices = sum(n * layer_params(cfg, True, b)[0] for b, n in kinds.items()) / cfg.layers
     share = cfg.attention_share(seq)
     keys = seq / 2 if share == 1.0 else share * attended_pairs(seq, 0) / seq
-    return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 12 * cfg.layers * cfg.hidden * keys
+    b = cfg.block  # a pair's QK^T and PV: heads * (qk + v) / 2 features for latent attention, else hidden
+    width = b.heads * (b.head_dim + b.v_dim) / 2 if b.mla else cfg.hidden
+    return 6 * (matrices * cfg.layers + cfg.hidden * cfg.vocab) + 12 * cfg.layers * width * keys
