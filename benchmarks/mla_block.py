@@ -23,10 +23,10 @@ from fourfold.spec.counts import layer_params
 from fourfold.spec.layout import Layout
 from timing import best_time  # benchmarks/timing.py, beside this file
 
-HIDDEN, HEADS, FFN, VOCAB = 512, 8, 1408, 1024
-# GQA: 8 heads of 64, 2 kv heads. MLA at DeepSeek-V3's proportions (hidden 7168 -> 512): 8 heads,
-# q latent 192, kv latent 64, per head 32 features without RoPE and 16 with, values of 32.
-GQA = ModelConfig("llama", hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=2, ffn=FFN, vocab=VOCAB, max_positions=4096,
+HIDDEN, HEADS, FFN, VOCAB = 512, 16, 1408, 1024
+# GQA: 16 heads of 32, 8 kv heads (y = 8 splits them). MLA at about DeepSeek-V3's proportions (hidden 7168
+# -> 512): 16 heads, q latent 192, kv latent 64, per head 32 features without RoPE and 16 with, values of 32.
+GQA = ModelConfig("llama", hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=8, ffn=FFN, vocab=VOCAB, max_positions=4096,
                   tied=False, eps=1e-6)
 MLA = ModelConfig("deepseek_v3", hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=HEADS, ffn=FFN, vocab=VOCAB,
                   max_positions=4096, tied=False, eps=1e-6, head_dim=48, q_lora=192, kv_lora=64, nope_dim=32,
