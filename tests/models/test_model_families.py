@@ -42,6 +42,8 @@ FAMILIES = {
     # a window of 3 tokens: shorter than a cp2 chunk (4 of SEQ's 16 tokens), so the ring skips blocks
     "mistral": dict(SMALL, model_type="mistral", sliding_window=3),
     "qwen2": dict(SMALL, model_type="qwen2", use_sliding_window=False),
+    # layer 0 full, layer 1 within a window of 3 (max_window_layers 1), as Qwen2Config resolves them
+    "qwen2-sliding": dict(SMALL, model_type="qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1),
     # untied: tied embeddings cannot be split over pipeline stages (test_models covers tied GPT-2)
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=8, vocab_size=VOCAB, n_positions=32,
                  tie_word_embeddings=False),
@@ -188,14 +190,23 @@ def test_the_published_gpt2_config_reads():
 
 
 def test_sliding_windows():
-    """Mistral's window is the attention's (equal to transformers on every grid above); Qwen2's
-    sliding-window layers are refused by name."""
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        ModelConfig.from_hf({**FAMILIES["qwen2"], "use_sliding_window": True})
+    """Mistral's window is the attention's, Qwen2's and Qwen3's sliding-window layers are the layers
+    from max_window_layers on (Qwen2's equal to transformers on every grid above); either is off
+    unless use_sliding_window. Qwen3-MoE's and Qwen2-MoE's are refused by name."""
     mistral = ModelConfig.from_hf({**FAMILIES["mistral"], "sliding_window": 32})
     assert mistral.block.window == 32 and problems(mistral, Job(seq=64, global_batch=1)) == []
     unset = {k: v for k, v in FAMILIES["mistral"].items() if k != "sliding_window"}
     assert ModelConfig.from_hf(unset).sliding_window == transformers.AutoConfig.for_model(**unset).sliding_window
+    for kind in ("qwen2", "qwen3"):
+        d = dict(FAMILIES["qwen2-sliding"], model_type=kind)
+        cfg = ModelConfig.from_hf(d)
+        assert cfg.layer_types == tuple(transformers.AutoConfig.for_model(**d).layer_types), kind
+        assert [cfg.layer_block(i).window for i in range(2)] == [0, 3] and ModelConfig.from_hf(cfg.to_hf()) == cfg
+        assert ModelConfig.from_hf({**d, "use_sliding_window": False}).layer_types == ()
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    for kind in ("qwen3_moe", "qwen2_moe"):  # (their windows follow other rules: refused)
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            ModelConfig.from_hf(dict(FAMILIES["qwen2-sliding"], model_type=kind, **experts))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -1,5 +1,6 @@
 """The Llama family (RoPE, grouped-query attention, SwiGLU, RMSNorm), and the config.json types read
-as it: Mistral (a sliding window) and Qwen2 (q/k/v biases)."""
+as it: Mistral (a sliding window) and Qwen2 (q/k/v biases, sliding-window layers from
+max_window_layers on when use_sliding_window)."""
 
 from __future__ import annotations
 
@@ -25,20 +26,38 @@ def from_hf(d: dict) -> ModelConfig:
     require(d, kind, hidden_act=("silu",), attention_dropout=(0, 0.0), pretraining_tp=(1,))
     if kind != "llama":  # transformers fixes these families' biases whatever the flags say
         require(d, kind, attention_bias=(False,), mlp_bias=(False,))
-    sliding = any(t != "full_attention" for t in d.get("layer_types") or [])
-    if kind == "qwen2" and (d.get("use_sliding_window") or sliding):
-        raise ValueError("config.json (qwen2) uses sliding-window layers (use_sliding_window / layer_types); "
-                         "fourfold's attention is full causal: use a config with use_sliding_window false")
     heads = d["num_attention_heads"]
-    window = 0 if kind != "mistral" else (d.get("sliding_window", 4096) or 0)  # MistralConfig's default
+    kinds, window = qwen_sliding_layers(d) if kind == "qwen2" else ((), 0)
+    if kind == "mistral":
+        window = d.get("sliding_window", 4096) or 0  # MistralConfig's default
     bias = bool(d.get("attention_bias", False))
     positions = d.get("max_position_embeddings", MAX_POSITIONS[kind])
     return ModelConfig("llama", d["hidden_size"], d["num_hidden_layers"], heads, d.get("num_key_value_heads") or heads,
                        d["intermediate_size"], d["vocab_size"], positions, d.get("tie_word_embeddings", False),
                        d.get("rms_norm_eps", 1e-6), _rope_theta(d), _rope_scaling(d, positions),
                        head_dim=d.get("head_dim") or 0, qkv_bias=bias or kind == "qwen2", out_bias=bias,
-                       mlp_bias=bool(d.get("mlp_bias", False)), sliding_window=window,
+                       mlp_bias=bool(d.get("mlp_bias", False)), sliding_window=window, layer_types=kinds,
                        hf_type="" if kind == "llama" else kind)
+
+
+def qwen_sliding_layers(d: dict) -> tuple[tuple[str, ...], int]:
+    """(layer_types, window) of Qwen2's and Qwen3's sliding-window layers as their config classes resolve
+    them: none unless use_sliding_window (a null sliding_window: none either); then layer_types as
+    given, or every layer from max_window_layers on (the config classes' default: 28)."""
+    window = d.get("sliding_window", 4096) if d.get("use_sliding_window") else None
+    if window is None:
+        return (), 0
+    first = d.get("max_window_layers", 28)
+    kinds = tuple(d.get("layer_types") or ("sliding_attention" if i >= first else "full_attention"
+                                           for i in range(d["num_hidden_layers"])))
+    return (kinds, window) if "sliding_attention" in kinds else ((), 0)
+
+
+def qwen_sliding_to_hf(cfg: ModelConfig) -> dict:
+    """config.json's fields for `qwen_sliding_layers`."""
+    if not cfg.layer_types:
+        return {"use_sliding_window": False}
+    return {"use_sliding_window": True, "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types)}
 
 
 def to_hf(cfg: ModelConfig) -> dict:
@@ -56,6 +75,8 @@ def to_hf(cfg: ModelConfig) -> dict:
         out["rope_scaling"] = _rope_scaling_to_hf(cfg.rope_scaling)
     if kind == "mistral":  # a missing key is 4096 to transformers: none is written as null
         out["sliding_window"] = cfg.sliding_window or None
+    if kind == "qwen2":
+        out.update(qwen_sliding_to_hf(cfg))
     return out
 
 
@@ -63,7 +84,7 @@ def block(cfg: ModelConfig) -> BlockConfig:
     return BlockConfig(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn, norm="rms", activation="swiglu",
                        qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, mlp_bias=cfg.mlp_bias,
                        rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, head_size=cfg.head_dim, eps=cfg.eps,
-                       window=cfg.sliding_window)
+                       window=0 if cfg.layer_types else cfg.sliding_window)  # (layers of two kinds: `layer_block`)
 
 
 def tensors(cfg: ModelConfig) -> dict[str, HFTensor]:

@@ -19,19 +19,15 @@ FIELDS = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
 MAX_POSITIONS, HEAD_DIM = 32768, 128
 
 
-def refuse_sliding_windows(d: dict, kind: str) -> None:
-    """Qwen3's sliding-window layers (use_sliding_window, or a layer_types entry other than full attention)."""
-    if d.get("use_sliding_window") or any(t != "full_attention" for t in d.get("layer_types") or []):
-        raise ValueError(f"config.json ({kind}) uses sliding-window layers (use_sliding_window / layer_types); "
-                         "fourfold's attention is full causal: use a config with use_sliding_window false")
-
-
 def attention_fields(d: dict, kind: str, head_dim: int) -> dict:
     """ModelConfig's fields but the MLP's, from a Qwen3 config.json: the head size (`head_dim` when
     config.json has none: Qwen3Config's 128, Qwen3MoeConfig's hidden / heads; kept as 0 when it is
     hidden / heads), the four biases under attention_bias, RoPE."""
     require(d, kind, hidden_act=("silu",), attention_dropout=(0, 0.0))
-    refuse_sliding_windows(d, kind)
+    if kind != "qwen3" and d.get("use_sliding_window"):  # (Qwen3-MoE's window is every layer's: not read)
+        raise ValueError(f"config.json ({kind}) uses sliding-window layers (use_sliding_window); fourfold reads "
+                         "Qwen2's and Qwen3's: use a config with use_sliding_window false")
+    kinds, window = llama.qwen_sliding_layers(d)
     hidden, heads, bias = d["hidden_size"], d["num_attention_heads"], bool(d.get("attention_bias", False))
     positions = d.get("max_position_embeddings", MAX_POSITIONS)
     size = d.get("head_dim") or head_dim
@@ -39,7 +35,8 @@ def attention_fields(d: dict, kind: str, head_dim: int) -> dict:
                 kv_heads=d.get("num_key_value_heads") or heads, vocab=d["vocab_size"], max_positions=positions,
                 tied=d.get("tie_word_embeddings", False), eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=llama._rope_theta(d), rope_scaling=llama._rope_scaling(d, positions),
-                head_dim=0 if size * heads == hidden else size, qkv_bias=bias, out_bias=bias)
+                head_dim=0 if size * heads == hidden else size, qkv_bias=bias, out_bias=bias, sliding_window=window,
+                layer_types=kinds)
 
 
 def from_hf(d: dict) -> ModelConfig:
@@ -50,7 +47,7 @@ def from_hf(d: dict) -> ModelConfig:
 def attention_to_hf(cfg: ModelConfig) -> dict:
     out = llama.to_hf(dataclasses.replace(cfg, family="llama", hf_type=""))
     del out["mlp_bias"]
-    out.update(attention_bias=cfg.qkv_bias, head_dim=cfg.block.head_dim, use_sliding_window=False)
+    out.update(attention_bias=cfg.qkv_bias, head_dim=cfg.block.head_dim, **llama.qwen_sliding_to_hf(cfg))
     return out
 
 
