@@ -38,6 +38,17 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
   moe_index_add   a Mixtral layer's forward without expert parallelism: the HBM bytes the in-place index_add_
                   saves (no [tokens, hidden] copy per expert)
 
+Owed by issue #40's families (not sections yet: each wants the family's kernel choice settled first):
+  windows         a Gemma 3 / GPT-OSS layer's sliding-window attention: fourfold runs it as banded SDPA with
+                  a boolean mask (the math kernel on CUDA: fp32 scores kept); its time and memory against
+                  FlexAttention's block mask and flash-attn's window_size, which should replace it
+  sinks           GPT-OSS's sinks go through the flash kernel that returns the log-sum-exp (the ring of one
+                  rank): bf16 error against float32, and the step time against plain SDPA without sinks
+  mla             DeepSeek-V3's latent attention pads V from 128 to 192 features for flash: the padded PV
+                  product's share of the step, against a kernel that takes the smaller V head (cuDNN, TE)
+  balance         the balancing bias update's cost (one all-reduce of [layers, experts] a step, no host sync:
+                  torch.cuda.set_sync_debug_mode must stay silent)
+
 --dry-run (the default without CUDA): every section on a tiny model on CPU, which checks the code and
 measures nothing (compile is skipped: inductor on CPU takes minutes); tests/gpu/test_acceptance.py
 runs it. N >= 2 GPUs: also `torchrun --nproc-per-node N -m pytest tests/gpu -m gpu` (NCCL collectives).
