@@ -50,7 +50,8 @@ def run_families(paths, ids, sizes, seq_parallel, microbatches, schedule="1f1b",
             grid.ledger.reset()
             loss = models[0](inputs, targets).sum() * scale
             loss.backward()
-            expected = model_collectives(cfg, layout.sizes, len(local), seq // layout.cp, seq_parallel=seq_parallel)
+            expected = model_collectives(cfg, layout.sizes, len(local), seq // layout.cp, seq_parallel=seq_parallel,
+                                          cp_rank=c["cp"])
             assert grid.ledger.bytes() == ledger_bytes(expected, layout.sizes, 8), name
         grads = serial_grads(models, grid)
         loss = comm.all_reduce(loss.detach(), grid.group(("dp", "pp", "cp", "z"))).item()

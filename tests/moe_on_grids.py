@@ -46,7 +46,7 @@ def run_moe(paths, ids, sizes, seq_parallel, recompute, capacity_factor=0.0):
         exchanged = [getattr(layer.mlp, "exchanged", (0, 0)) for layer in model.layers.values()]
         volume_sizes = dict(layout.sizes, ep=layout.ep)
         expected = model_collectives(cfg, volume_sizes, len(local), inputs.shape[1], seq_parallel=seq_parallel,
-                                     recompute=recompute, routing=routing, exchanged=exchanged)
+                                     recompute=recompute, routing=routing, exchanged=exchanged, cp_rank=c["cp"])
         counts = grid.group(("dp", "cp", "z")).name  # the routing counts' sum, which the volumes leave out
         measured = {key: sent for key, sent in grid.ledger.bytes().items() if key[0] != counts}
         assert measured == ledger_bytes(expected, volume_sizes, 8), name

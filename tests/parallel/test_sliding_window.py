@@ -2,8 +2,10 @@
 `window` positions before it. Ring attention over cp 2 and 4 and the 1-rank banded path equal SDPA
 with the whole [s, s] mask (float64, GQA, forward and backward) for windows of one token, shorter
 than a cp chunk, longer, and longer than the sequence, alone and with document ids; the ring skips
-the blocks no query can see. (tests/models/test_model_families.py: Mistral with a window equals
-transformers on the 3D, cp, dp and pp grids.)"""
+the blocks no query can see, and where some rank reaches only part of the ring the blocks reached are
+fetched instead of passed round it (the bytes sent are the volumes'). GPT-OSS's sinks through the
+ring, on one rank too. (tests/models/test_model_families.py: Mistral with a window equals transformers
+on the 3D, cp, dp and pp grids; Gemma 3 and GPT-OSS in their own tests.)"""
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ import torch
 from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import masked_attention
+from fourfold.spec.blockspec import BlockConfig
 from fourfold.spec.layout import Layout
+from fourfold.spec.volumes import ledger_bytes, ring_attention_passes
 
 SEQ = 32
 WINDOWS = (1, 3, 4, 9, 17, 40)  # cp4's chunk: 4 tokens; cp2's: 8
@@ -30,10 +34,11 @@ def _expected(q, k, v, documents, window, grad):
 
 def _windows(cp: int):
     """(largest error of the ring's and the banded path's output, dQ, dK, dV, {(window, documents):
-    ring steps skipped on this rank})."""
-    group = Grid(Layout(cp=cp)).group("cp")
+    ring steps skipped on this rank}, {window: (bytes this rank sent, the volumes' bytes)})."""
+    grid = Grid(Layout(cp=cp))
+    group = grid.group("cp")
     g = torch.Generator().manual_seed(3)
-    errors, skipped = [], {}
+    errors, skipped, sent = [], {}, {}
     for window in WINDOWS:
         for documents in (None, (torch.arange(SEQ) // 5)[None].expand(2, -1)):
             q = torch.randn(2, 4, SEQ, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -42,8 +47,15 @@ def _windows(cp: int):
             expected = _expected(q, k, v, documents, window, grad)
             local = [context.shard_sequence(t.detach(), group, dim=2).requires_grad_() for t in (q, k, v)]
             mine = None if documents is None else context.shard_sequence(documents, group)
+            grid.ledger.reset()
             out = context.ring_attention(*local, group, mine, window)
             out.backward(context.shard_sequence(grad, group, dim=2))
+            if documents is None:
+                block = BlockConfig(32, 4, 2, 8, head_size=8, window=window)
+                sizes = dict(dp=1, pp=1, cp=cp, x=1, y=1, z=1)
+                volumes = ledger_bytes(ring_attention_passes(block, sizes, 2, SEQ // cp, cp_rank=group.rank).all(),
+                                       sizes, 8)
+                sent[window] = (grid.ledger.bytes().get(("cp", "send"), 0), volumes.get(("cp", "send"), 0))
             errors.append((out - context.shard_sequence(expected, group, 2)).abs().max().item())
             errors += [(t.grad - context.shard_sequence(full.grad, group, 2)).abs().max().item()
                        for t, full in zip(local, (q, k, v))]
@@ -55,13 +67,20 @@ def _windows(cp: int):
             if window < SEQ:
                 plan = context.Documents(mine).ring(group, SEQ // cp, window, q.device)
                 skipped[window, documents is not None] = plan.count(None)
-    return max(errors), skipped
+    return max(errors), skipped, sent
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_with_a_sliding_window(ranks, cp):
     results = ranks.run(_windows, cp, cp)
     assert max(r[0] for r in results) < 1e-12
+    # the bytes each rank sent are the volumes' (a window within a chunk on cp4: the blocks it reaches
+    # fetched, not the whole ring's), and fewer than causal attention's ring (the longest window's)
+    for r in results:
+        assert all(mine == expected for mine, expected in r[2].values()), r[2]
+    ring = sum(r[2][40][0] for r in results)
+    fetched = sum(r[2][3][0] for r in results)
+    assert (fetched < ring / 2) if cp == 4 else fetched == ring, (fetched, ring)
     skipped = {key: sum(r[1][key] for r in results) for key in results[0][1]}
     chunk = SEQ // (2 * cp)
     # a window of one token: each query sees itself only, every other block is skipped; one within a

@@ -20,7 +20,6 @@ scores elsewhere (`attend_block_masked`).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 
@@ -28,6 +27,7 @@ import torch
 
 from fourfold.parallel import comm
 from fourfold.parallel.comm import P2P, Group
+from fourfold.spec.ring import bands, fetches_windows, position_reach, rank_positions, visible, window_reach
 
 
 def check_sequence(seq: int, cp: int) -> None:
@@ -156,18 +156,8 @@ def _masked_math_backward(dout, q, k, v, out, lse, mask, scale):
 
 
 def _visible(step: int, cp: Group, seq: int) -> tuple[slice, slice, bool]:
-    """(query rows, block keys, causal) of the block arriving at `step`, for cp rank i holding
-    chunks i and 2cp-1-i and the block of rank j holding chunks j and 2cp-1-j. j == i: causal
-    within (local positions increase, so it is the plain lower triangle); j < i: chunk j precedes
-    both of ours and chunk 2cp-1-j follows both, so all our queries see the block's first half
-    only; j > i: both its chunks follow our first and precede our second, so only our second half
-    sees it, all of it. Masked parts are never computed: every rank does the same work per step."""
-    owner, half, everything = (cp.rank - step) % cp.size, seq // 2, slice(None)
-    if owner == cp.rank:
-        return everything, everything, True
-    if owner < cp.rank:
-        return everything, slice(0, half), False
-    return slice(half, None), everything, False
+    """(query rows, block keys, causal) of the block arriving at ring step `step` (`ring.visible`)."""
+    return visible(cp.rank, (cp.rank - step) % cp.size, seq)
 
 
 def _chunks(documents: torch.Tensor, cp: Group) -> torch.Tensor:
@@ -177,42 +167,7 @@ def _chunks(documents: torch.Tensor, cp: Group) -> torch.Tensor:
     return torch.cat([every[:, :, 0], every[:, :, 1].flip(0)]).transpose(0, 1)
 
 
-def rank_positions(rank: int, ranks: int, seq: int) -> list[int]:
-    """The global positions of the `seq` tokens cp rank `rank` of `ranks` holds (chunks rank and
-    2*ranks-1-rank; all of them on one rank), on the host: increasing along the rank's tokens."""
-    if ranks == 1:
-        return list(range(seq))
-    c = seq // 2
-    return [*range(rank * c, (rank + 1) * c), *range((2 * ranks - 1 - rank) * c, (2 * ranks - rank) * c)]
-
-
-BANDS = 8  # row bands of a masked block, each cut to the keys its documents, causality and window reach
-
-
-def _bands(rows: slice, seq: int, window: int) -> list[slice]:
-    """A block's rows in up to BANDS bands, none longer than the window (a band then sees about two
-    windows of keys, not the whole block)."""
-    r0, r1 = rows.start or 0, seq if rows.stop is None else rows.stop
-    size = -(-(r1 - r0) // BANDS)
-    size = min(size, window) if window else size
-    return [slice(a, min(a + size, r1)) for a in range(r0, r1, size)]
-
-
-def _position_reach(bands: list[slice], row_pos: list[int], key_pos: list[int], keys: slice,
-                    window: int) -> list[tuple[int, int]]:
-    """For each band, the (start, stop) of the keys (`keys` of the block, positions `key_pos`) at
-    or before its last row and, with a window, within it of its first row: host arithmetic on the
-    positions (both increasing), no device read."""
-    k0, k1 = keys.start or 0, len(key_pos) if keys.stop is None else keys.stop
-    out = []
-    for band in bands:
-        first, last = row_pos[band.start], row_pos[band.stop - 1]
-        start = max(k0, bisect.bisect_left(key_pos, first - window + 1)) if window else k0
-        out.append((start, min(k1, bisect.bisect_right(key_pos, last))))
-    return out
-
-
-def document_reach(documents: torch.Tensor, owner: torch.Tensor, bands: list[slice], keys: slice) -> torch.Tensor:
+def document_reach(documents: torch.Tensor, owner: torch.Tensor, row_bands: list[slice], keys: slice) -> torch.Tensor:
     """For each band of rows of `documents` [b, s], the keys (`keys` of the owner's ids [b, s]) that
     can share a document with it: a [bands, 2] tensor of (start, stop) on the device. Ids never
     decrease along the rows nor along the keys, so a band sees keys from the first whose id is its
@@ -220,8 +175,8 @@ def document_reach(documents: torch.Tensor, owner: torch.Tensor, bands: list[sli
     over the batch is kept, the mask does the rest."""
     k0, k1 = keys.start or 0, owner.shape[1] if keys.stop is None else keys.stop
     key_ids = owner[:, k0:k1].contiguous()
-    firsts = documents[:, [band.start for band in bands]].contiguous()
-    lasts = documents[:, [band.stop - 1 for band in bands]].contiguous()
+    firsts = documents[:, [band.start for band in row_bands]].contiguous()
+    lasts = documents[:, [band.stop - 1 for band in row_bands]].contiguous()
     start = k0 + torch.searchsorted(key_ids, firsts).amin(0)
     stop = k0 + torch.searchsorted(key_ids, lasts, right=True).amax(0)
     return torch.stack([start, stop], dim=1)
@@ -288,8 +243,8 @@ class Documents:
                 chunks = _chunks(self.ids, cp)
                 owner_ids = [torch.cat([chunks[:, j], chunks[:, 2 * n - 1 - j]], dim=1) for j in owners]
                 whole = chunks.flatten(1)
-            visible = [_visible(step, cp, seq)[:2] for step in range(n)]
-            self._plans[key] = _plans(self.ids, whole, owner_ids, visible, rank_positions(i, n, seq),
+            seen = [_visible(step, cp, seq)[:2] for step in range(n)]
+            self._plans[key] = _plans(self.ids, whole, owner_ids, seen, rank_positions(i, n, seq),
                                       [rank_positions(j, n, seq) for j in owners], window, device)
         return self._plans[key]
 
@@ -298,15 +253,15 @@ def as_documents(documents: torch.Tensor | Documents | None) -> Documents | None
     return documents if documents is None or isinstance(documents, Documents) else Documents(documents)
 
 
-def _plans(ids, whole, owner_ids, visible, row_pos, key_pos, window, device) -> list[BlockPlan | None]:
-    """One `BlockPlan` per block of keys (owner ids, (rows, keys) visible, key positions), None where
+def _plans(ids, whole, owner_ids, seen, row_pos, key_pos, window, device) -> list[BlockPlan | None]:
+    """One `BlockPlan` per block of keys (owner ids, (rows, keys) seen, key positions), None where
     no band sees any key: the bands' reach by positions (host) cut to their documents' (one host read
     for all blocks, with the check that the whole sequence's ids `whole` never decrease)."""
-    bands = [_bands(rows, len(row_pos), window) for rows, _ in visible]
-    reach = [_position_reach(b, row_pos, pos, keys, window) for b, (_, keys), pos in zip(bands, visible, key_pos)]
+    row_bands = [bands(rows, len(row_pos), window) for rows, _ in seen]
+    reach = [position_reach(b, row_pos, pos, keys, window) for b, (_, keys), pos in zip(row_bands, seen, key_pos)]
     if ids is not None:
         found = [decreasing(whole).long().expand(1, 2)]
-        found += [document_reach(ids, owner, b, keys) for owner, b, (_, keys) in zip(owner_ids, bands, visible)]
+        found += [document_reach(ids, owner, b, keys) for owner, b, (_, keys) in zip(owner_ids, row_bands, seen)]
         bad, *by_documents = torch.cat(found).tolist()  # (one host read)
         if bad[0]:
             raise ValueError("document ids must not decrease along the sequence (as block.document_ids gives them)")
@@ -315,7 +270,7 @@ def _plans(ids, whole, owner_ids, visible, row_pos, key_pos, window, device) -> 
             by_documents = by_documents[len(r):]
     rows_at = torch.tensor(row_pos, device=device)
     plans = []
-    for b, r, owner, pos in zip(bands, reach, owner_ids, key_pos):
+    for b, r, owner, pos in zip(row_bands, reach, owner_ids, key_pos):
         cut = [(band, slice(start, stop)) for band, (start, stop) in zip(b, r) if start < stop]
         plans.append(BlockPlan(cut, rows_at, torch.tensor(pos, device=device), ids, owner, window) if cut else None)
     return plans
@@ -378,9 +333,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block_k, block_v = pending.wait()
         if sinks is not None:  # one more term of the softmax: the rows' weights shrink by exp(lse - total)
-            total = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
-            out.mul_(torch.exp(lse - total).unsqueeze(-1))
-            lse = total
+            lse = _with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cp, ctx.extra, ctx.plan, ctx.scale = cp, extra, plan, scale
@@ -430,12 +383,105 @@ class _RingAttention(torch.autograd.Function):
             if pending_kv is not None:
                 block_k, block_v = pending_kv.wait()
         dk, dv = incoming.wait()
-        dsinks = None
-        if sinks is not None:  # d(sink) = -(its weight) * (dout . out) summed over the rows: the blocks' kernels,
-            # given the final out and lse, already give q, k and v theirs
-            rowsum = (grad_out.to(acc) * out.to(acc)).sum(-1)
-            dsinks = -(torch.exp(sinks.to(acc)[None, :, None] - lse) * rowsum).sum((0, 2)).to(sinks.dtype)
+        # d(sink) = -(its weight) * (dout . out) summed over the rows: the blocks' kernels, given the final
+        # out and lse, already give q, k and v theirs
+        dsinks = None if sinks is None else _sinks_grad(grad_out, out, lse, sinks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, dsinks
+
+
+def _with_sinks(out, lse, sinks):
+    """The sinks' term of every row's softmax (`_RingAttention`): out scaled in place; the new lse."""
+    total = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    return total
+
+
+def _sinks_grad(grad_out, out, lse, sinks):
+    rowsum = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(torch.exp(sinks.to(lse.dtype)[None, :, None] - lse) * rowsum).sum((0, 2)).to(sinks.dtype)
+
+
+class _WindowAttention(torch.autograd.Function):
+    """Causal attention under a sliding window over cp ranks that fetches only the blocks its queries
+    reach (`ring.window_reach`: with a window within a chunk, the two neighbours' at most), instead of
+    passing every block round the ring: each rank sends its K and V to the ranks that reach it and
+    receives from those it reaches, in one batch, while it attends its own block. The blocks are
+    merged in ring order, as the ring merges them; backward keeps the received blocks and sends each
+    its dK, dV (fp32 at least) back, summed by their owner in rank order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: Group, plan: list[BlockPlan | None], scale: float, sinks, reached, reaching):
+        """`reached`: the ranks whose blocks this one attends (itself first, then in ring order);
+        `reaching`: the ranks that attend this one's."""
+        acc = comm.at_least_fp32(q.dtype)
+        out, lse = q.new_empty(q.shape, dtype=acc), q.new_empty(q.shape[:3], dtype=acc)
+        k, v = k.contiguous(), v.contiguous()
+        others = [j for j in reached if j != cp.rank]
+        blocks = {j: (torch.empty_like(k), torch.empty_like(v)) for j in others}
+        transfers = [P2P("send", t, r) for r in reaching if r != cp.rank for t in (k, v)]
+        transfers += [P2P("recv", t, j) for j in others for t in blocks[j]]
+        pending = comm.batch_p2p(transfers, cp, async_op=True) if transfers else None
+        blocks[cp.rank] = (k, v)
+        for step in range(cp.size):
+            owner = (cp.rank - step) % cp.size
+            if owner not in reached or plan[step] is None:
+                continue
+            if owner != cp.rank and pending is not None:
+                pending.wait()
+                pending = None
+            block_k, block_v = blocks[owner]
+            for rows, keys in plan[step].cut:
+                o_b, lse_b = attend_block_masked(q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys],
+                                                 plan[step].mask(rows, keys).expand(q.shape[0], -1, -1), scale)
+                if step == 0:  # the own block covers every row, each seeing itself: a finite lse
+                    out[:, :, rows], lse[:, :, rows] = o_b, lse_b
+                else:
+                    _merge(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
+        if pending is not None:  # (sends to ranks that reach this one, none of whose blocks it needed)
+            pending.wait()
+        if sinks is not None:
+            lse = _with_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, out, lse, sinks, *[t for j in others for t in blocks[j]], k, v)
+        ctx.cp, ctx.plan, ctx.scale, ctx.reached, ctx.reaching, ctx.others = cp, plan, scale, reached, reaching, others
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, out, lse, sinks, *saved = ctx.saved_tensors
+        cp, plan, scale = ctx.cp, ctx.plan, ctx.scale
+        acc = comm.at_least_fp32(q.dtype)
+        blocks = {j: (saved[2 * i], saved[2 * i + 1]) for i, j in enumerate(ctx.others)}
+        blocks[cp.rank] = (saved[-2], saved[-1])
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(q, dtype=acc)
+        grads = {j: (torch.zeros_like(blocks[j][0], dtype=acc), torch.zeros_like(blocks[j][1], dtype=acc))
+                 for j in blocks}
+        for step in range(cp.size):
+            owner = (cp.rank - step) % cp.size
+            if owner not in ctx.reached or plan[step] is None:
+                continue
+            (block_k, block_v), (dk, dv) = blocks[owner], grads[owner]
+            for rows, keys in plan[step].cut:
+                dq_b, dk_b, dv_b = attend_block_masked_backward(
+                    grad_out[:, :, rows], q[:, :, rows], block_k[:, :, keys], block_v[:, :, keys], out[:, :, rows],
+                    lse[:, :, rows].contiguous(), plan[step].mask(rows, keys).expand(q.shape[0], -1, -1), scale)
+                dq[:, :, rows] += dq_b
+                dk[:, :, keys] += dk_b
+                dv[:, :, keys] += dv_b
+        # each fetched block's dK, dV back to its owner; this rank's from every rank that fetched it
+        coming = {r: (torch.empty_like(grads[cp.rank][0]), torch.empty_like(grads[cp.rank][1]))
+                  for r in ctx.reaching if r != cp.rank}
+        transfers = [P2P("send", t, j) for j in ctx.others for t in grads[j]]
+        transfers += [P2P("recv", t, r) for r in sorted(coming) for t in coming[r]]
+        if transfers:
+            comm.batch_p2p(transfers, cp)
+        dk, dv = grads[cp.rank]
+        for r in sorted(coming):
+            dk += coming[r][0]
+            dv += coming[r][1]
+        dsinks = None if sinks is None else _sinks_grad(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None, None, None, dsinks, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
@@ -461,4 +507,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
     if documents is None and not window:
         return _RingAttention.apply(q, k, v, cp, None, scale, sinks)
     plan = (documents or Documents(None)).ring(cp, q.shape[2], window, q.device)
+    if fetches_windows(cp.size, q.shape[2], window):  # only the blocks the window reaches, fetched
+        reach = window_reach(cp.size, q.shape[2], window)
+        reaching = tuple(r for r in range(cp.size) if cp.rank in reach[r])
+        return _WindowAttention.apply(q, k, v, cp, plan, scale, sinks, reach[cp.rank], reaching)
     return _RingAttention.apply(q, k, v, cp, plan, scale, sinks)

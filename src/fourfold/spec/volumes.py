@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from fourfold.spec.blockspec import LINEAR_KINDS, BlockConfig, LinearPlan, attention_chunks, block_plan
+from fourfold.spec.ring import fetches_windows, window_reach
 from fourfold.spec.rules import padded_vocab
 
 if TYPE_CHECKING:  # comm imports this module for `bytes_sent`: it needs no model config
@@ -132,20 +133,33 @@ def head_norm_passes(cfg: BlockConfig, sizes: dict, tokens: int, *, non_redundan
     return _passes(sizes, stats, stats)
 
 
-def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, non_redundant: bool = True) -> Passes:
+def ring_attention_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, non_redundant: bool = True,
+                          cp_rank: int | None = None) -> Passes:
     """Ring attention over cp (`fourfold.parallel.context`) on `batch` sequences of `seq` local tokens:
     keys and values go round the ring in forward and again in backward, and the dK, dV
-    accumulators (fp32 at least) make the whole round back to their owner."""
+    accumulators (fp32 at least) make the whole round back to their owner. Under a sliding window
+    that some rank's queries reach only part of the ring with (`ring.fetches_windows`), each rank
+    sends its K and V to the ranks that reach it, and in backward the dK, dV of each block it fetched
+    back to its owner: cp rank `cp_rank`'s, or the busiest rank's (None)."""
     cp = sizes["cp"]
     kv_heads = cfg.kv_heads // attention_chunks(cfg, sizes["x"], sizes["y"], non_redundant)
     block = Collective("cp", "send", batch * kv_heads * seq * cfg.head_dim)
     accumulator = Collective("cp", "send", block.numel, wide=True)
+    if fetches_windows(cp, seq, cfg.window):
+        reach = window_reach(cp, seq, cfg.window)
+
+        def sends(r: int) -> tuple[int, int]:  # (blocks given to the ranks reaching r, blocks r fetched)
+            return sum(r in reach[o] for o in range(cp) if o != r), len(reach[r]) - 1
+
+        given, fetched = sends(cp_rank) if cp_rank is not None else max(map(sends, range(cp)), key=sum)
+        return _passes(sizes, [block] * 2 * given, [accumulator] * 2 * fetched)
     return _passes(sizes, [block] * 2 * (cp - 1), [block] * 2 * (cp - 1) + [accumulator] * 2 * cp if cp > 1 else [])
 
 
 def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_parallel: bool = False,
                  keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
-                 routed: tuple[int, ...] = (), exchanged: tuple[int, int] = (0, 0)) -> Passes:
+                 routed: tuple[int, ...] = (), exchanged: tuple[int, int] = (0, 0),
+                 cp_rank: int | None = None) -> Passes:
     """One `ParallelBlock` on `batch` local sequences of `seq` tokens (this cp rank's): its block plan's
     layers; a mixture's at a given routing, `routed` tokens to each of this rank's experts
     (`ParallelMoE.routed`) and, with expert parallelism (`sizes["ep"]` > 1), the rows it sent to and
@@ -187,7 +201,8 @@ def block_passes(cfg: BlockConfig, sizes: dict, batch: int, seq: int, *, seq_par
         attention = latent_attention_passes(cfg, plan, sizes, tokens, seq_parallel=seq_parallel)
     else:
         attention = linear(plan.qkv) + head_norm_passes(cfg, sizes, tokens, non_redundant=non_redundant)
-    return (norms + attention + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant)
+    return (norms + attention + ring_attention_passes(cfg, sizes, batch, seq, non_redundant=non_redundant,
+                                                      cp_rank=cp_rank)
             + linear(plan.out) + norms + mlp)
 
 
@@ -236,26 +251,27 @@ def model_collectives(cfg: ModelConfig, sizes: dict, batch: int, seq: int, *, se
                       keep_weights: bool = False, keep_inputs: bool = False, non_redundant: bool = True,
                       recompute: str = "none", layers: int | None = None, first: bool = True,
                       last: bool = True, routing: list[tuple[int, ...]] | None = None,
-                      exchanged: list[tuple[int, int]] | None = None) -> list[Collective]:
+                      exchanged: list[tuple[int, int]] | None = None, cp_rank: int | None = None) -> list[Collective]:
     """A `Transformer` forward and backward, loss included, on `batch` local sequences of `seq`
     tokens (this cp rank's); for a pipeline stage, its number of `layers` and whether it is the
     `first` (embedding) or `last` (head and loss); a mixture's at the `routing` of each layer (the
     tokens routed to each of a rank's experts) and, with expert parallelism, the rows each layer
     `exchanged` (sent, received) with the other ranks of its expert group. Gradient synchronisation
     is not included, nor a mixture's sum of its routing counts over the ranks holding other tokens
-    (E numbers, as the reported loss's sum)."""
+    (E numbers, as the reported loss's sum). `cp_rank`: whose windowed attention's sends (they differ
+    at the ring's ends; None: the busiest rank's)."""
     tokens = batch * seq
     stream = tokens // sizes["y"] if seq_parallel else tokens
 
     def block(b: BlockConfig, routed: tuple[int, ...] = (), exchanged: tuple[int, int] = (0, 0)) -> Passes:
         passes = block_passes(b, sizes, batch, seq, seq_parallel=seq_parallel, keep_weights=keep_weights,
                               keep_inputs=keep_inputs, non_redundant=non_redundant, routed=routed,
-                              exchanged=exchanged)
+                              exchanged=exchanged, cp_rank=cp_rank)
         if recompute == "full":  # the block's forward runs again during backward, its collectives too
             return Passes(passes.forward, passes.forward + passes.backward)
         if recompute == "selective":  # the attention core, q/k norms and ring included, runs again in backward
             core = (head_norm_passes(b, sizes, batch * seq, non_redundant=non_redundant)
-                    + ring_attention_passes(b, sizes, batch, seq, non_redundant=non_redundant))
+                    + ring_attention_passes(b, sizes, batch, seq, non_redundant=non_redundant, cp_rank=cp_rank))
             return Passes(passes.forward, core.forward + passes.backward)
         return passes
 
