@@ -7,23 +7,20 @@ DeepseekV3Config is read or refused by name."""
 
 import json
 import math
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
 
 from fourfold.checkpoint.hf import to_hf_tensors
-from fourfold.data import corpus
 from fourfold.models import deepseek_v3
 from fourfold.models.config import METADATA, ModelConfig
 from fourfold.spec.layout import Layout
 from moe_on_grids import run_moe, run_moe_pipeline
-from runs import step_losses, train_run, whole_checkpoint
+from runs import assert_exports_the_checkpoint, hub_model_run, step_losses, train_run, whole_checkpoint
 from serial_reference import cp_shard, relative_error, rms_norm_in_input_dtype, saved_gradients, saved_random_model
 
 BATCH, SEQ, VOCAB = 8, 16, 128
@@ -159,20 +156,8 @@ def test_training_balances_resumes_bitwise_and_exports(ranks, tmp_path):
     balance: the router, collapsed by step 10, is spread out again by step 20, where the same steps
     with the biases frozen leave it collapsed (the log's expert-load imbalance); exported,
     transformers loads the checkpoint's tensors, the biases among them."""
-    from fourfold.checkpoint.export import export
-
-    text = tmp_path / "genesis.txt"
-    text.write_text(corpus.bundled_text()[:40_000])
-    tokenizer, tokens = corpus.prepare(str(text), 512, str(tmp_path / "cache"))
-    hf = tmp_path / "deepseek"
-    config = transformers.AutoConfig.for_model(**dict(DEEPSEEK, vocab_size=512))
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
-    shutil.copy(tokenizer, hf / "tokenizer.json")
-    options = ["--model.hf", str(hf), "--data.tokens", str(tokens), "--data.tokenizer", str(hf / "tokenizer.json"),
-               "--log.progress", "false", "--log.every", "1", "--train.steps", "20", "--batch.global_batch", "8",
-               "--batch.micro_batch", "2", "--batch.seq", "32", "--optimizer.lr", "0.01", "--optimizer.warmup", "2",
-               "--checkpoint.every", "10", "--train.precision", "float64", "--grid.dp", "4", "--grid.ep", "4",
-               "--optimizer.balance_bias_speed", "0.01"]
+    options = hub_model_run(tmp_path, DEEPSEEK, "--grid.dp", "4", "--grid.ep", "4",
+                            "--optimizer.balance_bias_speed", "0.01")
     ranks.run(train_run, 4, [*options, "--log.run_dir", str(tmp_path / "run")])
     losses = step_losses(tmp_path / "run")
     assert list(losses) == list(range(20)) and sum(list(losses.values())[-3:]) / 3 < losses[0] - 0.5, losses
@@ -186,13 +171,7 @@ def test_training_balances_resumes_bitwise_and_exports(ranks, tmp_path):
                              "--optimizer.balance_bias_speed", "0"])
     balanced, frozen = (_imbalance(tmp_path / run)[-3:] for run in ("run", "frozen"))
     assert sum(balanced) < sum(frozen) - 1.5 and bias.abs().max() > 0.1, (balanced, frozen, bias)
-    export(last, tmp_path / "hf")
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
-                                                                     dtype=torch.float64)
-    assert not any(info.values()), info
+    assert_exports_the_checkpoint(last, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
     loaded = model.model.layers[1].mlp.gate.e_score_correction_bias  # (transformers keeps it in float32)
     assert torch.equal(loaded, bias.to(loaded.dtype))
-    saved = {k.removeprefix("model/"): t for k, t in whole_checkpoint(last).items() if k.startswith("model/")}
-    ours = to_hf_tensors(ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())), saved)
-    written = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
-    assert ours.keys() == written.keys() and all(torch.equal(written[k], v) for k, v in ours.items())

@@ -8,25 +8,22 @@ field of GptOssConfig is read or refused by name."""
 
 import json
 import math
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 from fourfold.checkpoint.hf import to_hf_tensors
-from fourfold.data import corpus
 from fourfold.models import gpt_oss
 from fourfold.models.config import METADATA, ModelConfig
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
 from moe_on_grids import run_moe, run_moe_pipeline
-from runs import step_losses, train_run, whole_checkpoint
+from runs import assert_exports_the_checkpoint, hub_model_run, step_losses, train_run
 from serial_reference import (
     cp_shard,
     load_balancing_in_input_dtype,
@@ -173,30 +170,11 @@ def test_training_learns_resumes_bitwise_and_exports(ranks, tmp_path):
     with expert parallelism ep4 (float64): the loss falls; resumed from its step-10 checkpoint it gives
     every later step's loss bit for bit; the step-20 checkpoint exported loads in transformers with no
     missing or unexpected tensor and the checkpoint's values."""
-    from fourfold.checkpoint.export import export
-
-    text = tmp_path / "genesis.txt"
-    text.write_text(corpus.bundled_text()[:40_000])
-    tokenizer, tokens = corpus.prepare(str(text), 512, str(tmp_path / "cache"))
-    hf = tmp_path / "gpt_oss"
-    config = transformers.AutoConfig.for_model(**dict(GPT_OSS, vocab_size=512, output_router_logits=False))
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
-    shutil.copy(tokenizer, hf / "tokenizer.json")
-    options = ["--model.hf", str(hf), "--data.tokens", str(tokens), "--data.tokenizer", str(hf / "tokenizer.json"),
-               "--log.progress", "false", "--log.every", "1", "--train.steps", "20", "--batch.global_batch", "8",
-               "--batch.micro_batch", "2", "--batch.seq", "32", "--optimizer.lr", "0.01", "--optimizer.warmup", "2",
-               "--checkpoint.every", "10", "--train.precision", "float64", "--grid.dp", "4", "--grid.ep", "4"]
+    options = hub_model_run(tmp_path, dict(GPT_OSS, output_router_logits=False), "--grid.dp", "4", "--grid.ep", "4")
     ranks.run(train_run, 4, [*options, "--log.run_dir", str(tmp_path / "run")])
     losses = step_losses(tmp_path / "run")
     assert list(losses) == list(range(20)) and sum(list(losses.values())[-3:]) / 3 < losses[0] - 0.5, losses
     step = tmp_path / "run" / "checkpoints" / "step-00000010"
     ranks.run(train_run, 4, [*options, "--log.run_dir", str(tmp_path / "again"), "--checkpoint.load", str(step)])
     assert step_losses(tmp_path / "again") == {s: losses[s] for s in range(10, 20)}
-    last = tmp_path / "run" / "checkpoints" / "step-00000020"
-    export(last, tmp_path / "hf")
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert not any(info.values()), info
-    saved = {k.removeprefix("model/"): t for k, t in whole_checkpoint(last).items() if k.startswith("model/")}
-    ours = to_hf_tensors(ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())), saved)
-    written = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
-    assert ours.keys() == written.keys() and all(torch.equal(written[k], v) for k, v in ours.items())
+    assert_exports_the_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000020", tmp_path / "hf")
