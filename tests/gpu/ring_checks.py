@@ -78,7 +78,8 @@ def virtual_ring(q, k, v, dout, cp: int) -> dict[str, torch.Tensor]:
         mine = [context.shard_sequence(t, group, dim=2) for t in (q, k, v, dout)]
         saved = _Saved()
         with torch.no_grad():
-            out = context._RingAttention.forward(saved, *mine[:3], group, None)
+            scale = q.shape[-1] ** -0.5
+            out = context._RingAttention.forward(saved, *mine[:3], group, None, scale, None)
             return (out, *context._RingAttention.backward(saved, mine[3])[:3])
 
     original, context._exchange = context._exchange, ring.exchange

@@ -1,7 +1,7 @@
 """GPT-OSS equal to transformers in float64: loss (the load-balancing loss included), logits and every
 gradient (the sinks', the router's and its bias', the experts' biases) on one rank, on the 3D grid
-with sequence parallelism, with context parallelism (a window of 3: shorter than a cp2 chunk, longer
-than a cp4 one), with
+with sequence parallelism, with context parallelism (a window of 3, longer than a cp4 chunk: the
+blocks it reaches fetched), with
 expert parallelism, and through pipeline stages; its alternating sliding and full layers; import ->
 checkpoint -> export gives transformers the same weights (the stacked, interleaved experts); every
 field of GptOssConfig is read or refused by name."""
@@ -45,8 +45,8 @@ GPT_OSS = dict(model_type="gpt_oss", hidden_size=32, num_hidden_layers=2, num_at
 GRIDS = {  # name: (sizes, sequence parallel)
     "serial": (dict(), False),
     "x2y2z2-sp": (dict(x=2, y=2, z=2), True),
-    "dp2cp2y2-sp": (dict(dp=2, cp=2, y=2), True),  # a window of 3: shorter than a cp chunk (4 tokens)
-    "cp4x2": (dict(cp=4, x=2), False),  # longer than one (2 tokens)
+    # a window of 3, longer than a cp4 chunk (2 tokens); shorter ones: Gemma 3's and Mistral's tests
+    "cp4x2-sp": (dict(cp=4, x=2), True),
     "dp4x2-ep4": (dict(dp=4, x=2, ep=4), False),
 }
 IDS = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))

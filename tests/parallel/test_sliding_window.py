@@ -138,7 +138,7 @@ def _sinks(cp: int):
     return max(errors)
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("cp", [1, 4])
 def test_attention_sinks(ranks, cp):
     """GPT-OSS's sinks through the ring (on one rank, its own block), with windows and documents,
     forward and backward (the sinks' gradient included), against transformers' eager formula."""
