@@ -258,6 +258,10 @@ def test_rules_refuse_ring_attention_in_float32_on_gpus():
     found = problems(load_config("tiny-llama"), job, gpu=True)
     assert [p.fix for p in found] == ["use precision bf16 (or auto), or cp=1"]
     assert problems(load_config("tiny-llama"), job) == []  # CPU's flash kernel takes float32
+    # attention sinks run the ring's kernel on one rank too
+    alone = Job(Layout(x=8), global_batch=1, seq=64, precision="float32")
+    assert [p.fix for p in problems(load_config("gpt-oss-20b"), alone, gpu=True)] == ["use precision bf16 (or auto)"]
+    assert problems(load_config("tiny-llama"), alone, gpu=True) == []
 
 
 @pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (2, 4, 2), (8, 2, 8), (4, 3, 4)])

@@ -249,8 +249,9 @@ class Documents:
         return self._plans[key]
 
 
-def as_documents(documents: torch.Tensor | Documents | None) -> Documents | None:
-    return documents if documents is None or isinstance(documents, Documents) else Documents(documents)
+def as_documents(documents: torch.Tensor | Documents | None) -> Documents:
+    """`documents` as a `Documents` (None: each sequence one document, `ids` None)."""
+    return documents if isinstance(documents, Documents) else Documents(documents)
 
 
 def _plans(ids, whole, owner_ids, seen, row_pos, key_pos, window, device) -> list[BlockPlan | None]:
@@ -499,14 +500,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Group,
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     documents = as_documents(documents)
-    if documents is not None and documents.ids.shape != (q.shape[0], q.shape[2]):
+    if documents.ids is not None and documents.ids.shape != (q.shape[0], q.shape[2]):
         raise ValueError(f"document ids {tuple(documents.ids.shape)} do not match the queries' [batch, seq] "
                          f"{(q.shape[0], q.shape[2])}")
     window = window if window < q.shape[2] * cp.size else 0  # a window over the whole sequence masks nothing
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if documents is None and not window:
+    if documents.ids is None and not window:
         return _RingAttention.apply(q, k, v, cp, None, scale, sinks)
-    plan = (documents or Documents(None)).ring(cp, q.shape[2], window, q.device)
+    plan = documents.ring(cp, q.shape[2], window, q.device)
     if fetches_windows(cp.size, q.shape[2], window):  # only the blocks the window reaches, fetched
         reach = window_reach(cp.size, q.shape[2], window)
         reaching = tuple(r for r in range(cp.size) if cp.rank in reach[r])

@@ -145,9 +145,11 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
         add(f"recompute {job.recompute!r} is unknown", f"use one of {', '.join(RECOMPUTE)}")
     if job.precision not in PRECISIONS:
         add(f"precision {job.precision!r} is unknown", f"use one of {', '.join(PRECISIONS)}")
-    elif gpu and g.cp > 1 and job.precision in ("float32", "float64"):
-        add(f"ring attention (cp={g.cp}) runs CUDA's flash kernel, which takes bf16 or fp16, not {job.precision}",
-            "use precision bf16 (or auto), or cp=1")
+    elif gpu and (g.cp > 1 or b.sinks) and job.precision in ("float32", "float64"):
+        # (attention sinks run the ring's kernel on one rank too: they need its log-sum-exp)
+        why = f"ring attention (cp={g.cp})" if g.cp > 1 else "attention with sinks"
+        add(f"{why} runs CUDA's flash kernel, which takes bf16 or fp16, not {job.precision}",
+            "use precision bf16 (or auto)" + (", or cp=1" if not b.sinks else ""))
     if job.schedule not in SCHEDULES:
         add(f"pipeline.schedule {job.schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
     elif g.pp > 1:

@@ -139,7 +139,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     attention's cost than one [s, s] mask (on CUDA a varlen or windowed flash kernel would avoid the
     mask, not done yet). Ids must not decrease (checked). The bands are made once per `Documents`
     (at most one host read a forward, not a layer)."""
-    documents = context.as_documents(documents) or context.Documents(None)
+    documents = context.as_documents(documents)
     plan = documents.whole(q.shape[2], window, q.device)
     out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys],
                                           attn_mask=plan.mask(rows, keys)[:, None], enable_gqa=enable_gqa,
@@ -267,7 +267,7 @@ class ParallelAttention(nn.Module):
             # (sinks need the log-sum-exp: on one rank, the ring of its own block)
             o = ring_attention(q, k, v, self.cp, documents, window, scale=self.cfg.scale,
                                sinks=None if self.sinks is None else self.sinks.weight)
-        elif documents is not None or window:
+        elif context.as_documents(documents).ids is not None or window:
             o = masked_attention(q, k, v, documents, window, enable_gqa=self.heads != self.kv_heads,
                                  scale=self.cfg.scale)
         else:

@@ -33,7 +33,7 @@ from torch import nn
 
 from fourfold.parallel import comm
 from fourfold.parallel.comm import Group
-from fourfold.parallel.context import ring_attention
+from fourfold.parallel.context import as_documents, ring_attention
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor import init, regions
 from fourfold.parallel.tensor.moe import ReplicatedLinear
@@ -172,7 +172,7 @@ class LatentAttention(nn.Module):
         v = F.pad(v, (0, q.shape[-1] - cfg.v_dim))
         if self.cp.size > 1:
             o = ring_attention(q, k, v, self.cp, documents, scale=cfg.scale)
-        elif documents is not None:
+        elif as_documents(documents).ids is not None:
             from fourfold.parallel.tensor.block import masked_attention  # (block imports this module)
 
             o = masked_attention(q, k, v, documents, enable_gqa=False, scale=cfg.scale)
