@@ -81,7 +81,7 @@ def test_estimate_within_5_percent_of_fake_tensor_peak_of_a_large_layer(sizes):
 
 
 # A mixture of experts under FakeTensorMode: Mixtral-8x7B with two layers, bf16, rank 0 of 8 fake ranks.
-# Fake tensors route at the planner's balanced assignment (moe.balanced_choice: torch.where on the
+# Fake tensors route at the planner's balanced assignment (moe.balanced_choices: torch.where on the
 # router's choices has a data-dependent shape); without expert parallelism the sums are the same.
 MIXTRAL_2_LAYERS = dataclasses.replace(load_config("mixtral-8x7b"), layers=2)
 

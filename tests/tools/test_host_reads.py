@@ -25,10 +25,10 @@ MOE = dataclasses.replace(load_config("mixtral-8x7b"), hidden=32, layers=LAYERS,
 EOS = 1
 
 
-def _step(cfg: ModelConfig, sizes: dict, documents: bool, recompute: str) -> dict:
+def _step(cfg: ModelConfig, sizes: dict, documents: bool, recompute: str, dtype: torch.dtype) -> dict:
     """One forward, backward and optimizer step (after a first one: the traced pass) under HostReads."""
     grid = Grid(Layout(**sizes))
-    model = Transformer(grid, cfg, TensorOptions(dtype=torch.float64), seed=5, recompute=recompute)
+    model = Transformer(grid, cfg, TensorOptions(dtype=dtype), seed=5, recompute=recompute)
     opt = AdamW(GradientSync(model, grid), lr=1e-3)
     ids = torch.randint(2, cfg.vocab, (4, 33), generator=torch.Generator().manual_seed(0))
     ids[:, [5, 12, 20]] = EOS
@@ -52,16 +52,21 @@ def _step(cfg: ModelConfig, sizes: dict, documents: bool, recompute: str) -> dic
     return counts[-1]
 
 
-@pytest.mark.parametrize("kind, cfg, sizes, documents, recompute, most", [
-    ("dense", DENSE, dict(dp=2), False, "none", 0),
+@pytest.mark.parametrize("kind, cfg, sizes, documents, recompute, most, dtype", [
+    ("dense", DENSE, dict(dp=2), False, "none", 0, torch.float64),
     # the bands, once a forward, shared by its layers and their recompute (before: one a layer)
-    ("document masking", DENSE, dict(dp=2), True, "full", 1),
-    ("cp", DENSE, dict(cp=2), False, "none", 0),
-    ("cp with document masking", DENSE, dict(cp=2), True, "none", 1),
-    ("sliding window, cp", dataclasses.replace(DENSE, sliding_window=5), dict(cp=2), False, "full", 0),  # host plans
-    ("mixture", MOE, dict(dp=2), False, "none", LAYERS),  # the tokens per expert, once a layer (before: per expert)
-    ("mixture, ep", MOE, dict(dp=2, ep=2), False, "none", LAYERS),  # the exchange's split sizes (before: 2 a layer)
+    ("document masking", DENSE, dict(dp=2), True, "full", 1, torch.float64),
+    ("cp", DENSE, dict(cp=2), False, "none", 0, torch.float64),
+    ("cp with document masking", DENSE, dict(cp=2), True, "none", 1, torch.float64),
+    # a window's plans are host arithmetic
+    ("sliding window, cp", dataclasses.replace(DENSE, sliding_window=5), dict(cp=2), False, "full", 0, torch.float64),
+    # float64: the experts' loop splits its rows by the tokens per expert, once a layer (before: per expert)
+    ("mixture", MOE, dict(dp=2), False, "none", LAYERS, torch.float64),
+    # the exchange's split sizes (before: 2 a layer)
+    ("mixture, ep", MOE, dict(dp=2, ep=2), False, "none", LAYERS, torch.float64),
+    # the grouped GEMM takes the experts' offsets on the device (float32 on CPU, bf16 on GPUs)
+    ("mixture, grouped experts", MOE, dict(dp=2), False, "none", 0, torch.float32),
 ])
-def test_host_reads_of_a_training_step(ranks, kind, cfg, sizes, documents, recompute, most):
-    for counts in ranks.run(_step, 2, cfg, sizes, documents, recompute):
+def test_host_reads_of_a_training_step(ranks, kind, cfg, sizes, documents, recompute, most, dtype):
+    for counts in ranks.run(_step, 2, cfg, sizes, documents, recompute, dtype):
         assert sum(counts.values()) <= most, (kind, counts)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fourfold.models.config import ModelConfig
 from fourfold.plan.routing import expert_params, head_params, replicated_params, routed_tokens
-from fourfold.spec.blockspec import BlockConfig, block_plan, mlp_chunks
+from fourfold.spec.blockspec import LINEAR_KINDS, BlockConfig, block_plan, mlp_chunks
 from fourfold.spec.counts import layer_params
 from fourfold.spec.job import Job, most_layers_on_a_rank
 from fourfold.spec.rules import loss_chunk_tokens, padded_vocab
@@ -205,12 +205,12 @@ def _uniform_memory(cfg: ModelConfig, blk: BlockConfig, s: Job, memory_gib: floa
             "down input": routed * saved_input(plan.down),
             # kept by their product with the routing weights (with expert parallelism: as they came back)
             "expert outputs": chosen,
-            # Measured under fake tensors (tests/plan/test_planner_measured.py), missing before: each expert's
-            # copy of its tokens (flat[token], or with expert parallelism the concatenation of the rows the
-            # ep ranks sent it: its gate/up GEMM's input) and the weighted outputs (index_add keeps its
-            # source for backward).
+            # Measured under fake tensors (tests/plan/test_planner_measured.py): the experts' rows (the
+            # tokens of their choices, or with expert parallelism the rows the ep ranks sent: the gate/up
+            # GEMM's input) and, without expert parallelism, one more [top_k * T, h/x] (with it, the rows
+            # back from the all-to-all are the only outputs kept: 1/top_k less of T*h per layer, measured).
             "expert inputs": routed * T * h / x,
-            "weighted expert outputs": chosen,
+            "weighted expert outputs": chosen if ep == 1 else 0.0,
             "router logits and probabilities": T * blk.experts * (e + max(e, 4)) / e,  # softmax in fp32 at least
         })
         if plan.shared_up is not None:  # a dense MLP of shared_ffn on every token, and its gate's output
@@ -233,13 +233,32 @@ def _uniform_memory(cfg: ModelConfig, blk: BlockConfig, s: Job, memory_gib: floa
     for layer, term in ((plan.qkv, "qkv input"), (None if blk.moe else plan.up, "mlp input")):
         if layer is not None and (layer.input_gather == "none" or not s.keep_gathered_inputs):
             selective_drops += e * saved[term]
+    working = experts_forward = 0.0  # what a layer's backward (forward) holds beyond the saved tensors
+    if blk.moe:
+        # A rank's experts run as one (`parallel.tensor.experts`), so their gate/up projection holds its
+        # transients for all their rows at once, beside the experts' weight blocks stacked for the grouped
+        # GEMM (bf16; else one block at a time): in forward the GEMM's output and, reduce-scattered over
+        # features, its chunks (with gloo also those received) and this rank's part; in backward dY
+        # gathered over its in-dim and dX before its reduction, then the weight gradients.
+        in_dim, out_dim = LINEAR_KINDS[plan.up.kind]
+        size_in, size_out = s.layout.sizes[in_dim], s.layout.sizes[out_dim]
+        n_block, k_block = plan.up.out_features / size_out, plan.up.in_features / size_in
+        stacked = (blk.experts // ep if e == 2 else 1) * n_block * k_block
+        rows = routed_tokens(blk, T)
+        working += e * (rows * (n_block + k_block) + stacked)
+        scatter = plan.up.reduction == "scatter_features" and size_in > 1
+        copies = 2 + 1 / size_in + (1 if gloo else 0) if scatter else 1
+        # (at the last layer's gate/up GEMM, less that layer's tensors saved after it)
+        later = sum(saved[k] for k in ("gate/up output", "activation output", "down input", "expert outputs",
+                                       "weighted expert outputs"))
+        experts_forward = e * (rows * n_block * copies + stacked - later)
     if s.recompute == "full":
-        per_layer_kept, working = e * Ts * h / x, per_layer
+        per_layer_kept, working = e * Ts * h / x, per_layer + working
     elif s.recompute == "selective":
         per_layer_kept = per_layer - selective_drops
-        working = core
+        working += core
     else:
-        per_layer_kept, working = per_layer, 0.0
+        per_layer_kept = per_layer
     # the most layers' saved tensors a pipeline rank holds at once, micro-batches in flight counted
     activations = per_layer_kept * (held_layers(L, p, s.virtual, s.microbatches, s.schedule, s.stage_layers)
                                     if p > 1 else layers_here)
@@ -258,7 +277,7 @@ def _uniform_memory(cfg: ModelConfig, blk: BlockConfig, s: Job, memory_gib: floa
     scatter = e * T * v / y * (1 + 1 / x + (1 if gloo else 0)) if x > 1 else 0.0
     chunk = min(scored, loss_chunk_tokens(v // y)) * v / y * (4 + (4 if e < 4 else 0))
     logits = max(scatter, scored * v / y * e + chunk) + 2 * e * Ts * h / x
-    forward = activations + logits + gathered
+    forward = activations + max(logits, experts_forward) + gathered
     # Backward, the larger of: the head's (the logits, a chunk's fp32 gradient written over them, or
     # their gradient with its gather over x for the head's GEMMs; the gathered weight and the weight-gradient
     # block) and a recomputed layer. Ring attention runs the flash kernel per block: no [T x T] scores.
@@ -283,6 +302,7 @@ def _uniform_memory(cfg: ModelConfig, blk: BlockConfig, s: Job, memory_gib: floa
         # The peak of the step is the largest phase's: the terms below add up to it.
         "activations": activations,
         "logits": logits,
+        "experts_forward_extra": max(0.0, experts_forward - logits),  # a mixture's transients beyond the loss's
         "gathered_weights": gathered,
         "backward_extra": max(0.0, backward - forward),
         "optimizer_step_extra": max(0.0, optimizer_step - max(forward, backward)),

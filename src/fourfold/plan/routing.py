@@ -13,7 +13,7 @@ the rank holding its expert (an uneven all-to-all of rows of hidden/x features, 
 E routing counts), the experts run on every row the ep group sent them, and the outputs come back
 by the reverse exchange. At a balanced routing a rank's experts receive top_k * T rows in all, as
 many as it sends; a rank sends (ep - 1)/ep of its rows to the others. The runtime's fake-tensor
-path routes choice i to expert i % experts on every rank (`moe.balanced_choice`), which
+path routes choice i to expert i % experts on every rank (`moe.balanced_choices`), which
 `local_routing` and `exchanged_rows` reproduce row for row.
 """
 

@@ -293,14 +293,19 @@ class ParallelMLP(nn.Module):
         self.down = _linear(grid, plan.down, prefix, opts, seed=seed, std=out_std, overlap=overlap)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        u = self.up(h)
+        return self.run(h, self.up, self.down)
+
+    def run(self, h: torch.Tensor, up, down) -> torch.Tensor:
+        """down(activation(up(h))) with this MLP's activation and recompute (`up`, `down`: its linears,
+        or all of a rank's experts' at once, `tensor.experts`)."""
+        u = up(h)
         a = self._activation(u)
         if not self.rebuild_activation:
-            return self.down(a)
+            return down(a)
         # selective recompute: the down projection's input, [tokens, ffn/y], is not kept but rebuilt in
         # backward from u, which the activation keeps anyway (one elementwise op; no GEMM redone)
         with rebuilt_in_backward(a, lambda: self._activation(u)):
-            return self.down(a)
+            return down(a)
 
     def _activation(self, u: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "geglu_tanh":  # Gemma's

@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import is_fake
 from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor import init, regions
+from fourfold.parallel.tensor.experts import Routed, grouped_gemm_runs, run_experts
 from fourfold.parallel.tensor.params import ExpertShard, ParallelModule, ParamLayout, Piece, vector_piece
 from fourfold.spec.blockspec import BlockPlan
 
@@ -118,27 +119,13 @@ class RouterStats:
     tokens: int
 
 
-def balanced_choice(e: int, tokens: int, cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, slot) of the choices routed to expert `e` under a fixed balanced routing, for fake
-    tensors only (`fourfold.tools.measure` under FakeTensorMode): `torch.where` on the router's
-    choices has a data-dependent shape, which FakeTensorMode refuses. Choice i = token * top_k +
-    slot goes to expert i % experts, so each expert gets top_k * T / experts of them (give or take
-    one: `plan.routing.balanced_routing`, what the planner prices) and no token picks an expert
-    twice (top_k <= experts). Real tensors never take this path."""
-    choice = torch.arange(e, tokens * cfg.top_k, cfg.experts, device=device)
-    return choice // cfg.top_k, choice % cfg.top_k
-
-
-def _routes(chosen: torch.Tensor, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each expert's (tokens, slots) among the choices `chosen` [tokens, top_k] (expert `experts`:
-    a dropped one), tokens ascending as `torch.where(chosen == e)` gives them, from one stable sort
-    of the choices by expert and one host read of the counts, not a read per expert."""
-    flat = chosen.reshape(-1)  # choice i = token * top_k + slot
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts + 1)[:experts].tolist()  # (one host read)
-    order = order[: sum(counts)]
-    k = chosen.shape[1]
-    return list(zip((order // k).split(counts), (order % k).split(counts)))
+def balanced_choices(chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """The choices in place of `chosen` [tokens, top_k] under a fixed balanced routing, for fake
+    tensors only (`fourfold.tools.measure` under FakeTensorMode, which has no values to route by):
+    choice i = token * top_k + slot goes to expert i % experts, so each expert gets top_k * T /
+    experts of them (give or take one: `plan.routing.balanced_routing`, what the planner prices) and
+    no token picks an expert twice (top_k <= experts). Real tensors never take this path."""
+    return (torch.arange(chosen.numel(), device=chosen.device) % experts).view(chosen.shape)
 
 
 class ParallelMoE(nn.Module):
@@ -167,7 +154,12 @@ class ParallelMoE(nn.Module):
                 self.shared_gate = ReplicatedLinear(grid, cfg.hidden, 1, name=f"{prefix}.mlp.shared_gate", seed=seed,
                                                     std=std, dtype=dtype)
         self.stats: RouterStats | None = None  # the last forward's
-        self.routed: list[int] = []  # tokens each of this rank's experts got in the last forward (for the volumes)
+        self._routed: Routed | None = None  # the last forward's rows per expert (`routed`)
+        # this rank's experts as one grouped GEMM where the device and dtype allow (`tensor.experts`); off:
+        # their loop, the reference path
+        self.grouped_gemm = True
+        one = self.experts[0]  # the GEMMs' feature counts, which the grouped kernel needs 16-byte aligned
+        self._features = {n for layer in (one.up, one.down) for n in layer.matrix.block_shape}
         self.exchanged = (0, 0)  # with expert parallelism: rows sent to, and received from, the other ranks
         # the training forwards' routing since `take_load` (`_count`): on the device, read with the step's records
         self.load: torch.Tensor | None = None
@@ -189,23 +181,16 @@ class ParallelMoE(nn.Module):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         # d(weight) is a dot product over the hidden features, which x splits
         weights = regions.sum_gradients(weights.to(h.dtype), self.grid.group("x"))
-        fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choice)
+        fake = is_fake(flat)  # measured under FakeTensorMode: a static balanced routing (balanced_choices)
         if self.capacity_factor and not fake:  # (a balanced routing is within any capacity factor >= 1)
             kept = within_capacity(chosen, weights.detach(), self.cfg.experts, self.capacity_factor)
             chosen = torch.where(kept, chosen, self.cfg.experts)  # a dropped choice: no expert's
         if not fake and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self._count(chosen, probs)  # (a training forward: not evaluation, nor a recompute in backward)
-        if self.dispatch.size > 1:
-            out = self._exchanged(flat, chosen, weights)
-        else:
-            out = torch.zeros_like(flat)
-            routes = [balanced_choice(e, len(flat), self.cfg, flat.device) for e in range(self.cfg.experts)] \
-                if fake else _routes(chosen, self.cfg.experts)
-            self.routed = [len(token) for token, _ in routes]
-            # in expert order, as transformers adds them up; in place: no copy of [tokens, hidden] an expert
-            # (a token chooses an expert once, so no index repeats within a call)
-            for expert, (token, slot) in zip(self.experts, routes):
-                out.index_add_(0, token, expert(flat[token][None])[0] * weights[token, slot, None])
+        if fake:
+            chosen = balanced_choices(chosen, self.cfg.experts)
+        order, scaled = (self._exchanged if self.dispatch.size > 1 else self._local)(flat, chosen, weights)
+        out = self._combined(scaled, order, chosen)
         if self.shared_gate is not None:
             gate = regions.sum_gradients(torch.sigmoid(self.shared_gate(flat)), self.grid.group("x"))
             out = out + gate * self.shared(flat[None])[0]
@@ -232,22 +217,42 @@ class ParallelMoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scale, chosen, scores.detach() / scores.detach().sum(-1, keepdim=True)
 
-    def _exchanged(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The experts' weighted outputs under expert parallelism: each choice's token sent to the rank
-        of the expert group holding its expert (counts exchanged first: the splits are uneven), run
-        there beside the other ranks' tokens for that expert, and sent back. The x and y ranks of a
-        (x, y) group route the same tokens the same way, so each receives the same rows as its peers.
-        Contributions are added in expert order, as transformers adds them."""
+    def _local(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
+        """Without expert parallelism: (the choices sorted by expert, their rows' weighted outputs). The
+        experts' rows are counted on the device: the grouped GEMM needs no host read (dropless)."""
+        experts, k = self.cfg.experts, self.cfg.top_k
+        choice_expert = chosen.reshape(-1)  # choice i = token * top_k + slot
+        order = torch.argsort(choice_expert, stable=True)  # tokens ascending within each expert
+        grouped = self.grouped_gemm and grouped_gemm_runs(flat, *self._features)
+        if is_fake(flat):
+            counts = [len(range(e, len(choice_expert), experts)) for e in range(experts)]
+        else:  # (an index_add: CUDA's bincount reads the largest index on the host; expert `experts`: dropped)
+            counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+            counts = counts.index_add_(0, choice_expert, torch.ones_like(choice_expert))[:experts]
+            if self.capacity_factor or not grouped:  # the kept rows, or the loop's split: one host read
+                counts = counts.tolist()
+        routed = Routed.from_counts(counts, flat.device, grouped)
+        if isinstance(counts, list):
+            order = order[: sum(counts)]
+        self._routed = routed
+        out = run_experts(self.experts, flat[order // k], routed)
+        return order, out * weights.reshape(-1)[order, None]
+
+    def _exchanged(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
+        """With expert parallelism: (the choices sorted by expert, their rows' weighted outputs); each
+        choice's token sent to the rank of the expert group holding its expert (counts exchanged first:
+        the splits are uneven), run there beside the other ranks' tokens for that expert, and sent
+        back. The x and y ranks of a (x, y) group route the same tokens the same way, so each receives
+        the same rows as its peers."""
         group, k, experts = self.dispatch, self.cfg.top_k, self.cfg.experts
         local = len(self.experts)
         choice_expert = chosen.reshape(-1)  # choice i = token * top_k + slot
-        if is_fake(flat):  # a static balanced routing (balanced_choice): choice i to expert i % experts
+        if is_fake(flat):  # the static balanced routing: every rank routes alike
             n = len(choice_expert)
             per = [len(range(e, n, experts)) for e in range(experts)]
             comm.all_to_all(torch.tensor(per, device=flat.device), group)  # counted as a real one is
-            choice_expert = torch.arange(n, device=flat.device) % experts
             send = [sum(per[s * local : (s + 1) * local]) for s in range(group.size)]
-            received = [per[self.first : self.first + local]] * group.size  # every rank routes alike
+            received = [per[self.first : self.first + local]] * group.size
         else:  # (a choice dropped over capacity names expert `experts`: counted apart, sorted last, not sent)
             counts = torch.bincount(choice_expert, minlength=experts + 1)[:experts]
             arriving = comm.all_to_all(counts, group).view(group.size, local)  # [source][my expert]
@@ -258,25 +263,32 @@ class ParallelMoE(nn.Module):
         here = [sum(r) for r in received]  # rows from each rank of the group
         self.exchanged = (sum(send) - send[group.rank], sum(here) - here[group.rank])
         rows = regions.all_to_all_rows(flat[order // k], group, send, here)
-        pieces = rows.split([n for r in received for n in r])  # (source, expert) order
-        self.routed = [sum(r[j] for r in received) for j in range(local)]
-        outputs = [None] * len(pieces)
-        for j, expert in enumerate(self.experts):
-            mine = [pieces[s * local + j] for s in range(group.size)]
-            for s, part in enumerate(expert(torch.cat(mine)[None])[0].split([len(m) for m in mine])):
-                outputs[s * local + j] = part
-        back = regions.all_to_all_rows(torch.cat(outputs), group, here, send)
-        scaled = back * weights.reshape(-1)[order, None]
-        # Each token's top_k rows back in choice order (a dropped choice's: zero), then added in expert
-        # order, one slot at a time: no index is written twice, so the sum is the same on every run
-        # (an index_add over repeated indices adds in any order on CUDA).
-        slots = flat.new_zeros(len(choice_expert), flat.shape[-1]).index_copy(0, order, scaled).view(len(flat), k, -1)
-        by_expert = torch.argsort(chosen, dim=-1, stable=True)[..., None].expand(-1, -1, flat.shape[-1])
-        slots = slots.gather(1, by_expert)
-        out = slots[:, 0]
-        for j in range(1, k):
-            out = out + slots[:, j]
-        return out
+        # from (source, expert) order to expert order for the experts, and back
+        pieces = rows.split([n for r in received for n in r])
+        by_expert = [pieces[s * local + j] for j in range(local) for s in range(group.size)]
+        counts = [sum(r[j] for r in received) for j in range(local)]
+        routed = Routed.from_counts(counts, flat.device, self.grouped_gemm and grouped_gemm_runs(flat, *self._features))
+        self._routed = routed
+        outputs = run_experts(self.experts, torch.cat(by_expert), routed).split([len(p) for p in by_expert])
+        back = regions.all_to_all_rows(torch.cat([outputs[j * group.size + s] for s in range(group.size)
+                                                  for j in range(local)]), group, here, send)
+        return order, back * weights.reshape(-1)[order, None]
+
+    def _combined(self, scaled: torch.Tensor, order: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each token's sum of its choices' rows (`scaled`, in `order`), in expert order as transformers
+        adds them: each row is put in its token's slot of that order (a dropped choice's slot, last,
+        stays zero), so no index is written twice and the sum is the same on every run (an index_add
+        over repeated indices adds in any order on CUDA)."""
+        tokens, k = chosen.shape
+        place = torch.argsort(torch.argsort(chosen, dim=-1, stable=True), dim=-1)  # a choice's place by expert
+        place = (torch.arange(tokens, device=chosen.device)[:, None] * k + place).reshape(-1)
+        slots = scaled.new_zeros(tokens * k, scaled.shape[-1]).index_copy(0, place[order], scaled)
+        return slots.view(tokens, k, -1).sum(dim=1)  # (its backward a view of the gradient: no [tokens, k, h] per slot)
+
+    @property
+    def routed(self) -> list[int]:
+        """Tokens each of this rank's experts got in the last forward (for the volumes; a host read)."""
+        return [] if self._routed is None else self._routed.counts
 
     def _count(self, chosen: torch.Tensor, probs: torch.Tensor) -> None:
         """Add a forward's routing to `load`, [experts + 2] float64 (exact counts): the choices each
@@ -319,7 +331,7 @@ class ParallelMoE(nn.Module):
         wide = comm.at_least_fp32(logits.dtype)
         probs = F.softmax(logits, dim=-1)
         chosen = torch.topk(probs, self.cfg.top_k, dim=-1).indices
-        if is_fake(logits):  # bincount's length depends on the data (see balanced_choice); no values to count
+        if is_fake(logits):  # bincount's length depends on the data (see balanced_choices); no values to count
             counts = torch.zeros(self.cfg.experts, dtype=wide, device=logits.device)
         else:
             counts = torch.bincount(chosen.reshape(-1), minlength=self.cfg.experts).to(wide)
