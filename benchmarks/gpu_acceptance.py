@@ -35,8 +35,10 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
   param_gather    ZeRO-1's parameter all-gather left in flight (optimizer.overlap_param_gather true) against
                   waited (false): step time of a dp-only 8-GPU job with bf16 parameters, and whether the
                   first layers' forward runs while the gathers are in flight (an nsys timeline)
-  moe_index_add   a Mixtral layer's forward without expert parallelism: the HBM bytes the in-place index_add_
-                  saves (no [tokens, hidden] copy per expert)
+  grouped_experts a Mixtral layer (bf16, no ep, then ep8) with its experts as one torch._grouped_mm against
+                  their loop (`ParallelMoE.grouped_gemm` false): step time, the grouped kernel taken (an
+                  nsys trace), no host sync in the dropless step (set_sync_debug_mode), and CUDA peak against
+                  the estimator's stacked-weight and all-rows terms
 
 Owed by issue #40's families (not sections yet: each wants the family's kernel choice settled first):
   windows         a Gemma 3 / GPT-OSS layer's sliding-window attention: fourfold runs it as banded SDPA with

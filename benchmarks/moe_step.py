@@ -3,6 +3,9 @@ active parameters, on the same ranks: a Mixtral-style model of 8 experts, top-2,
 MLP half the dense one's, so a token runs as many MLP weights in both. Each rank runs every
 expert (ep=1) or experts/ep of them with tokens exchanged by all-to-all (expert parallelism).
 
+Each mixture runs its experts both ways (`parallel.tensor.experts`): as one grouped GEMM
+(torch._grouped_mm, float32 on CPU; bf16 on GPUs) and as their loop (the float64 reference path).
+
 Besides the time, the all-to-all bytes each rank sent (the ledger's, at the routing the model
 took) against what the volume functions predict at a balanced routing, which the planner prices.
 
@@ -32,9 +35,12 @@ DENSE = ModelConfig("llama", hidden=256, layers=4, heads=8, kv_heads=4, ffn=704,
 MOE = dataclasses.replace(DENSE, family="mixtral", ffn=352, experts=8, top_k=2, norm_topk=True)
 
 
-def step_of(cfg: ModelConfig, layout: Layout, ids: torch.Tensor):
+def step_of(cfg: ModelConfig, layout: Layout, ids: torch.Tensor, grouped: bool = True):
     grid = Grid(layout)
     model = Transformer(grid, cfg, TensorOptions(), seed=0)
+    for layer in model.layers.values():
+        if cfg.experts:
+            layer.mlp.grouped_gemm = grouped
     opt = AdamW(GradientSync(model, grid), lr=1e-3)
     c = grid.coords
     local = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
@@ -82,12 +88,13 @@ def main() -> None:
     ]:
         step, grid, model, local = step_of(cfg, layout, ids)
         seconds = best_time(step, args.repeat)
+        loop = best_time(step_of(cfg, layout, ids, grouped=False)[0], args.repeat) if cfg.experts else seconds
         grid.ledger.reset()
         step()
         sent = grid.ledger.bytes().get(("ep", "all_to_all_v"), 0)
         measured = torch.tensor([float(sent), balanced_exchange(cfg, layout, local)], dtype=torch.float64)
         dist.all_reduce(measured)  # the mean over ranks
-        rows.append((label, seconds, float(grid.ledger.total()) / 2**20, *(measured / world / 2**20).tolist()))
+        rows.append((label, seconds, loop, float(grid.ledger.total()) / 2**20, *(measured / world / 2**20).tolist()))
     if dist.get_rank() == 0:
         params = MOE.parameter_count() / 1e6
         print(f"hidden={DENSE.hidden} layers={DENSE.layers} vocab={DENSE.vocab}: dense ffn {DENSE.ffn} "
@@ -96,11 +103,11 @@ def main() -> None:
               f"{args.batch}x{args.seq}, float32, {world} ranks, best of {args.repeat}")
         base = rows[0][1]
         width = max(len(r[0]) for r in rows) + 2
-        print(f"{'variant':<{width}} {'step ms':>8} {'vs dense':>9} {'MiB sent/rank':>14} "
-              f"{'a2a MiB/rank':>13} {'balanced':>9}")
-        for label, seconds, mib, a2a, balanced in rows:
-            print(f"{label:<{width}} {seconds * 1e3:8.1f} {seconds / base:9.2f} {mib:14.2f} {a2a:13.3f} "
-                  f"{balanced:9.3f}")
+        print(f"{'variant':<{width}} {'step ms':>8} {'vs dense':>9} {'loop ms':>8} {'grouped/loop':>13} "
+              f"{'MiB sent/rank':>14} {'a2a MiB/rank':>13} {'balanced':>9}")
+        for label, seconds, loop, mib, a2a, balanced in rows:
+            print(f"{label:<{width}} {seconds * 1e3:8.1f} {seconds / base:9.2f} {loop * 1e3:8.1f} "
+                  f"{seconds / loop:13.2f} {mib:14.2f} {a2a:13.3f} {balanced:9.3f}")
     dist.destroy_process_group()
 
 
