@@ -465,7 +465,9 @@ def test_ctrl_c_while_tokenizing_stops_in_one_line_and_leaves_no_cache(tokenizer
     proc = subprocess.Popen([sys.executable, "-m", "fourfold.cli", "prepare", "--data.files", str(big),
                              "--data.tokenizer", str(tokenizer), "--data.workers", "2", "--data.cache_dir", str(cache),
                              "--log.progress", "false"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            # (a suite started in the background inherits SIGINT ignored, which Python keeps)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not list(cache.glob("**/*.npy.tmp*")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

@@ -122,16 +122,16 @@ def test_steps_equal_serial(ranks, serial, sizes, shard):
         _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
 
 
-def _assert_equal(cfg, got, expected):
+def _assert_equal(cfg, got, expected, tolerance=1e-10):
     (weights, norms), (ref_weights, ref_norms) = got, expected
-    assert norms == pytest.approx(ref_norms, rel=1e-10)
+    assert norms == pytest.approx(ref_norms, rel=tolerance)
     for name, ref in ref_weights.items():
         if cfg.family == "gpt2" and name.endswith("attn.k.bias"):
             # Its gradient is zero in exact arithmetic (softmax ignores a constant added to every
             # score, and GPT-2 has no RoPE): Adam turns the rounding noise into full-size steps.
             continue
         err = ((weights[name] - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-10, (cfg.family, name, err)
+        assert err < tolerance, (cfg.family, name, err)
 
 
 # every overlap off, then on: the two a user can set (train.overlap); a switch that changed a value or
@@ -153,13 +153,27 @@ def test_every_overlap_switch_changes_nothing(ranks, serial, recompute):
     assert all(s == sent[0] for s in sent[1:])
 
 
-def test_compiled_norms_rope_and_activations_change_nothing(ranks, serial):
-    """TensorOptions.compile (train.compile): the steps still equal the serial run's, with the norm's
-    collectives over x between its compiled parts; LayerNorm and GELU (GPT-2), RMSNorm, RoPE and SwiGLU."""
-    for cfg, clip in [(CFG, 0.5), (GPT, None)]:
-        weights, norms, _ = ranks.run(_train, 2, cfg, dict(x=2), True, clip, True, 25.0, OverlapOptions(), "none",
-                                      True)[0]
-        _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
+def _compiled_train(*args):
+    """`_train`'s result with the graph breaks torch._dynamo counted in this rank's process."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    return *_train(*args), sum(counters["graph_break"].values())
+
+
+def test_compiled_training_changes_nothing(ranks, serial):
+    """TensorOptions.compile (train.compile), inductor: the steps still equal the serial run's. On dp2
+    each block is one graph (`ParallelBlock.compile_whole`) with no graph break, ZeRO-1's parameter
+    gathers in flight until each block's pre-hook waits, outside its graph; on x2 the norm's
+    collectives run between its compiled parts. LayerNorm and GELU (GPT-2), RMSNorm, RoPE and SwiGLU.
+    A whole block computes RoPE's float32 tables (transformers' precision) with inductor's cos and
+    sin, which round otherwise than eager's: equal within float32 rounding (measured: 6e-8)."""
+    for cfg, clip, sizes, tolerance in [(CFG, 0.5, dict(dp=2), 1e-6), (GPT, None, dict(x=2), 1e-10)]:
+        weights, norms, _, breaks = ranks.run(_compiled_train, 2, cfg, sizes, True, clip, True, 25.0,
+                                              OverlapOptions(), "none", True, False, True)[0]
+        _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)], tolerance)
+        if "dp" in sizes:
+            assert breaks == 0
 
 
 def test_weight_decay_on_norms_and_biases_when_asked(ranks, serial):

@@ -93,9 +93,13 @@ class GradientSync:
                 layer.overlap.on_grad_landed = self._on_grad
                 if shard:
                     layer.overlap.before_read = self.wait_for
-        # with ZeRO-1 a forward waits for its own parameters' gathers (`set_params`); replicated, none is gathered
+        # With ZeRO-1 a forward waits for its own parameters' gathers (`set_params`); replicated, none is
+        # gathered. A block compiled whole waits for all of its own before its graph runs (a wait inside
+        # would break it), and its modules not again.
+        compiled = {id(m) for block in model.modules() if getattr(block, "compiled_whole", False)
+                    for m in block.modules() if m is not block}
         for module in model.modules() if shard else ():
-            if next(module.parameters(recurse=False), None) is not None:
+            if id(module) not in compiled and next(self._own(module), None) is not None:
                 module.register_forward_pre_hook(self._before_forward)
         self._gathering: dict[int, Bucket] = {}  # parameter id -> its bucket, while its gather is in flight
         # Groups are created collectively by every rank; pipeline stages hold different
@@ -230,7 +234,12 @@ class GradientSync:
 
     def _before_forward(self, module: nn.Module, args) -> None:
         if self._gathering:
-            self.wait_for(module.parameters(recurse=False))
+            self.wait_for(self._own(module))
+
+    @staticmethod
+    def _own(module: nn.Module):
+        """The parameters a module's forward pre-hook waits for: its own, or a compiled block's all."""
+        return module.parameters(recurse=getattr(module, "compiled_whole", False))
 
     @staticmethod
     def release(bucket: Bucket) -> None:

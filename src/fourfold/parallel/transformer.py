@@ -11,7 +11,7 @@ from fourfold.parallel import comm, context
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import Overlapper
 from fourfold.parallel.tensor import init, moe
-from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions
+from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions, traces_whole
 from fourfold.parallel.tensor.norm import ParallelNorm
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
 from fourfold.parallel.tensor.vocab import LMHead, ParallelEmbedding, vocab_parallel_cross_entropy
@@ -94,6 +94,9 @@ class Transformer(nn.Module):
                                   selective_recompute=recompute == "selective", overlap=self.overlap)
             for i in range(cfg.layers)
         })
+        for i, layer in self.layers.items() if opts.compile else ():
+            if traces_whole(grid, cfg.layer_block(int(i))):
+                layer.compile_whole()
         self.norm = ParallelNorm(grid, cfg.hidden, block.norm, block.eps, seq_parallel=opts.seq_parallel,
                                  dtype=opts.dtype, name="norm")
         self.lm_head = LMHead(grid, cfg.hidden, cfg.vocab, seed=seed, std=std,

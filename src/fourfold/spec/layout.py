@@ -97,10 +97,10 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.sizes.values())
+        return math.prod(list(self.sizes.values()))
 
     def size(self, dims: str | Iterable[str]) -> int:
-        return math.prod(getattr(self, d) for d in _as_dims(dims))
+        return math.prod([getattr(self, d) for d in _as_dims(dims)])  # (a list: torch.compile traces it)
 
     @property
     def mesh_order(self) -> tuple[str, ...]:
@@ -110,7 +110,7 @@ class Layout:
     def stride(self, dim: str) -> int:
         """Distance in global rank between neighbours along `dim`."""
         inner = self.order[: self.order.index(dim)]
-        return math.prod(getattr(self, d) for d in inner)
+        return math.prod([getattr(self, d) for d in inner])
 
     # ----- ranks and coordinates ------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:

@@ -41,7 +41,9 @@ class TensorOptions:
     non_redundant: bool = True  # False: the published all-reduce path, attention/MLP replicated over x
     overlap: OverlapOptions = OverlapOptions()
     dtype: torch.dtype = torch.float32
-    compile: bool = False  # norms, RoPE and activations under torch.compile (train.compile)
+    # train.compile: each block one torch.compile graph where it traces whole (`traces_whole`), else its
+    # norms, RoPE and activations compiled between its collectives
+    compile: bool = False
     capacity_factor: float = 0.0  # a mixture's expert capacity (`moe.within_capacity`); 0: dropless
 
 
@@ -320,6 +322,15 @@ class ParallelMLP(nn.Module):
         return self.gelu(u, "tanh" if self.cfg.activation == "gelu_tanh" else "none")
 
 
+def traces_whole(grid: Grid, cfg: BlockConfig) -> bool:
+    """Whether a block compiles as one graph: without collectives in it (x, y, z and cp of one rank:
+    `comm`'s ledger and process-group calls break a graph), without a mixture (its routing reads
+    counts on the host and counts its load outside the graph) and without a sliding window (its bands
+    are planned on the host, `spec.ring`). Other blocks keep train.compile's pieces (norms, RoPE,
+    activations), compiled between their collectives."""
+    return grid.size(("x", "y", "z", "cp")) == 1 and not cfg.moe and not cfg.window
+
+
 class rebuilt_in_backward(torch.autograd.graph.saved_tensors_hooks):
     """Within it, what autograd saves is kept as usual, except the tensor `dropped`: backward gets
     `rebuild()` in its place, computed then (the same operations on the same inputs: the same values)."""
@@ -351,6 +362,7 @@ class ParallelBlock(nn.Module):
                  out_std: float | None = None, prefix: str = "block", selective_recompute: bool = False,
                  overlap: Overlapper | None = None):
         super().__init__()
+        self.compiled_whole = False  # (`compile_whole`)
         out_std = std if out_std is None else out_std
         overlap = overlap or Overlapper(opts.overlap, grid.group("z"))
         plan = block_plan(cfg, grid.size("x"), grid.size("y"), seq_parallel=opts.seq_parallel,
@@ -380,6 +392,14 @@ class ParallelBlock(nn.Module):
         self.mlp = (ParallelMoE(grid, plan, mlp, seed=seed, std=std, prefix=prefix, dtype=opts.dtype,
                                 seq_parallel=opts.seq_parallel, capacity_factor=opts.capacity_factor)
                     if cfg.moe else mlp(plan))
+
+    def compile_whole(self, backend: str = "inductor") -> None:
+        """Run this block's forward (and so its backward) as one torch.compile graph (train.compile, per
+        block as torchtitan compiles): where `traces_whole`, with no graph break
+        (tests/parallel/test_compiled_block.py). The block's own forward pre-hooks stay outside the
+        graph (ZeRO-1's wait for the block's parameter gathers: `data.GradientSync`)."""
+        self.forward = torch.compile(self.forward, backend=backend, dynamic=False)
+        self.compiled_whole = True
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         a = self._normed(self.attn_norm, h, lambda n: self.attn(n, positions, documents))

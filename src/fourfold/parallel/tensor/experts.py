@@ -28,7 +28,9 @@ def grouped_gemm_runs(x: torch.Tensor, *features: int) -> bool:
     """Whether `torch._grouped_mm` takes `x`'s dtype on its device, with rows of `features` 16-byte aligned."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    takes = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu" and not is_fake(x))
+    # (float32 only eagerly on CPU: the kernel's fake-tensor rule, which tracing uses, takes bf16 alone)
+    cpu_float32 = x.dtype == torch.float32 and x.device.type == "cpu"
+    takes = x.dtype == torch.bfloat16 or (cpu_float32 and not is_fake(x) and not torch.compiler.is_compiling())
     return takes and all(f * x.element_size() % 16 == 0 for f in features)
 
 
