@@ -92,8 +92,9 @@ class TrainSection:
     max_bad_steps: int = 3  # non-finite losses in a row before the run stops
     eval_every: int = 0  # score the held-out tail every N steps (0: never)
     eval_tokens: int = 1 << 20  # tokens of the held-out tail each evaluation scores (0: all of it)
-    # norms, RoPE and activations under torch.compile (needs a C++ compiler on CPU, Triton on GPUs);
-    # off until a GPU run confirms it pays (docs/benchmarks.md)
+    # torch.compile: each block whole where it traces as one graph (no tensor or context parallelism,
+    # no mixture or window), else its norms, RoPE and activations (needs a C++ compiler on CPU, Triton
+    # on GPUs); off until a GPU run confirms it pays (docs/benchmarks.md)
     compile: bool = False
 
 
