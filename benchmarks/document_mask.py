@@ -5,8 +5,11 @@ Two ranks, one thread each. First each rank times the whole sequence on its own 
 SDPA with is_causal, against `block.masked_attention`, SDPA with a materialised block-diagonal
 mask); then the two time cp2 ring attention on their halves, without and with document ids (each
 block cut to the rows and keys that can share a document, masked by an additive bias on the CPU
-flash kernel). Windows hold 1, 4 or 16 documents, cut at seeded random places. Run from the repository
-root:
+flash kernel). Windows hold 1, 4 or 16 documents, cut at seeded random places. Last, what each
+1-rank path keeps for backward (autograd's saved tensors, 4 documents): the banded path as on CPU
+(GQA in the flash kernel), as on CUDA (K/V repeated to the query heads, so the memory-efficient
+kernel takes the mask), and one [s, s] mask on the math kernel (what SDPA does on CUDA given a mask
+with GQA). Run from the repository root:
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/document_mask.py
 """
@@ -14,6 +17,7 @@ root:
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,20 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import masked_attention
 from fourfold.spec.layout import Layout
 from timing import best_time  # benchmarks/timing.py, beside this file
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of `fn()`'s graph."""
+    storages = {}
+
+    def pack(t: torch.Tensor):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(storages.values())
 
 
 def documents(n: int, seq: int, batch: int, g: torch.Generator) -> torch.Tensor:
@@ -80,6 +98,17 @@ def main() -> None:
     attended = torch.tensor(attended, dtype=torch.float64) / (s // cp.size * s // (2 * cp.size))  # (s/cp x s/(2cp))
     dist.all_reduce(attended)
     attended /= cp.size * (cp.size - 1)
+    kept = {}
+    for label, fn, kernel in [
+        ("banded, GQA in the kernel (CPU)", lambda: masked_attention(q, k, v, docs[4], enable_gqa=True), None),
+        ("banded, heads repeated (CUDA)",
+         lambda: masked_attention(q, k, v, docs[4], enable_gqa=True, expand_heads=True), None),
+        ("one [s, s] mask, math kernel", lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=(docs[4][:, :, None] == docs[4][:, None, :]).tril()[:, None], enable_gqa=True),
+         torch.nn.attention.SDPBackend.MATH),
+    ]:
+        with torch.nn.attention.sdpa_kernel(kernel) if kernel else nullcontext():
+            kept[label] = saved_bytes(fn)
     if grid.rank == 0:
         print(f"attention forward + backward, batch {b}, seq {s}, {args.heads} heads ({args.kv_heads} kv), head dim "
               f"{d}, float32, 1 thread per rank, best of {args.repeat}")
@@ -89,6 +118,10 @@ def main() -> None:
                   f"{ring / rows[0][2]:10.2f}")
         print("off the own block, the ring attends to this share of the causal ring's rows x keys, for 1, 4, 16 "
               "documents: " + ", ".join(f"{a:.3f}" for a in attended.tolist()))
+        inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
+        print(f"kept for backward, 1 rank, 4 documents (q, k, v themselves: {inputs / 2**20:.1f} MiB):")
+        for label, n in kept.items():
+            print(f"  {label:<34} {n / 2**20:8.1f} MiB")
     dist.destroy_process_group()
 
 

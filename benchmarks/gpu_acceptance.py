@@ -39,6 +39,12 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
                   their loop (`ParallelMoE.grouped_gemm` false): step time, the grouped kernel taken (an
                   nsys trace), no host sync in the dropless step (set_sync_debug_mode), and CUDA peak against
                   the estimator's stacked-weight and all-rows terms
+  masked          document-masked attention (GQA) on one rank: the band's SDPA takes the memory-efficient
+                  kernel with K/V repeated (`masked_attention(expand_heads)`; sdpa_kernel(EFFICIENT_ATTENTION)
+                  must not raise), its time and peak against the math kernel's; the cp ring's masked blocks
+                  (fp32 scores today) against the efficient kernel's forward and backward with out and lse
+  compile_whole   a dp-only Llama step with train.compile (each block one graph): tokens/s against eager,
+                  zero graph breaks (torch._dynamo counters) with ZeRO-1's gathers in flight
 
 Owed by issue #40's families (not sections yet: each wants the family's kernel choice settled first):
   windows         a Gemma 3 / GPT-OSS layer's sliding-window attention: fourfold runs it as banded SDPA with

@@ -292,3 +292,22 @@ def test_eval_command_finds_the_end_of_document(tmp_path):
     with pytest.raises(ConfigError, match="no tokenizer.json: put the model's tokenizer.json there, or give "
                                           "--attention causal"):
         _end_of_document(args(hf=str(tmp_path), attention="document"))
+
+
+def test_masked_attention_with_heads_expanded_equals_gqa():
+    """CUDA's path (`expand_heads`: K/V repeated to the query heads, so its memory-efficient kernel
+    takes the mask; with GQA and a mask SDPA falls to math) against CPU's, with documents and a
+    window, forward and backward, float64."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 8, 24, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 21])
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    results = []
+    for expand in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = masked_attention(*leaves, ids, 5, enable_gqa=True, expand_heads=expand)
+        out.backward(dout)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for a, b in zip(*results):
+        assert (a - b).abs().max() < 1e-13

@@ -133,16 +133,25 @@ def document_ids(ids: torch.Tensor, end_of_document: int) -> torch.Tensor:
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | Documents | None,
-                     window: int = 0, *, enable_gqa: bool, scale: float | None = None) -> torch.Tensor:
+                     window: int = 0, *, enable_gqa: bool, scale: float | None = None,
+                     expand_heads: bool | None = None) -> torch.Tensor:
     """Causal attention within each document (`documents`: [b, s] ids, or None: one a sequence) and
     within a sliding `window` (0: none): the rows in bands (`context.Documents.whole`), each band's
     SDPA over only the keys its documents and window reach, with the mask of that part materialised
     ([b, 1, band, keys]). A correct path on any device, and on CPU with the mask nearer plain causal
     attention's cost than one [s, s] mask (on CUDA a varlen or windowed flash kernel would avoid the
     mask, not done yet). Ids must not decrease (checked). The bands are made once per `Documents`
-    (at most one host read a forward, not a layer)."""
+    (at most one host read a forward, not a layer).
+
+    `expand_heads` (default: on CUDA): GQA's K/V repeated to the query heads for each band. CUDA's
+    memory-efficient kernel takes a mask but not GQA, so SDPA given both takes the math path (its
+    scores kept for backward); repeated, the band runs on the efficient kernel. CPU's flash kernel
+    takes both."""
     documents = context.as_documents(documents)
     plan = documents.whole(q.shape[2], window, q.device)
+    if enable_gqa and (q.is_cuda if expand_heads is None else expand_heads):
+        group = q.shape[1] // k.shape[1]
+        k, v, enable_gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
     out = [F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys],
                                           attn_mask=plan.mask(rows, keys)[:, None], enable_gqa=enable_gqa,
                                           scale=scale)
