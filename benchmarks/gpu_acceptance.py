@@ -45,6 +45,9 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
                   (fp32 scores today) against the efficient kernel's forward and backward with out and lse
   compile_whole   a dp-only Llama step with train.compile (each block one graph): tokens/s against eager,
                   zero graph breaks (torch._dynamo counters) with ZeRO-1's gathers in flight
+  fp8             an 8B-class step with train.fp8 tensorwise and rowwise against bf16: tokens/s (torchtitan:
+                  about 1.28x for tensorwise on H100), the loss gap over 100 steps, _scaled_mm taken (an
+                  nsys trace), and the planner's fp8_speedup against the measured ratio
 
 Owed by issue #40's families (not sections yet: each wants the family's kernel choice settled first):
   windows         a Gemma 3 / GPT-OSS layer's sliding-window attention: fourfold runs it as banded SDPA with

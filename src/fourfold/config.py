@@ -96,6 +96,9 @@ class TrainSection:
     # no mixture or window), else its norms, RoPE and activations (needs a C++ compiler on CPU, Triton
     # on GPUs); off until a GPU run confirms it pays (docs/benchmarks.md)
     compile: bool = False
+    # the blocks' linears' GEMMs in FP8 with torchao's recipe "tensorwise" or "rowwise" (GPUs with FP8:
+    # H100, H200, L40S, B200; emulated on CPU, for checks only); "": off. Needs the fp8 extra (torchao)
+    fp8: str = ""
 
 
 @dataclass
@@ -205,7 +208,7 @@ class TrainConfig:
         return Job(self.layout(), global_batch=b.global_batch, micro_batch=b.micro_batch, seq=b.seq,
                    recompute=t.recompute, seq_parallel=t.seq_parallel, schedule=p.schedule, virtual=p.virtual,
                    stage_layers=tuple(p.stage_layers), precision=t.precision,
-                   keep_gathered_inputs=t.keep_gathered_inputs)
+                   keep_gathered_inputs=t.keep_gathered_inputs, fp8=t.fp8)
 
     def cluster(self) -> Cluster:
         """The machine of [hardware], as the planner's --cluster, --gpu and --gpus-per-node make it."""
@@ -447,6 +450,12 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
     if cfg.train.compile and not gpu and not shutil.which(os.environ.get("CXX", "g++")):  # inductor's compiler
         found.append(f"train.compile on CPU needs a C++ compiler, and {os.environ.get('CXX', 'g++')} is not on PATH: "
                      f"install g++ (or name one in CXX), or use --train.compile false")
+    if cfg.train.fp8 and not extras.installed("torchao"):
+        found.append(f"train.fp8 needs torchao, which is not installed: pip install {extras.TORCHAO} "
+                     f"(the fp8 extra), or use --train.fp8 ''")
+    if cfg.train.fp8 and gpu and not _gpus_take_fp8():
+        found.append("train.fp8: this GPU has no FP8 tensor cores (compute capability below 8.9; H100, H200, L40S and "
+                     "B200 have them): use --train.fp8 '' (bf16)")
     if cfg.fault.signal not in ("SIGINT", "SIGTERM"):
         found.append(f"fault.signal {cfg.fault.signal!r} is not a stop signal; use SIGINT or SIGTERM")
     for name, value in (("train.steps", cfg.train.steps), ("log.every", cfg.log.every)):
@@ -467,6 +476,13 @@ def validate(cfg: TrainConfig, world: int, gpu: bool = False) -> None:
                      f"{cfg.log.straggler_margin}")
     if found:
         raise ConfigError(describe(found, "this run cannot start:"))
+
+
+def _gpus_take_fp8() -> bool:
+    """Whether every GPU here has FP8 tensor cores (compute capability 8.9 or later)."""
+    import torch  # (a GPU run has it; this module is otherwise torch-free)
+
+    return all(torch.cuda.get_device_capability(i) >= (8, 9) for i in range(torch.cuda.device_count()))
 
 
 def validate_data(cfg: TrainConfig) -> None:
@@ -531,6 +547,8 @@ def job_settings(job: Job) -> dict[str, object]:
                 "train.recompute": job.recompute, "train.seq_parallel": job.seq_parallel,
                 "train.keep_gathered_inputs": job.keep_gathered_inputs, "pipeline.schedule": job.schedule,
                 "pipeline.virtual": job.virtual, "pipeline.stage_layers": list(job.stage_layers)})
+    if job.fp8:  # (left out when off: an empty value is the default)
+        out["train.fp8"] = job.fp8
     return out
 
 

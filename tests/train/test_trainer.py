@@ -17,7 +17,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fourfold import checkpoint
+from fourfold import checkpoint, config, extras
 from fourfold.config import ConfigError, load_train_config, validate
 from fourfold.data import corpus
 from fourfold.train.slurm import sbatch_script
@@ -400,6 +400,7 @@ def test_config_errors_name_the_fix(tmp_path, monkeypatch):
         (["--optimizer.beta1", "1.5", "--optimizer.warmup", "-2"], 1,
          "(?s)warmup=-2 must be >= 0.*beta1=1.5 must be in"),
         (["--optimizer.weight_decay", "-0.1"], 1, "optimizer.weight_decay=-0.1 must be >= 0"),
+        (["--train.fp8", "e4m3"], 1, "fp8 'e4m3' is not a recipe; use tensorwise or rowwise"),
     ]
     hf = tmp_path / "hf"  # a Hugging Face directory without its tokenizer.json
     hf.mkdir()
@@ -413,6 +414,15 @@ def test_config_errors_name_the_fix(tmp_path, monkeypatch):
     for overrides, world, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(load_train_config(None, overrides), world)
+    fp8 = load_train_config(None, ["--train.fp8", "rowwise"])
+    validate(fp8, 1)  # (emulated on CPU)
+    monkeypatch.setattr(extras, "installed", lambda package: package != "torchao")
+    with pytest.raises(ConfigError, match="train.fp8 needs torchao, which is not installed: pip install torchao=="):
+        validate(fp8, 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(config, "_gpus_take_fp8", lambda: False)
+    with pytest.raises(ConfigError, match="this GPU has no FP8 tensor cores .*use --train.fp8 '' \\(bf16\\)"):
+        validate(fp8, 1, gpu=True)
     compiled = load_train_config(None, ["--train.compile", "true"])
     monkeypatch.setenv("CXX", sys.executable)  # (any program found on PATH passes the check)
     validate(compiled, 1)

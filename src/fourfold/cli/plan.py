@@ -18,7 +18,7 @@ from fourfold.plan.frameworks import FRAMEWORKS, named
 from fourfold.plan.memory import GIB
 from fourfold.plan.search import HEADROOM, as_json, predict, search
 from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
-from fourfold.spec.job import PRECISIONS, RECOMPUTE, Job
+from fourfold.spec.job import FP8_RECIPES, PRECISIONS, RECOMPUTE, Job
 from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout
 from fourfold.spec.rules import problems, with_flags
 
@@ -48,6 +48,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="sequence parallelism (default on)")
     p.add_argument("--precision", choices=[p for p in PRECISIONS if p != "auto"], default="bf16",
                    help="parameters and activations (default bf16)")
+    p.add_argument("--fp8", choices=[r for r in FP8_RECIPES if r], default="",
+                   help="the linears' GEMMs in FP8 with torchao's recipe (GPUs with FP8 tensor cores; default bf16)")
     p.add_argument("--framework", choices=list(FRAMEWORKS), default="fourfold")
     p.add_argument("--no-80-rule", action="store_true", help="megatron profile: compare with the whole card")
     p.add_argument("--calibrate", help="JSON of the step-time model's constants (`fourfold calibrate` writes one)")
@@ -82,7 +84,7 @@ def _job(args, layout: Layout = Layout(), virtual: int = 1) -> Job:
                recompute=args.recompute or "none", seq_parallel=args.seq_parallel, precision=args.precision,
                virtual=virtual, schedule="interleaved-1f1b" if virtual > 1 else "1f1b",
                keep_gathered_inputs=getattr(args, "keep_gathered_inputs", False),
-               stage_layers=getattr(args, "stage_layers", ()))
+               stage_layers=getattr(args, "stage_layers", ()), fp8=args.fp8)
 
 
 def _context(args):
@@ -127,7 +129,8 @@ def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
                  "--precision", job.precision, "--framework", args.framework, *(["--no-80-rule"] * args.no_80_rule),
                  *(v for d in (*DIMS, "ep") for v in (f"--{d}", getattr(job.layout, d))), "--virtual", job.virtual,
                  "--order", ",".join(job.layout.order), *(["--keep-gathered-inputs"] * job.keep_gathered_inputs),
-                 *(["--stage-layers", ",".join(map(str, job.stage_layers))] * bool(job.stage_layers))]
+                 *(["--stage-layers", ",".join(map(str, job.stage_layers))] * bool(job.stage_layers)),
+                 *(["--fp8", job.fp8] * bool(job.fp8))]
     model = "--model.hf" if Path(args.model).is_dir() else "--model.preset"
     hardware = [v for key, value in (("gpu", args.gpu), ("cluster", args.cluster)) if value
                 for v in (f"--hardware.{key}", value)]

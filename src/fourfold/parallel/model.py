@@ -70,7 +70,7 @@ class Model:
                  seed: int = 0, std: float = 0.02, compile: bool = False, capacity_factor: float = 0.0):
         opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=OverlapOptions(overlap, overlap, overlap),
                              keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile,
-                             capacity_factor=capacity_factor)
+                             capacity_factor=capacity_factor, fp8=job.fp8)
         common = dict(seed=seed, std=std, recompute=job.recompute)
         self.grid, self.microbatches, self.module_cfg = grid, job.microbatches, model_cfg
         self.pipeline = None

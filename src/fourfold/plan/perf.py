@@ -175,9 +175,10 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
              traits: RunTraits = RunTraits()) -> _Compute:
     forward, dw = _layer_compute_cached(cfg.block, s.x, s.y, s.seq, s.cp,
                                         s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
-                                        linear_tflops(cluster, cal, traits.fp8), traits, cfg.attention_share(s.seq))
+                                        linear_tflops(cluster, cal, _fp8(s, traits)), traits,
+                                        cfg.attention_share(s.seq))
     T = s.seq / s.cp * s.micro_batch / s.z
-    traffic = _elementwise_traffic(cfg, s, T, traits.fp8)
+    traffic = _elementwise_traffic(cfg, s, T, _fp8(s, traits))
     if not traits.flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
         traffic += _score_traffic(cfg, s, T, framework)
     forward += traffic / (cluster.gpu.hbm_tbs * 1e12)
@@ -193,6 +194,11 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     optimizer = 16 * (dense + experts * s.layout.ep) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
     return _Compute(forward, dw, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
+
+
+def _fp8(s: Job, traits: RunTraits) -> bool:
+    """Whether the linears' GEMMs run in FP8: the job asks (train.fp8), or a measured run did."""
+    return bool(s.fp8) or traits.fp8
 
 
 def _elementwise_traffic(cfg: ModelConfig, s: Job, tokens: float, fp8: bool = False) -> float:
@@ -267,7 +273,7 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     context parallelism by all-gathered K and V instead of the ring."""
     k = constants(cal, cluster)
     c = _compute(cfg, s, cluster, k, framework, traits)
-    layer_comm = framework.tensor_comm(cfg, s, cluster, k, c.forward, linear_tflops(cluster, k, traits.fp8),
+    layer_comm = framework.tensor_comm(cfg, s, cluster, k, c.forward, linear_tflops(cluster, k, _fp8(s, traits)),
                                        traits.tp_comm_overlap)
     if s.cp > 1:
         layer_comm += _ring_attention_exposed(cfg, s, cluster, k, framework, traits.cp_comm)

@@ -19,6 +19,7 @@ RECOMPUTE = ("none", "selective", "full")  # activation checkpointing per block
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 # "auto": bf16 on GPUs, float32 on CPU (decided where the device is known).
 PRECISIONS = ("auto", "bf16", "float32", "float64")
+FP8_RECIPES = ("", "tensorwise", "rowwise")  # torchao's float8 training recipes; "": bf16 GEMMs
 ELEMENT_BYTES = {"auto": 2, "bf16": 2, "float32": 4, "float64": 8}  # the planner plans GPUs: auto is bf16
 
 
@@ -35,6 +36,7 @@ class Job:
     stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; empty: an even split
     precision: str = "auto"  # parameters and activations; gradients and optimizer state are fp32 at least
     keep_gathered_inputs: bool = False  # linears keep their gathered input for backward (else gather it again)
+    fp8: str = ""  # the blocks' linears' GEMMs in FP8 (torchao's recipes: tensorwise, rowwise); "": off
 
     @property
     def microbatches(self) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from fourfold.models.config import ModelConfig
 from fourfold.spec.blockspec import attention_chunks, mlp_chunks
-from fourfold.spec.job import PRECISIONS, RECOMPUTE, SCHEDULES, Job, split_layers
+from fourfold.spec.job import FP8_RECIPES, PRECISIONS, RECOMPUTE, SCHEDULES, Job, split_layers
 from fourfold.spec.layout import GridError
 
 
@@ -150,6 +150,8 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
         why = f"ring attention (cp={g.cp})" if g.cp > 1 else "attention with sinks"
         add(f"{why} runs CUDA's flash kernel, which takes bf16 or fp16, not {job.precision}",
             "use precision bf16 (or auto)" + (", or cp=1" if not b.sinks else ""))
+    if job.fp8 not in FP8_RECIPES:
+        add(f"fp8 {job.fp8!r} is not a recipe", "use tensorwise or rowwise (torchao's), or '' for bf16 GEMMs")
     if job.schedule not in SCHEDULES:
         add(f"pipeline.schedule {job.schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
     elif g.pp > 1:

@@ -45,6 +45,7 @@ class TensorOptions:
     # norms, RoPE and activations compiled between its collectives
     compile: bool = False
     capacity_factor: float = 0.0  # a mixture's expert capacity (`moe.within_capacity`); 0: dropless
+    fp8: str = ""  # the linears' GEMMs in FP8 (`tensor.fp8`, train.fp8): "tensorwise" or "rowwise"; "": off
 
 
 def torch_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -190,7 +191,7 @@ def _linear(grid: Grid, layer: LinearPlan, prefix: str, opts: TensorOptions, *, 
     return ParallelLinear(grid, layer.in_features, rows, layer.kind, seed=seed, std=std, bias=layer.bias,
                           reduction=layer.reduction, input_gather=layer.input_gather, keep_weight=opts.keep_weights,
                           keep_gathered_input=opts.keep_gathered_inputs,
-                          dtype=opts.dtype, name=f"{prefix}.{layer.name}", overlap=overlap)
+                          dtype=opts.dtype, name=f"{prefix}.{layer.name}", overlap=overlap, fp8=opts.fp8)
 
 
 class HeadSinks(ParallelModule):

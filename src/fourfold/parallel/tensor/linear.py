@@ -26,6 +26,7 @@ from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions, Overlapper
 from fourfold.parallel.tensor import init
+from fourfold.parallel.tensor.fp8 import Float8GEMMs, gpu_takes_fp8
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
 from fourfold.spec.blockspec import LINEAR_KINDS, RowSource
 from fourfold.spec.layout import GridError
@@ -169,7 +170,7 @@ class _Linear3D(torch.autograd.Function):
         if layer.input_gather != "none":
             x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x))
         weight = layer.gather_weight(shard)
-        y = x @ weight.t()
+        y = x @ weight.t() if layer.fp8 is None else layer.fp8.output(x, weight)
         # bf16 partial outputs are summed in bf16 (as Megatron does): on gloo each sum is rounded
         # once (comm.reduce_scatter sums in fp32; an all-reduce over 2 ranks is one addition), the
         # same as summing in fp32 (tests/parallel/test_bf16.py: equal losses to every digit both ways). fp32
@@ -198,7 +199,7 @@ class _Linear3D(torch.autograd.Function):
         if layer.reduction != "all_reduce":
             dy = comm.all_gather(dy, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else dy.dim() - 1)
         weight = saved if layer.keep_weight else layer.gather_weight(saved)
-        dx = dy @ weight
+        dx = dy @ weight if layer.fp8 is None else layer.fp8.grad_input(dy, weight)
         if layer.input_gather == "none":
             pending = comm.all_reduce(dx, out_group, async_op=overlap)
         else:
@@ -206,7 +207,10 @@ class _Linear3D(torch.autograd.Function):
         if regather and overlap:
             x = x.wait()
         # With overlap on, the dW GEMM runs while the input-gradient collective is in flight.
-        dweight = dy.reshape(-1, m.block_shape[0]).t() @ x.reshape(-1, m.block_shape[1])
+        if layer.fp8 is None:
+            dweight = dy.reshape(-1, m.block_shape[0]).t() @ x.reshape(-1, m.block_shape[1])
+        else:
+            dweight = layer.fp8.grad_weight(dy, x)
         dshard = layer.overlap.weight_grad(layer.weight, m.pad(dweight))
         return pending.wait() if overlap else pending, dshard, None
 
@@ -219,14 +223,15 @@ class ParallelLinear(ParallelModule):
     `input_gather` over the out-dim: "none" (input replicated), "tokens" or "features" (the input
     holds 1/out of them and is gathered first). `keep_weight` keeps the gathered weight from
     forward to backward instead of gathering it again; `keep_gathered_input` likewise the gathered
-    input (by default the local input is kept and gathered again in backward).
+    input (by default the local input is kept and gathered again in backward). `fp8` ("tensorwise" or
+    "rowwise", train.fp8): the three GEMMs in float8 (`tensor.fp8`), emulated where the device has none.
     """
 
     def __init__(
         self, grid: Grid, in_features: int, rows: Sequence[RowSource], kind: str, *, seed: int, std: float,
         bias: bool = False, reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
         keep_gathered_input: bool = False,
-        dtype: torch.dtype = torch.float32, name: str = "linear", overlap: Overlapper | None = None,
+        dtype: torch.dtype = torch.float32, name: str = "linear", overlap: Overlapper | None = None, fp8: str = "",
     ):
         super().__init__()
         if reduction not in REDUCTIONS:
@@ -236,6 +241,11 @@ class ParallelLinear(ParallelModule):
         self.grid, self.reduction, self.input_gather, self.keep_weight = grid, reduction, input_gather, keep_weight
         self.keep_gathered_input = keep_gathered_input
         self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
+        self.fp8 = None
+        if fp8:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            emulate = device is None or not gpu_takes_fp8(device)
+            self.fp8 = Float8GEMMs(fp8, grid, self.matrix.in_dim, self.matrix.out_dim, emulate)
         # Shared with the model's other layers for prefetching; a layer on its own gets its own.
         self.overlap = overlap or Overlapper(OverlapOptions(), grid.group("z"))
         self.seed, self.std = seed, std
