@@ -7,6 +7,7 @@ training steps)."""
 import pytest
 import torch
 
+from fourfold.parallel.context import Documents
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import ParallelBlock, TensorOptions, traces_whole
 from fourfold.spec.blockspec import BlockConfig
@@ -57,3 +58,32 @@ def test_blocks_with_collectives_or_a_mixture_keep_the_compiled_pieces():
                               (dict(dp=2), BlockConfig(hidden=64, heads=4, kv_heads=2, ffn=128, window=8), False)]:
         grid.layout = Layout(**sizes)
         assert traces_whole(grid, cfg) is whole, sizes
+
+
+def _documents_run_eagerly():
+    """(graph breaks, the graphs compiled by the last batches, max |compiled - eager|) of a block compiled
+    whole given document ids, a new split each batch."""
+    from torch._dynamo.utils import counters
+
+    grid = Grid(Layout())
+    eager, compiled = (ParallelBlock(grid, LLAMA, TensorOptions(compile=compile), seed=0) for compile in (False, True))
+    compiled.compile_whole(backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, error = [], 0.0
+    for split in range(3, 9):
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        ids[:, split:] = 1
+        h = torch.randn(2, 16, LLAMA.hidden, generator=torch.Generator().manual_seed(split))
+        ys = [block(h, torch.arange(16), Documents(ids)) for block in (eager, compiled)]
+        error = max(error, (ys[0] - ys[1]).abs().max().item())
+        graphs.append(counters["stats"]["unique_graphs"])
+    return sum(counters["graph_break"].values()), graphs[-1] - graphs[1], error
+
+
+def test_a_block_compiled_whole_runs_documents_eagerly(ranks):
+    """Document masks are planned on the host: such a micro-batch runs the block eagerly (its compiled
+    pieces), with no graph break and nothing compiled again for the next batch's split."""
+    breaks, recompiled, error = ranks.run(_documents_run_eagerly, 1)[0]
+    assert (breaks, recompiled) == (0, 0)
+    assert error < 1e-5

@@ -122,6 +122,20 @@ def test_steps_equal_serial(ranks, serial, sizes, shard):
         _assert_equal(cfg, (weights, norms), serial[(cfg.family, clip)])
 
 
+MIXTURE = ModelConfig("mixtral", hidden=32, layers=2, heads=4, kv_heads=2, ffn=32, vocab=64, max_positions=32,
+                      tied=False, eps=1e-5, experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("sizes", [dict(dp=4, ep=2), dict(dp=2, x=2)], ids=["dp4ep2", "dp2x2"])
+def test_experts_wait_for_their_gathers(ranks, sizes):
+    """The experts run as one GEMM per linear, not through their modules' forwards: the mixture waits for
+    all its parameters' gathers (each run only when waited) before it reads them."""
+    serial = ranks.run(_serial, 1, MIXTURE, 0.5)[0]
+    weights, norms, _ = ranks.run(_train, 4, MIXTURE, sizes, True, 0.5, False, 0.001, OverlapOptions(), "none",
+                                  False, False, True)[0]
+    _assert_equal(MIXTURE, (weights, norms), serial)
+
+
 def _assert_equal(cfg, got, expected, tolerance=1e-10):
     (weights, norms), (ref_weights, ref_norms) = got, expected
     assert norms == pytest.approx(ref_norms, rel=tolerance)

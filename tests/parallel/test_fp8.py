@@ -129,19 +129,22 @@ def test_each_casts_scale_is_torchaos_from_the_whole_operand(ranks, recipe):
 
 
 def test_training_with_fp8_linears_learns_beside_float32(ranks, tmp_path):
-    """`fourfold train --train.fp8 rowwise` on x2 y2 (emulated on CPU): the loss falls, and stays within
-    float8's error of the same run's float32 losses."""
+    """`fourfold train --train.fp8` (emulated on CPU): rowwise on x2 y2, and tensorwise on pp2 x2 y2 (its
+    weights' amax reduced across x and y): the loss falls, and stays within float8's error of the float32
+    losses on x2 y2."""
     from runs import prepared_corpus, step_losses, train_run
 
     (tmp_path / "data").mkdir()
     data = prepared_corpus(tmp_path / "data", 100_000, 512)
     losses = {}
-    for fp8 in ("", "rowwise"):
+    for fp8, pp in (("", 1), ("rowwise", 1), ("tensorwise", 2)):
         run = tmp_path / (fp8 or "float32")
-        ranks.run(train_run, 4, [*data, "--log.run_dir", str(run), "--log.progress", "false", "--train.steps", "8",
-                                 "--batch.global_batch", "4", "--batch.micro_batch", "2", "--batch.seq", "64",
-                                 "--optimizer.warmup", "2", "--grid.x", "2", "--grid.y", "2", "--train.fp8", fp8])
+        ranks.run(train_run, 4 * pp, [*data, "--log.run_dir", str(run), "--log.progress", "false", "--train.steps",
+                                      "8", "--batch.global_batch", "4", "--batch.micro_batch", "2", "--batch.seq",
+                                      "64", "--optimizer.warmup", "2", "--grid.x", "2", "--grid.y", "2", "--grid.pp",
+                                      str(pp), "--train.fp8", fp8])
         losses[fp8] = list(step_losses(run).values())
-    assert losses["rowwise"][-1] < losses["rowwise"][0] - 0.5
-    gaps = [abs(a - b) / b for a, b in zip(losses["rowwise"], losses[""])]
-    assert 0 < max(gaps) < 0.02, losses  # (not 0: the GEMMs did run in float8)
+    for recipe in ("rowwise", "tensorwise"):
+        assert losses[recipe][-1] < losses[recipe][0] - 0.5
+        gaps = [abs(a - b) / b for a, b in zip(losses[recipe], losses[""])]
+        assert 0 < max(gaps) < 0.02, (recipe, losses)  # (not 0: the GEMMs did run in float8)

@@ -15,7 +15,7 @@ from fourfold.plan.costs import comm_seconds
 from fourfold.plan.frameworks import FOURFOLD, MEGATRON
 from fourfold.plan.frameworks.fourfold import expert_exchange_bytes
 from fourfold.plan.memory import fourfold_memory
-from fourfold.plan.perf import step_time
+from fourfold.plan.perf import RunTraits, step_time
 from fourfold.plan.search import check, predict, search
 from fourfold.spec.counts import layer_params, parameter_count
 from fourfold.spec.hardware import make_cluster
@@ -286,3 +286,15 @@ def test_estimate_takes_ep_and_hands_it_to_train(capsys):
     main(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "3"])
     table = capsys.readouterr().out
     assert " ep" in table.splitlines()[2] and "--grid.ep" in table
+
+
+def test_fp8_speeds_the_dense_linears_and_leaves_fourfolds_routed_experts():
+    """`--fp8` prices fourfold's FP8 linears: the dense ones faster, the experts' grouped GEMM in the
+    model's dtype (train.fp8 leaves it); a measured run with FP8 (Transformer Engine) runs its experts in FP8."""
+    s = job(dp=8, y=4, z=2, micro_batch=4)
+    bf16, fp8 = step_time(MIXTRAL, s, H100), step_time(MIXTRAL, replace(s, fp8="tensorwise"), H100)
+    measured = step_time(MIXTRAL, s, H100, traits=RunTraits(fp8=True))
+    assert measured.total < fp8.total < bf16.total
+    dense = replace(MIXTRAL, experts=0, top_k=0)
+    assert step_time(dense, replace(s, fp8="tensorwise"), H100).total == pytest.approx(
+        step_time(dense, s, H100, traits=RunTraits(fp8=True)).total)

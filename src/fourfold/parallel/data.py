@@ -94,12 +94,13 @@ class GradientSync:
                 if shard:
                     layer.overlap.before_read = self.wait_for
         # With ZeRO-1 a forward waits for its own parameters' gathers (`set_params`); replicated, none is
-        # gathered. A block compiled whole waits for all of its own before its graph runs (a wait inside
-        # would break it), and its modules not again.
-        compiled = {id(m) for block in model.modules() if getattr(block, "compiled_whole", False)
-                    for m in block.modules() if m is not block}
+        # gathered. A module that reads its submodules' parameters without calling their forwards (a
+        # block compiled whole: a wait inside would break its graph; a mixture's experts, run as one
+        # GEMM per linear) says so (`reads_all_parameters`): it waits for all of them, its modules not again.
+        inside = {id(m) for outer in model.modules() if getattr(outer, "reads_all_parameters", False)
+                  for m in outer.modules() if m is not outer}
         for module in model.modules() if shard else ():
-            if id(module) not in compiled and next(self._own(module), None) is not None:
+            if id(module) not in inside and next(self._own(module), None) is not None:
                 module.register_forward_pre_hook(self._before_forward)
         self._gathering: dict[int, Bucket] = {}  # parameter id -> its bucket, while its gather is in flight
         # Groups are created collectively by every rank; pipeline stages hold different
@@ -238,8 +239,8 @@ class GradientSync:
 
     @staticmethod
     def _own(module: nn.Module):
-        """The parameters a module's forward pre-hook waits for: its own, or a compiled block's all."""
-        return module.parameters(recurse=getattr(module, "compiled_whole", False))
+        """The parameters a module's forward pre-hook waits for: its own, or all it reads (see __init__)."""
+        return module.parameters(recurse=getattr(module, "reads_all_parameters", False))
 
     @staticmethod
     def release(bucket: Bucket) -> None:

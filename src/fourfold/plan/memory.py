@@ -236,14 +236,15 @@ def _uniform_memory(cfg: ModelConfig, blk: BlockConfig, s: Job, memory_gib: floa
     working = experts_forward = 0.0  # what a layer's backward (forward) holds beyond the saved tensors
     if blk.moe:
         # A rank's experts run as one (`parallel.tensor.experts`), so their gate/up projection holds its
-        # transients for all their rows at once, beside the experts' weight blocks stacked for the grouped
-        # GEMM (bf16; else one block at a time): in forward the GEMM's output and, reduce-scattered over
+        # transients for all their rows at once, beside the experts' weight blocks: stacked for the grouped
+        # GEMM (bf16), a copy; else (the loop) a list of the blocks, copies only where gathered over z:
+        # in forward the GEMM's output and, reduce-scattered over
         # features, its chunks (with gloo also those received) and this rank's part; in backward dY
         # gathered over its in-dim and dX before its reduction, then the weight gradients.
         in_dim, out_dim = LINEAR_KINDS[plan.up.kind]
         size_in, size_out = s.layout.sizes[in_dim], s.layout.sizes[out_dim]
         n_block, k_block = plan.up.out_features / size_out, plan.up.in_features / size_in
-        stacked = (blk.experts // ep if e == 2 else 1) * n_block * k_block
+        stacked = (blk.experts // ep if e == 2 or s.z > 1 else 0) * n_block * k_block
         rows = routed_tokens(blk, T)
         working += e * (rows * (n_block + k_block) + stacked)
         scatter = plan.up.reduction == "scatter_features" and size_in > 1

@@ -81,13 +81,16 @@ def _plan(block, x: int, y: int):
 @functools.lru_cache(maxsize=65536)  # many grids share a replica's shapes (dp and pp do not change them)
 def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float, peak_tflops: float,
                           cal: Constants, ep: int = 1, linear_tflops: float = 0.0,
-                          traits: RunTraits = RunTraits(), attention_share: float = 1.0) -> tuple[float, float]:
+                          traits: RunTraits = RunTraits(), attention_share: float = 1.0,
+                          expert_tflops: float = 0.0) -> tuple[float, float]:
     """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
     x = 1 for the megatron profile's 1D tensor parallelism; a mixture's experts/ep experts on the
-    rows the ep ranks send them. `linear_tflops`: the linear layers' peak (FP8's speed-up; 0: bf16).
-    `attention_share`: of causal attention's pairs, what the layers attend on average (sliding windows)."""
+    rows the ep ranks send them. `linear_tflops`, `expert_tflops`: the dense linear layers' and the
+    routed experts' peaks (FP8's speed-up; 0: bf16). `attention_share`: of causal attention's pairs,
+    what the layers attend on average (sliding windows)."""
     T = seq / cp * batch
     peak = (linear_tflops or peak_tflops) * 1e12
+    expert_peak = (expert_tflops or peak_tflops) * 1e12
     d = block.head_dim
     plan = _plan(block, x, y)
     forward = 0.0
@@ -103,9 +106,10 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
         n_local = layer.out_features / (x if layer.out_dim == "x" else y)
         # a mixture's experts: each on its share of the routed tokens, one after another (routing.py);
         # with expert parallelism, experts/ep of them, each on its share of the ep ranks' tokens
-        tokens, times = ((expert_tokens(block, T * ep), block.experts // ep)
-                         if block.moe and layer in (plan.up, plan.down) else (T, 1))
-        forward += times * 2 * tokens * k_local * n_local / (peak * gemm_efficiency(tokens, k_local, n_local, cal))
+        routed = block.moe and layer in (plan.up, plan.down)
+        tokens, times = (expert_tokens(block, T * ep), block.experts // ep) if routed else (T, 1)
+        forward += times * 2 * tokens * k_local * n_local / ((expert_peak if routed else peak)
+                                                             * gemm_efficiency(tokens, k_local, n_local, cal))
     if block.moe:  # the router's GEMM on the stream's features of this x rank (the shared gate's is a GEMV)
         forward += 2 * T * block.hidden / x * block.experts / (
             peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
@@ -176,7 +180,7 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     forward, dw = _layer_compute_cached(cfg.block, s.x, s.y, s.seq, s.cp,
                                         s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
                                         linear_tflops(cluster, cal, _fp8(s, traits)), traits,
-                                        cfg.attention_share(s.seq))
+                                        cfg.attention_share(s.seq), linear_tflops(cluster, cal, traits.fp8))
     T = s.seq / s.cp * s.micro_batch / s.z
     traffic = _elementwise_traffic(cfg, s, T, _fp8(s, traits))
     if not traits.flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
@@ -197,7 +201,9 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
 
 
 def _fp8(s: Job, traits: RunTraits) -> bool:
-    """Whether the linears' GEMMs run in FP8: the job asks (train.fp8), or a measured run did."""
+    """Whether the dense linears' GEMMs run in FP8: the job asks (train.fp8), or a measured run did.
+    A mixture's routed experts run in FP8 only in a measured run's framework (Transformer Engine's
+    grouped GEMM): fourfold's train.fp8 leaves their grouped GEMM in the model's dtype."""
     return bool(s.fp8) or traits.fp8
 
 

@@ -372,7 +372,8 @@ class ParallelBlock(nn.Module):
                  out_std: float | None = None, prefix: str = "block", selective_recompute: bool = False,
                  overlap: Overlapper | None = None):
         super().__init__()
-        self.compiled_whole = False  # (`compile_whole`)
+        self._whole = None  # the compiled forward (`compile_whole`)
+        self.reads_all_parameters = False  # compiled whole: for ZeRO-1's waits (`data.GradientSync`)
         out_std = std if out_std is None else out_std
         overlap = overlap or Overlapper(opts.overlap, grid.group("z"))
         plan = block_plan(cfg, grid.size("x"), grid.size("y"), seq_parallel=opts.seq_parallel,
@@ -407,11 +408,20 @@ class ParallelBlock(nn.Module):
         """Run this block's forward (and so its backward) as one torch.compile graph (train.compile, per
         block as torchtitan compiles): where `traces_whole`, with no graph break
         (tests/parallel/test_compiled_block.py). The block's own forward pre-hooks stay outside the
-        graph (ZeRO-1's wait for the block's parameter gathers: `data.GradientSync`)."""
-        self.forward = torch.compile(self.forward, backend=backend, dynamic=False)
-        self.compiled_whole = True
+        graph (ZeRO-1's wait for the block's parameter gathers: `data.GradientSync`). A micro-batch with
+        document ids runs eagerly: its masks are planned on the host, which would break the graph and
+        compile it again for every batch."""
+        self._whole = torch.compile(self._layers, backend=backend, dynamic=False)
+        self.reads_all_parameters = True
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                documents: torch.Tensor | Documents | None = None) -> torch.Tensor:
+        documents = context.as_documents(documents)
+        if self._whole is not None and documents.ids is None:
+            return self._whole(h, positions, documents)
+        return self._layers(h, positions, documents)
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, documents: Documents) -> torch.Tensor:
         a = self._normed(self.attn_norm, h, lambda n: self.attn(n, positions, documents))
         h = h + (a if self.attn_post_norm is None else self.attn_post_norm(a))
         m = self._normed(self.mlp_norm, h, self.mlp)

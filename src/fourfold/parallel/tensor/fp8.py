@@ -49,6 +49,10 @@ class Float8GEMMs:
                                    for g in (c.gemm_config_output, c.gemm_config_grad_input,
                                              c.gemm_config_grad_weight)))
         self.grid, self.in_dim, self.out_dim = grid, in_dim, out_dim
+        if grid.size(in_dim) > 1 and grid.size(out_dim) > 1:
+            # the weight's tensorwise amax group, created now, as every rank builds every layer: NCCL's
+            # split that creates it is collective, and a pipeline's stages run their first forwards apart
+            grid.group((in_dim, out_dim))
 
     def _cast(self, t: torch.Tensor, cast, role, axis: int, dims: tuple[str | None, str | None]):
         """`t` (2D) as torchao casts it for `cast` (its CastConfig), scaling along `axis` if rowwise;

@@ -243,9 +243,8 @@ class ParallelLinear(ParallelModule):
         self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
         self.fp8 = None
         if fp8:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            emulate = device is None or not gpu_takes_fp8(device)
-            self.fp8 = Float8GEMMs(fp8, grid, self.matrix.in_dim, self.matrix.out_dim, emulate)
+            self.fp8 = Float8GEMMs(fp8, grid, self.matrix.in_dim, self.matrix.out_dim,
+                                   emulate=not gpu_takes_fp8(grid.device))
         # Shared with the model's other layers for prefetching; a layer on its own gets its own.
         self.overlap = overlap or Overlapper(OverlapOptions(), grid.group("z"))
         self.seed, self.std = seed, std

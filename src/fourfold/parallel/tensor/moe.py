@@ -129,6 +129,10 @@ def balanced_choices(chosen: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 class ParallelMoE(nn.Module):
+    # its experts' weights are read as one GEMM per linear, not through their modules' forwards: ZeRO-1
+    # waits for all of its parameters' gathers before its forward (`data.GradientSync`)
+    reads_all_parameters = True
+
     def __init__(self, grid: Grid, plan: BlockPlan, mlp, *, seed: int, std: float, prefix: str, dtype: torch.dtype,
                  seq_parallel: bool, capacity_factor: float = 0.0):
         """`mlp(plan)`: the runtime MLP of a block plan (ParallelMLP), for each expert and the shared one;
@@ -147,6 +151,8 @@ class ParallelMoE(nn.Module):
                    for up, down in map(plan.expert, range(self.first, self.first + local)))
         self.experts = ExpertShard(experts, self.first, self.dispatch) if self.dispatch.size > 1 else nn.ModuleList(
             experts)
+        for expert in self.experts:  # run as one GEMM per linear (`tensor.experts`): train.fp8 leaves them as they are
+            expert.up.fp8 = expert.down.fp8 = None
         self.shared = self.shared_gate = None
         if plan.shared_up is not None:
             self.shared = mlp(dataclasses.replace(plan, up=plan.shared_up, down=plan.shared_down))
