@@ -73,7 +73,7 @@ def main() -> None:
     init_process_group()
     world = dist.get_world_size()
     ids = torch.randint(0, CFG.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    off = OverlapOptions(False, False, False)
+    off = OverlapOptions.off()
     rows = []
     for label, layout, overlap, gather in [
         (f"fourfold dp={world} (ZeRO-1), gather waited", Layout(dp=world), OverlapOptions(), False),

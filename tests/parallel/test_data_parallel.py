@@ -150,7 +150,7 @@ def _assert_equal(cfg, got, expected, tolerance=1e-10):
 
 # every overlap off, then on: the two a user can set (train.overlap); a switch that changed a value or
 # a byte changes the second run
-SWITCHES = [OverlapOptions(False, False, False), OverlapOptions()]
+SWITCHES = [OverlapOptions.off(), OverlapOptions()]
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])

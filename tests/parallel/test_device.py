@@ -108,3 +108,14 @@ def test_the_command_refuses_before_launch(gpus, monkeypatch, capsys, argv):
     assert main(argv) == 2
     assert "2 ranks per node but 1 visible GPU: NCCL needs a GPU per rank; use --train.device cpu" in \
         capsys.readouterr().err
+
+
+def test_tensor_overlap_orders_kernel_launches_unless_the_user_chose():
+    """With tensor-parallel overlap on GPUs, one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, as
+    Megatron-LM sets): a collective launched before a GEMM starts before it. A user's own value stays."""
+    environ = {}
+    grid.order_kernel_launches(environ)
+    assert environ == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    environ = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    grid.order_kernel_launches(environ)
+    assert environ == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}

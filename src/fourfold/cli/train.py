@@ -80,7 +80,8 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
     from fourfold.train.trainer import TrainingError
     from fourfold.train.trainer import train as run_training
 
-    init_process_group(device=cfg.train.device)
+    tensor_dims = cfg.grid.x * cfg.grid.y * cfg.grid.z > 1
+    init_process_group(device=cfg.train.device, tensor_overlap=cfg.train.overlap and tensor_dims)
     try:
         summary = run_training(cfg, stop)
     except TrainingError as err:  # every rank stops at the same step: rank 0 says why, once

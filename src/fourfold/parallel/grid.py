@@ -57,15 +57,27 @@ def choose_device(choice: str, local_ranks: int) -> str:
     return "cuda"
 
 
-def init_process_group(timeout_s: float = 600.0, device: str = "auto") -> None:
+def order_kernel_launches(environ=os.environ) -> None:
+    """One hardware queue per GPU (CUDA_DEVICE_MAX_CONNECTIONS=1, unless the user set it): kernels start
+    in the order they were launched, so a collective launched before a GEMM (the tensor-parallel
+    overlaps of `parallel.overlap`) starts first and runs beside it, instead of waiting for the SMs
+    the GEMM took. Megatron-LM sets the same for its tensor-parallel overlap. Read when the CUDA
+    context is created: set before."""
+    environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def init_process_group(timeout_s: float = 600.0, device: str = "auto", tensor_overlap: bool = False) -> None:
     """Join the job torchrun started: NCCL with this rank's GPU, or gloo on CPU, as `choose_device`
-    resolves `device` (train.device) for the node's ranks."""
+    resolves `device` (train.device) for the node's ranks. `tensor_overlap`: the job overlaps
+    tensor-parallel collectives with GEMMs (`order_kernel_launches` on GPUs)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         raise GridError("no torchrun environment (RANK is not set); launch with `torchrun --nproc-per-node N ...`")
     cuda = None
     if choose_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) == "cuda":
+        if tensor_overlap:
+            order_kernel_launches()
         cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(cuda)
         backend = "nccl"

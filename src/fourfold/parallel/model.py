@@ -68,7 +68,8 @@ class Model:
 
     def __init__(self, grid: Grid, job: Job, model_cfg: ModelConfig, *, dtype: torch.dtype, overlap: bool = True,
                  seed: int = 0, std: float = 0.02, compile: bool = False, capacity_factor: float = 0.0):
-        opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=OverlapOptions(overlap, overlap, overlap),
+        overlaps = OverlapOptions() if overlap else OverlapOptions.off()
+        opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=overlaps,
                              keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile,
                              capacity_factor=capacity_factor, fp8=job.fp8)
         common = dict(seed=seed, std=std, recompute=job.recompute)

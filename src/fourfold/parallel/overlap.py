@@ -7,6 +7,9 @@
   forward, backward and recompute as they really ran, not the order of registration).
 - `defer_weight_grads`: the reduce-scatter of dW over z is launched async and waited only when
   the next one is launched or when backward ends, after autograd's hooks have run.
+- `forward_chunks`: a linear's forward runs its GEMM in chunks, the input all-gather of the next
+  chunk and the output reduction of the last in flight while it computes
+  (`tensor.linear._pipelined_forward`).
 Either way a reduced dW goes to `on_grad_landed(param, grad)` (GradientSync sets it) in the fp32
 (at least) it was summed in, never rounded to the parameter's bf16 on its way to the fp32
 accumulator; with no one to take it, it lands in `param.grad`.
@@ -22,6 +25,7 @@ import torch
 
 from fourfold.parallel import comm
 from fourfold.parallel.comm import Group, Pending
+from fourfold.spec.volumes import FORWARD_CHUNKS
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,13 @@ class OverlapOptions:
     input_grad: bool = True
     prefetch_weights: bool = True
     defer_weight_grads: bool = True
+    # a linear's forward GEMM in chunks, their collectives behind other chunks' GEMMs (1: off)
+    forward_chunks: int = FORWARD_CHUNKS
+
+    @classmethod
+    def off(cls) -> "OverlapOptions":
+        """Every collective waited where it is issued (train.overlap false)."""
+        return cls(False, False, False, 1)
 
 
 class Overlapper:

@@ -94,6 +94,11 @@ def padded_block(sizes: dict, rows: int, cols: int) -> int:
     return -(-rows * cols // sizes["z"]) * sizes["z"]
 
 
+# A linear's forward GEMM runs in this many chunks, each chunk's collectives in flight behind another
+# chunk's GEMM (`parallel.overlap.OverlapOptions.forward_chunks`; the planner prices it so)
+FORWARD_CHUNKS = 2
+
+
 def linear_passes(sizes: dict, kind: str, in_features: int, out_features: int, tokens: int, *,
                   reduction: str = "all_reduce", input_gather: str = "none", keep_weight: bool = False,
                   keep_input: bool = False) -> Passes:

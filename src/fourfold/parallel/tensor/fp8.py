@@ -48,7 +48,7 @@ class Float8GEMMs:
         self.mm = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, c.pad_inner_dim)
                                    for g in (c.gemm_config_output, c.gemm_config_grad_input,
                                              c.gemm_config_grad_weight)))
-        self.grid, self.in_dim, self.out_dim = grid, in_dim, out_dim
+        self.recipe, self.grid, self.in_dim, self.out_dim = recipe, grid, in_dim, out_dim
         if grid.size(in_dim) > 1 and grid.size(out_dim) > 1:
             # the weight's tensorwise amax group, created now, as every rank builds every layer: NCCL's
             # split that creates it is collective, and a pipeline's stages run their first forwards apart

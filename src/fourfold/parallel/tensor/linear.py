@@ -7,6 +7,7 @@ carries out, in order:
     forward:  [all-gather of the input over the out-dim (tokens or features)]
               all-gather of the weight over z; GEMM;
               all-reduce, or reduce-scatter (tokens or features), over the in-dim
+              (with forward overlap, in chunks: `_pipelined_forward`)
     backward: [all-gather of dY over the in-dim]; the weight again (or the kept copy);
               dX GEMM, then its all-reduce (or reduce-scatter) over the out-dim launched async
               and overlapped with the dW GEMM; reduce-scatter of dW over z.
@@ -161,25 +162,130 @@ def _gather_dim(gather: str, x: torch.Tensor) -> int:
     return SEQ_DIM if gather == "tokens" else x.dim() - 1
 
 
+def _reduce(y: torch.Tensor, layer: "ParallelLinear", group, async_op: bool = False):
+    """The GEMM output's sum over the in-dim: all-reduced, or reduce-scattered over tokens or features.
+    bf16 partial outputs are summed in bf16 (as Megatron does): on gloo each sum is rounded once
+    (comm.reduce_scatter sums in fp32; an all-reduce over 2 ranks is one addition), the same as
+    summing in fp32 (tests/parallel/test_bf16.py: equal losses to every digit both ways). fp32 partial
+    outputs, unrounded, would cost twice the bytes for a per-token loss error of 1.07-1.13x
+    transformers' own instead of 1.18-1.27x (measured there)."""
+    if layer.reduction == "all_reduce":
+        return comm.all_reduce(y, group, async_op=async_op)
+    dim = SEQ_DIM if layer.reduction == "scatter_tokens" else y.dim() - 1
+    return comm.reduce_scatter(y, group, dim=dim, async_op=async_op)
+
+
+def forward_chunks(layer: "ParallelLinear", x: torch.Tensor) -> int:
+    """In how many chunks the forward pipelines its collectives with its GEMM (1: not at all): where
+    a collective crosses ranks, the chunks divide evenly (whole sequences, or one sequence's tokens)
+    and the GEMM is not FP8 tensorwise (a chunk's amax is not the input's: its scale would differ;
+    rowwise, each token's is its own)."""
+    chunks = layer.overlap.options.forward_chunks
+    m, grid = layer.matrix, layer.grid
+    gathers_tokens = layer.input_gather == "tokens" and grid.size(m.out_dim) > 1
+    tensorwise = layer.fp8 is not None and layer.fp8.recipe == "tensorwise"
+    if chunks < 2 or tensorwise or not (grid.size(m.in_dim) > 1 or gathers_tokens):
+        return 1
+    batch, seq = x.shape[0], x.shape[SEQ_DIM]
+    if layer.reduction == "scatter_tokens" and layer.input_gather == "tokens":  # (gathered first: see below)
+        seq *= grid.size(m.out_dim)
+    slices = chunks * (grid.size(m.in_dim) if layer.reduction == "scatter_tokens" else 1)
+    return chunks if batch % chunks == 0 or (batch == 1 and seq % slices == 0) else 1
+
+
+def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLinear", in_group, out_group,
+                       chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output, gathered input if kept) of the forward with its collectives in flight behind its GEMM,
+    chunk by chunk (`forward_chunks`): while chunk c's GEMM runs, chunk c+1's input all-gather and
+    chunk c-1's reduction are in flight (the backward's overlap, `_Linear3D.backward`, for the
+    forward). A chunk is whole sequences; of one sequence, a slice of its tokens (of each in-dim
+    rank's output tokens, where they are reduce-scattered). Each chunk lands in its place of the
+    output as its reduction ends: in place where that place is contiguous, else copied (one sequence's
+    tokens gathered slice by slice: each chunk holds every gathering rank's slice in turn)."""
+    gather, reduction = layer.input_gather, layer.reduction
+    gathered_whole = None
+    if gather == "tokens" and reduction == "scatter_tokens":  # the LM head under sequence parallelism: its
+        # input (hidden features a token, against the logits' vocabulary) gathered whole, then chunked as
+        # the reduce-scatter splits its tokens
+        x = gathered_whole = comm.all_gather(x, out_group, dim=SEQ_DIM)
+        gather = "none"
+    batch, split = x.shape[0], in_group.size
+    tokens = x.shape[SEQ_DIM] * (out_group.size if gather == "tokens" else 1)
+    out = x.new_empty(batch, tokens // (split if reduction == "scatter_tokens" else 1),
+                      weight.shape[0] // (split if reduction == "scatter_features" else 1))
+    if batch % chunks == 0:
+        pieces, places = x.chunk(chunks), out.chunk(chunks)
+    elif reduction == "scatter_tokens":
+        pieces, places = x.unflatten(SEQ_DIM, (split, chunks, -1)).unbind(2), out.chunk(chunks, SEQ_DIM)
+    elif gather == "tokens":
+        pieces, places = x.chunk(chunks, SEQ_DIM), out.unflatten(SEQ_DIM, (out_group.size, chunks, -1)).unbind(2)
+    else:
+        pieces, places = x.chunk(chunks, SEQ_DIM), out.chunk(chunks, SEQ_DIM)
+
+    def gathered(piece):
+        if gather == "none":
+            return comm.Pending.done(piece)
+        return comm.all_gather(piece, out_group, dim=_gather_dim(gather, piece), async_op=True)
+
+    def gemm(xc):
+        return xc @ weight.t() if layer.fp8 is None else layer.fp8.output(xc, weight)
+
+    def reduced(xc, place):
+        """Chunk `xc`'s GEMM and its reduction launched, into `place` where it can land directly."""
+        if reduction == "all_reduce" or split == 1:
+            shape = (*xc.shape[:-1], weight.shape[0])
+            direct = place.is_contiguous() and place.shape == shape and layer.fp8 is None
+            yc = torch.matmul(xc, weight.t(), out=place) if direct else gemm(xc)
+            return comm.all_reduce(yc, in_group, async_op=True)
+        yc = gemm(xc)
+        dim = SEQ_DIM if reduction == "scatter_tokens" else yc.dim() - 1
+        shape = (*yc.shape[:dim], yc.shape[dim] // split, *yc.shape[dim + 1:])
+        return comm.reduce_scatter(yc, in_group, dim=dim, async_op=True,
+                                   out=place.view(shape) if place.is_contiguous() else None)
+
+    def land(pending, place):
+        result = pending.wait()
+        if result.data_ptr() != place.data_ptr() or not place.is_contiguous():
+            place.copy_(result.view(place.shape))
+
+    inputs, arriving, previous = [], gathered(pieces[0]), None
+    for c, place in enumerate(places):
+        xc = arriving.wait()
+        if c + 1 < chunks:
+            arriving = gathered(pieces[c + 1])
+        current = (reduced(xc, place), place)
+        if previous is not None:
+            land(*previous)
+        previous = current
+        inputs.append(xc if layer.keep_gathered_input else None)
+    land(*previous)
+    if not layer.keep_gathered_input or gathered_whole is not None:
+        return out, gathered_whole
+    if batch % chunks == 0:
+        return out, torch.cat(inputs)
+    if gather == "tokens":
+        inputs = [t.unflatten(SEQ_DIM, (out_group.size, -1)) for t in inputs]
+    if gather == "tokens" or reduction == "scatter_tokens":  # [b, ranks, slice, K] each: in token order
+        return out, torch.stack(inputs, dim=2).flatten(1, 3)
+    return out, torch.cat(inputs, SEQ_DIM)
+
+
 class _Linear3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, layer: "ParallelLinear"):
         grid, m = layer.grid, layer.matrix
         in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
         local = x
-        if layer.input_gather != "none":
-            x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x))
-        weight = layer.gather_weight(shard)
-        y = x @ weight.t() if layer.fp8 is None else layer.fp8.output(x, weight)
-        # bf16 partial outputs are summed in bf16 (as Megatron does): on gloo each sum is rounded
-        # once (comm.reduce_scatter sums in fp32; an all-reduce over 2 ranks is one addition), the
-        # same as summing in fp32 (tests/parallel/test_bf16.py: equal losses to every digit both ways). fp32
-        # partial outputs, unrounded, would cost twice the bytes for a per-token loss error of
-        # 1.07-1.13x transformers' own instead of 1.18-1.27x (measured there).
-        if layer.reduction == "all_reduce":
-            y = comm.all_reduce(y, in_group)
+        chunks = forward_chunks(layer, x)
+        if chunks > 1:
+            weight = layer.gather_weight(shard)
+            y, x = _pipelined_forward(x, weight, layer, in_group, out_group, chunks)
         else:
-            y = comm.reduce_scatter(y, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else y.dim() - 1)
+            if layer.input_gather != "none":
+                x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x))
+            weight = layer.gather_weight(shard)
+            y = x @ weight.t() if layer.fp8 is None else layer.fp8.output(x, weight)
+            y = _reduce(y, layer, in_group)
         ctx.layer = layer
         # Megatron's rule: keep the local input and gather it again in backward (the memory that
         # sequence parallelism and the non-redundant path save), unless asked to keep the gathered one.

@@ -6,6 +6,7 @@ over dp*cp. Its collectives are the volume functions the runtime's ledger is tes
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from fourfold.models.config import ModelConfig
 from fourfold.plan.constants import Constants
@@ -19,6 +20,7 @@ from fourfold.spec.job import Job, rank_layers
 from fourfold.spec.layout import DEFAULT_ORDER
 from fourfold.spec.rules import Problem, padded_vocab, problems
 from fourfold.spec.volumes import (
+    FORWARD_CHUNKS,
     Collective,
     block_passes,
     embedding_passes,
@@ -40,6 +42,11 @@ class Fourfold(Framework):
     name = "fourfold"
     keeps_gathered_inputs = True
     hides_param_gather = True  # GradientSync.set_params(overlap=True), the trainer's default
+
+    def __init__(self, forward_chunks: int = FORWARD_CHUNKS):
+        """`forward_chunks`: the linears' forward in chunks (OverlapOptions.forward_chunks; 1: the seed
+        paper's AxoNN, whose forward collectives wait)."""
+        self.forward_chunks = forward_chunks
 
     def problems(self, cfg: ModelConfig, job: Job) -> list[Problem]:
         return problems(cfg, job, gpu=True)
@@ -79,10 +86,17 @@ class Fourfold(Framework):
         exposed = passes * totals_seconds(forward, s, cluster, b, k) + totals_seconds(backward, s, cluster, b, k)
         # Each linear's input re-gather hides behind its dX GEMM, its input-gradient reduction behind
         # its dW GEMM (the runtime's overlap; both GEMMs take the forward GEMM's time).
-        for gemm, regather, reduction in _overlapped(cfg.block, sizes, batch, seq, s.seq_parallel,
-                                                     s.keep_gathered_inputs, gemm_tflops, k):
-            exposed -= (min(gemm, totals_seconds(regather, s, cluster, b, k))
-                        + min(gemm, totals_seconds(reduction, s, cluster, b, k)))
+        for linear in _overlapped(cfg.block, sizes, batch, seq, s.seq_parallel, s.keep_gathered_inputs,
+                                  gemm_tflops, k):
+            gemm = linear.gemm
+            exposed -= (min(gemm, totals_seconds(linear.regather, s, cluster, b, k))
+                        + min(gemm, totals_seconds(linear.input_grad, s, cluster, b, k)))
+            # Forward, in chunks (not FP8 tensorwise's GEMMs, nor the routed experts'): each chunk's GEMM,
+            # input gather and reduction overlap other chunks' but the first gather and the last reduction.
+            if linear.chunked and s.fp8 != "tensorwise" and self.forward_chunks > 1:
+                pipelined = [gemm, *(totals_seconds(c, s, cluster, b, k) for c in linear.pipelined)]
+                c = self.forward_chunks
+                exposed -= passes * (c - 1) / c * (sum(pipelined) - max(pipelined))
         # z: the weight all-gathers are prefetched one GEMM ahead and the dW reduce-scatters deferred
         # to the next one, so they hide behind the layer's compute (3x forward) up to its length.
         weights = totals_seconds(weights, s, cluster, b, k)
@@ -149,31 +163,51 @@ def _layer_totals(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: in
             totals([c for c in passes.all() if c.group == "z"]))
 
 
+@dataclass(frozen=True)
+class _LinearOverlap:
+    """What one linear layer hides behind its GEMMs (each the forward GEMM's seconds, `gemm`)."""
+
+    gemm: float
+    regather: tuple  # backward: its input's re-gather, behind the dX GEMM
+    input_grad: tuple  # backward: dX's reduction, behind the dW GEMM
+    chunked: bool  # forward: in chunks (`tensor.linear._pipelined_forward`)
+    pipelined: tuple  # forward: the collectives pipelined with its chunks (each a `totals`)
+
+
 @functools.lru_cache(maxsize=65536)
 def _overlapped(block, sizes: tuple[tuple[str, int], ...], batch: int, seq: int, seq_parallel: bool,
-                keep_inputs: bool, peak_tflops: float, cal: Constants):
-    """What each linear layer's backward hides, as `parallel.tensor.linear` runs it: the re-gather of
-    its input over the out-dim is in flight while dY is gathered and the dX GEMM runs, and the
-    input gradient's all-reduce (or reduce-scatter) over the out-dim while the dW GEMM runs; the
-    gather of dY over the in-dim waits. (GEMM seconds, re-gather collectives, input-gradient
-    collectives) per layer, from the volume functions the runtime's ledger is tested against."""
+                keep_inputs: bool, peak_tflops: float, cal: Constants) -> tuple[_LinearOverlap, ...]:
+    """What each linear layer hides, as `parallel.tensor.linear` runs it. Backward: the re-gather of
+    its input over the out-dim is in flight while dY is gathered and the dX GEMM runs, and the input
+    gradient's all-reduce (or reduce-scatter) over the out-dim while the dW GEMM runs; the gather of
+    dY over the in-dim waits. Forward (`forward_chunks`): the output's reduction over the in-dim and,
+    chunked by tokens, a token gather of its input over the out-dim; the routed experts' linears run
+    as one grouped GEMM, unchunked. From the volume functions the runtime's ledger is tested against."""
     grid = dict(sizes)
     plan = block_plan(block, grid["x"], grid["y"], seq_parallel=seq_parallel)
     tokens = batch * seq
-    layers = [(plan.qkv, tokens), (plan.out, tokens)]
+    layers = [(plan.qkv, tokens, True), (plan.out, tokens, True)]
     if block.moe:
-        layers += [(plan.shared_up, tokens), (plan.shared_down, tokens)] if plan.shared_up is not None else []
-        layers += [(layer, n) for n in local_routing(block, tokens, grid["ep"]) for layer in (plan.up, plan.down)]
+        layers += ([(plan.shared_up, tokens, True), (plan.shared_down, tokens, True)]
+                   if plan.shared_up is not None else [])
+        layers += [(layer, n, False) for n in local_routing(block, tokens, grid["ep"])
+                   for layer in (plan.up, plan.down)]
     else:
-        layers += [(plan.up, tokens), (plan.down, tokens)]
+        layers += [(plan.up, tokens, True), (plan.down, tokens, True)]
     out = []
-    for layer, n in layers:
+    for layer, n, runs_alone in layers:
         i, o = LINEAR_KINDS[layer.kind]
         passes = linear_passes(grid, layer.kind, layer.in_features, layer.out_features, n,
                                reduction=layer.reduction, input_gather=layer.input_gather, keep_input=keep_inputs)
         gemm = gemm_seconds(n, layer.in_features / grid[i], layer.out_features / grid[o], peak_tflops, cal)
-        out.append((gemm, totals([c for c in passes.backward if c.group == o and c.op == "all_gather"]),
-                    totals([c for c in passes.backward if c.group == o and c.op != "all_gather"])))
+        gathers_tokens = layer.input_gather == "tokens" and grid[o] > 1
+        chunked = runs_alone and (grid[i] > 1 or gathers_tokens)
+        pipelined = [totals([c for c in passes.forward if c.group == i])]
+        if gathers_tokens:
+            pipelined.append(totals([c for c in passes.forward if c.group == o]))
+        out.append(_LinearOverlap(
+            gemm, totals([c for c in passes.backward if c.group == o and c.op == "all_gather"]),
+            totals([c for c in passes.backward if c.group == o and c.op != "all_gather"]), chunked, tuple(pipelined)))
     return tuple(out)
 
 

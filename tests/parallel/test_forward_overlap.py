@@ -1,0 +1,89 @@
+"""A linear's forward with its collectives pipelined behind its GEMM (`OverlapOptions.forward_chunks`,
+`tensor.linear._pipelined_forward`): output, input gradient and weight gradient equal the unchunked
+forward's, in every layer form the block plans use, for one and two sequences a micro-batch, keeping
+the gathered input or not; the bytes sent are the same and the reductions ran chunk by chunk."""
+
+import pytest
+import torch
+
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.overlap import OverlapOptions, Overlapper
+from fourfold.parallel.tensor.linear import ParallelLinear
+from fourfold.spec.blockspec import LINEAR_KINDS, RowSource
+from fourfold.spec.layout import Layout
+
+K, N, SEQ = 16, 32, 8
+
+
+def _part(t: torch.Tensor, grid: Grid, dim: str, axis: int) -> torch.Tensor:
+    return t.chunk(grid.size(dim), dim=axis)[grid.coords[dim]]
+
+
+def _chunked_against_whole(sizes: dict, kind: str, reduction: str, input_gather: str, fp8: str = ""):
+    """Per (batch, keep_gathered_input): (largest difference of output and gradients between 2 chunks and
+    1, relative to their largest, the ledger bytes equal, the in-dim reduction's calls with chunks and
+    without). With `fp8`, float32 (float8's GEMMs emulated)."""
+    grid = Grid(Layout(**sizes))
+    in_dim, out_dim = LINEAR_KINDS[kind]
+    op = "all_reduce" if reduction == "all_reduce" else "reduce_scatter"
+    results = []
+    for batch in (1, 2):
+        for keep in (False, True):
+            g = torch.Generator().manual_seed(batch)
+            dtype = torch.float32 if fp8 else torch.float64
+            x = torch.randn(batch, SEQ, K, generator=g, dtype=dtype)
+            dy = torch.randn(batch, SEQ, N, generator=g, dtype=dtype)
+            local = _part(x, grid, in_dim, -1)
+            local = (_part(local, grid, out_dim, 1) if input_gather == "tokens" else
+                     _part(local, grid, out_dim, -1) if input_gather == "features" else local)
+            local_dy = _part(dy, grid, out_dim, -1)
+            local_dy = (_part(local_dy, grid, in_dim, 1) if reduction == "scatter_tokens" else
+                        _part(local_dy, grid, in_dim, -1) if reduction == "scatter_features" else local_dy)
+            out, sent, calls = [], [], []
+            for chunks in (1, 2):
+                layer = ParallelLinear(grid, K, [RowSource("w", 0, N)], kind, seed=0, std=0.5, bias=True,
+                                       reduction=reduction, input_gather=input_gather, keep_gathered_input=keep,
+                                       dtype=x.dtype, fp8=fp8,
+                                       overlap=Overlapper(OverlapOptions(forward_chunks=chunks), grid.group("z")))
+                grid.ledger.reset()
+                xi = local.clone().requires_grad_()
+                y = layer(xi)
+                y.backward(local_dy)
+                out.append([y.detach(), xi.grad, layer.weight.grad, layer.bias.grad])
+                sent.append(grid.ledger.bytes())
+                calls.append(grid.ledger.calls().get((in_dim, op), 0))
+            error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*out))
+            results.append((error, sent[0] == sent[1], tuple(calls)))
+    return results
+
+
+FORMS = [  # (kind, reduction, input_gather): the block plans' linears (blockspec.block_plan)
+    ("x-in", "all_reduce", "tokens"),  # QKV, gate/up under sequence parallelism
+    ("x-in", "scatter_features", "tokens"),  # the same on the non-redundant path (whole heads per rank)
+    ("y-in", "scatter_tokens", "none"),  # out, down under sequence parallelism
+    ("y-in", "scatter_tokens", "features"),  # the same on the non-redundant path
+    ("x-in", "all_reduce", "none"),  # without sequence parallelism
+    ("y-in", "all_reduce", "features"),
+    ("x-in", "scatter_tokens", "tokens"),  # the LM head under sequence parallelism (vocab.LMHead)
+]
+
+
+@pytest.mark.parametrize("sizes", [dict(x=2, y=2), dict(y=2)], ids=["x2y2", "y2"])
+@pytest.mark.parametrize("kind, reduction, input_gather", FORMS, ids=lambda v: v)
+def test_a_pipelined_forward_equals_the_whole(ranks, sizes, kind, reduction, input_gather):
+    world = Layout(**sizes).world_size
+    in_size = sizes.get(LINEAR_KINDS[kind][0], 1)
+    for rank in ranks.run(_chunked_against_whole, world, sizes, kind, reduction, input_gather):
+        for error, same_bytes, (whole, chunked) in rank:
+            assert error < 1e-12 and same_bytes
+            if in_size > 1:
+                assert chunked == 2 * whole, (whole, chunked)  # (the reduction did run chunk by chunk)
+
+
+def test_a_pipelined_forward_with_fp8_rowwise_equals_the_whole(ranks):
+    """Rowwise, each token's scale is its own and the weight's the same in every chunk: the float8 GEMMs
+    chunk exactly (tensorwise, a chunk's scale would not be the whole input's: not chunked)."""
+    pytest.importorskip("torchao")
+    for rank in ranks.run(_chunked_against_whole, 4, dict(x=2, y=2), "x-in", "all_reduce", "tokens", "rowwise"):
+        for error, _, (whole, chunked) in rank:
+            assert error < 1e-6 and chunked == 2 * whole
