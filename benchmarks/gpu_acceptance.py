@@ -42,7 +42,8 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
   masked          document-masked attention (GQA) on one rank: the band's SDPA takes the memory-efficient
                   kernel with K/V repeated (`masked_attention(expand_heads)`; sdpa_kernel(EFFICIENT_ATTENTION)
                   must not raise), its time and peak against the math kernel's; the cp ring's masked blocks
-                  (fp32 scores today) against the efficient kernel's forward and backward with out and lse
+                  on the efficient kernel (`context._masked_efficient`): equal to `_masked_math` in bf16
+                  tolerance, its time and peak against it
   compile_whole   a dp-only Llama step with train.compile (each block one graph): tokens/s against eager,
                   zero graph breaks (torch._dynamo counters) with ZeRO-1's gathers in flight
   forward_tp      a tp8 (y8, sequence parallel) Llama step with train.overlap on (forward_chunks 2) against

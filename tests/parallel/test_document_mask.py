@@ -236,6 +236,56 @@ def test_masked_block_on_cpu_and_elsewhere():
     assert grads[0][:, :, 0].abs().max() == 0  # the row that sees nothing
 
 
+def _efficient_reference(q, k, v, bias, scale):
+    """CUDA's memory-efficient kernel as its contract reads (torch's meta registration): one head of
+    K/V a query head, a bias of q's dtype whose rows start at 16-element boundaries, the log-sum-exp
+    padded to 32 rows (the pad unspecified: NaN here)."""
+    assert k.shape[1] == q.shape[1] and bias.shape == (*q.shape[:3], k.shape[2]) and bias.dtype == q.dtype
+    assert bias.stride(-2) % context.BIAS_ALIGNMENT == 0 and bias.stride(-1) == 1
+    s = q @ k.transpose(-1, -2) * scale + bias
+    lse = s.logsumexp(-1)
+    out = torch.softmax(s, -1) @ v
+    padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=torch.float64)
+    padded[..., :lse.shape[2]] = lse
+    return out, padded
+
+
+def _efficient_backward_reference(dout, q, k, v, bias, out, lse, scale):
+    assert lse.shape[-1] % context.LSE_ALIGNMENT == 0 and k.shape[1] == q.shape[1]
+    p = torch.exp(q @ k.transpose(-1, -2) * scale + bias - lse[..., :q.shape[2], None])
+    dp = dout @ v.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale
+    return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ dout
+
+
+def test_masked_block_on_the_efficient_kernel(monkeypatch):
+    """The ring's masked blocks on CUDA: the memory-efficient kernel with the mask as a bias, GQA's
+    K/V repeated and their gradients summed back, the log-sum-exp unpadded and padded again. With
+    the kernel's contract run on CPU (`_efficient_reference`), equal to the explicit scores in
+    float64, rows seeing no key included (they merge as nothing and get no gradient)."""
+    monkeypatch.setattr(context, "efficient_forward", _efficient_reference)
+    monkeypatch.setattr(context, "efficient_backward", _efficient_backward_reference)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    mask = torch.rand(2, 6, 5, generator=g) < 0.5
+    mask[:, 0] = False
+    mask[:, 1] = True
+    out, lse = context._masked_efficient(q, k, v, mask, 0.3)
+    out_m, lse_m = context._masked_math(q, k, v, mask, 0.3)
+    seen = mask.any(-1)[:, None].expand_as(lse)
+    assert lse.shape == lse_m.shape and lse.is_contiguous()
+    assert (out - out_m)[seen].abs().max() < 1e-14 and (lse - lse_m)[seen].abs().max() < 1e-14
+    assert (lse[~seen] < -1e300).all()
+    final = torch.where(seen, lse_m, 0.0)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = context._masked_efficient_backward(dout, q, k, v, out_m, final, mask, 0.3)
+    grads_m = context._masked_math_backward(dout, q, k, v, out_m, final, mask, 0.3)
+    for a, b in zip(grads, grads_m):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-13
+    assert grads[0][:, :, 0].abs().max() == 0
+
+
 def test_rules_accept_context_parallelism():
     job = Job(Layout(cp=2), global_batch=8, micro_batch=8, seq=16)
     assert problems(LLAMA, job, world=2, attention="document") == problems(LLAMA, job, world=2) == []

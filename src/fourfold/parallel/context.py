@@ -14,8 +14,8 @@ than the window before it. The ids of the whole sequence are all-gathered over c
 the positions of every block are known from the chunk layout. Each block's rows are cut into bands,
 each attending only to the keys its documents, causality and window reach (`Documents.ring`; a step
 where no row sees the block is skipped, the blocks still travel so that every rank does the same
-exchanges). A band gets its mask as an additive bias on the CPU's flash kernel, or explicit masked
-scores elsewhere (`attend_block_masked`).
+exchanges). A band gets its mask as an additive bias on the CPU's flash kernel and on CUDA's
+memory-efficient kernel, or explicit masked scores elsewhere (`attend_block_masked`).
 """
 
 from __future__ import annotations
@@ -93,12 +93,14 @@ def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, e
 def attend_block_masked(q, k, v, mask, scale: float):
     """One block under a boolean mask [b, rows, keys] (True: seen): (output in q's dtype, log-sum-
     exp per row in at least fp32). A row that sees no key gets a log-sum-exp that merges as nothing
-    (-inf, or about the dtype's lowest number on CPU). GQA as `attend_block`."""
+    (-inf, or about the dtype's lowest number on CPU and CUDA). GQA as `attend_block`."""
     check_flash_inputs(q, k, v)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=_bias(mask, q.dtype), scale=scale)
         return out, lse
+    if q.is_cuda:
+        return _masked_efficient(q, k, v, mask, scale)
     return _masked_math(q, k, v, mask, scale)
 
 
@@ -108,6 +110,8 @@ def attend_block_masked_backward(dout, q, k, v, out, lse, mask, scale: float):
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, False, attn_mask=_bias(mask, q.dtype), scale=scale)
+    if q.is_cuda:
+        return _masked_efficient_backward(dout, q, k, v, out, lse, mask, scale)
     return _masked_math_backward(dout, q, k, v, out, lse, mask, scale)
 
 
@@ -117,6 +121,64 @@ def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     and with the finite bias an output weighted exp(lowest - lse) = 0 when merged."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return bias.masked_fill_(~mask, torch.finfo(dtype).min)[:, None]
+
+
+# CUDA's memory-efficient attention (the kernel SDPA picks for a masked call) reads the bias's rows
+# at a stride of whole 16-element groups and pads the log-sum-exp's rows to a multiple of 32
+BIAS_ALIGNMENT, LSE_ALIGNMENT = 16, 32
+
+
+def efficient_forward(q, k, v, bias, scale: float):
+    """CUDA's memory-efficient attention: (output, log-sum-exp [b, heads, rows padded to 32])."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False,
+                                                                            scale=scale)
+    return out, lse
+
+
+def efficient_backward(dout, q, k, v, bias, out, lse, scale: float):
+    """Its backward, given the rows' final output and padded log-sum-exp: (dq, dk, dv)."""
+    seed = offset = torch.zeros((), dtype=torch.long)  # (read only with dropout)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale)
+    return dq, dk, dv
+
+
+def _efficient_bias(mask: torch.Tensor, q: torch.Tensor, keys: int) -> torch.Tensor:
+    """The mask as the efficient kernel's additive bias [b, heads, rows, keys] in q's dtype: one
+    [b, rows, keys] tensor (its rows padded to BIAS_ALIGNMENT, as SDPA pads a mask), expanded over
+    the heads; the lowest finite number where masked, as for the CPU kernel (`_bias`)."""
+    b, rows = mask.shape[0], mask.shape[1]
+    padded = -(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    bias = q.new_zeros(b, rows, padded)[..., :keys]
+    bias.masked_fill_(~mask, torch.finfo(q.dtype).min)
+    return bias[:, None].expand(q.shape[0], q.shape[1], rows, keys)
+
+
+def _repeat_heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """GQA's K or V repeated to the query heads: the efficient kernel takes a bias but not GQA."""
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _masked_efficient(q, k, v, mask, scale):
+    """`attend_block_masked` on CUDA's memory-efficient kernel: the mask a bf16 bias of one element
+    a (row, key), where the explicit path keeps fp32 scores for every head, and no score matrix
+    kept (backward recomputes them in its tiles)."""
+    group = q.shape[1] // k.shape[1]
+    out, lse = efficient_forward(q, _repeat_heads(k, group), _repeat_heads(v, group),
+                                 _efficient_bias(mask, q, k.shape[2]), scale)
+    return out, lse[..., :q.shape[2]].contiguous()
+
+
+def _masked_efficient_backward(dout, q, k, v, out, lse, mask, scale):
+    b, heads, rows = lse.shape
+    group = heads // k.shape[1]
+    padded = lse.new_zeros(b, heads, -(-rows // LSE_ALIGNMENT) * LSE_ALIGNMENT)
+    padded[..., :rows] = lse
+    dq, dk, dv = efficient_backward(dout, q, _repeat_heads(k, group), _repeat_heads(v, group),
+                                    _efficient_bias(mask, q, k.shape[2]), out, padded, scale)
+    if group > 1:  # each kv head's gradient: the sum over the query heads that read it
+        dk, dv = (t.unflatten(1, (k.shape[1], group)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
