@@ -1,6 +1,7 @@
 """A small Llama training step (forward, backward, AdamW) on the same ranks: fourfold data
 parallelism (ZeRO-1, its parameter all-gather waited at the update or left in flight behind the
-next forward), fourfold 3D grids with overlap off and on, torch DDP and torch FSDP2.
+next forward), fourfold 3D grids with overlap off and on (on: also with each linear's forward
+unchunked, `forward_chunks` 1), torch DDP and torch FSDP2.
 
 Run: OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 benchmarks/train_step.py [--repeat 5]
 """
@@ -81,6 +82,8 @@ def main() -> None:
         ("fourfold dp2 x2 z2, overlap off", Layout(dp=2, x=2, z=2), off, False),
         ("fourfold dp2 x2 z2, overlap on", Layout(dp=2, x=2, z=2), OverlapOptions(), True),
         ("fourfold dp2 y2 z2, overlap off", Layout(dp=2, y=2, z=2), off, False),
+        ("fourfold dp2 y2 z2, overlap on, forward unchunked", Layout(dp=2, y=2, z=2),
+         OverlapOptions(forward_chunks=1), True),
         ("fourfold dp2 y2 z2, overlap on", Layout(dp=2, y=2, z=2), OverlapOptions(), True),
     ]:
         step, grid = fourfold_step(layout, overlap, ids, gather)
