@@ -23,13 +23,15 @@ Sections (each {"error": ...} if it raised; the others still run):
   throughput      tokens/s and MFU of fourfold, transformers like for like (fp32 master weights, bf16
                   autocast, fused AdamW) and transformers in pure bf16 (bf16 weights and moments); the host
                   syncs in each one's timed steps (torch.cuda.set_sync_debug_mode: fourfold's must be 0) and
-                  the attention kernels fourfold's step dispatched (which SDPA backend ran)
+                  the attention kernels fourfold's step dispatched (which SDPA backend ran: cuDNN's where
+                  it takes the shapes, `context.preferred_kernels`, else flash)
   memory          fourfold's peak at recompute none / selective / full x micro-batch 1 / 8 against the
                   planner's estimate (fourfold.plan.memory.fourfold_memory): max_allocated within 10% of
                   its allocator terms
   compile         train.compile off and on: compile seconds, tokens/s
-  flash           fourfold's attention forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)): a
-                  silent fall-back to another kernel would raise here
+  flash           fourfold's attention forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION), which
+                  `preferred_kernels` keeps): a silent fall-back would raise here; its tokens/s against the
+                  throughput section's (cuDNN first)
 
 Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, docs/benchmarks.md):
   param_gather    ZeRO-1's parameter all-gather left in flight (optimizer.overlap_param_gather true) against

@@ -286,6 +286,24 @@ def test_masked_block_on_the_efficient_kernel(monkeypatch):
     assert grads[0][:, :, 0].abs().max() == 0
 
 
+def test_preferred_kernels_put_cudnn_first_and_keep_what_the_caller_turned_off():
+    """`context.preferred_kernels` (entered by `Model.step` on GPUs): SDPA's priority cuDNN, then flash;
+    inside an enclosing sdpa_kernel(FLASH_ATTENTION) only flash stays on; the previous state after."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = torch._C._get_sdp_priority_order()
+    with context.preferred_kernels():
+        order = torch._C._get_sdp_priority_order()
+        assert order[:2] == [int(SDPBackend.CUDNN_ATTENTION), int(SDPBackend.FLASH_ATTENTION)]
+        assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch._C._get_sdp_priority_order() == before
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), context.preferred_kernels():
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert not (torch.backends.cuda.cudnn_sdp_enabled() or torch.backends.cuda.math_sdp_enabled()
+                    or torch.backends.cuda.mem_efficient_sdp_enabled())
+    assert torch.backends.cuda.cudnn_sdp_enabled() and torch._C._get_sdp_priority_order() == before
+
+
 def test_rules_accept_context_parallelism():
     job = Job(Layout(cp=2), global_batch=8, micro_batch=8, seq=16)
     assert problems(LLAMA, job, world=2, attention="document") == problems(LLAMA, job, world=2) == []

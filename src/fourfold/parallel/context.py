@@ -24,6 +24,7 @@ import dataclasses
 import math
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fourfold.parallel import comm
 from fourfold.parallel.comm import P2P, Group
@@ -64,6 +65,23 @@ def check_flash_inputs(q, k, v, lse=None) -> None:
                            f"tensor; got shape {tuple(lse.shape)} with strides {lse.stride()} (make it contiguous)")
     if q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"CUDA's flash attention takes bf16 or fp16, not {q.dtype}; use precision bf16")
+
+
+# SDPA's kernels as fourfold prefers them on GPUs: cuDNN's fused attention (the fastest on Hopper and
+# Blackwell where it takes the shapes), then flash; torch's own order tries flash first
+PREFERRED_KERNELS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH)
+_ENABLED = {SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+            SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+            SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+            SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled}
+
+
+def preferred_kernels():
+    """A context in which SDPA tries its kernels in `PREFERRED_KERNELS`' order; a kernel the caller
+    turned off (an enclosing `sdpa_kernel`) stays off. Entered once a step (`Model.step`), outside
+    compiled code."""
+    return sdpa_kernel([k for k in PREFERRED_KERNELS if _ENABLED[k]()], set_priority=True)
 
 
 def attend_block(q, k, v, causal: bool, scale: float):

@@ -10,6 +10,7 @@ schedule's per-micro-batch keyword arguments, which every stage receives), never
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -88,6 +89,10 @@ class Model:
     def step(self, batch: LocalBatch, sync: GradientSync, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches; returns its share of the mean loss
         (each micro-batch's summed token losses times `scale`)."""
+        with self._kernels():
+            return self._step(batch, sync, scale)
+
+    def _step(self, batch: LocalBatch, sync: GradientSync, scale: float) -> torch.Tensor:
         if self.pipeline is not None:
             return self.pipeline.step(*batch, scale=scale, ready=sync.wait_for)
         total = torch.zeros((), dtype=torch.float64, device=self.grid.device)
@@ -130,6 +135,11 @@ class Model:
     def losses(self, batch: LocalBatch) -> torch.Tensor | None:
         """Forward only: the per-token losses of a local batch of any size, as one micro-batch
         (None on a pipeline rank without the last stage)."""
-        if self.pipeline is not None:
-            return self.pipeline.losses(*batch)
-        return self.module(*batch)
+        with self._kernels():
+            if self.pipeline is not None:
+                return self.pipeline.losses(*batch)
+            return self.module(*batch)
+
+    def _kernels(self):
+        """On GPUs, causal attention tries cuDNN's kernel first, then flash (`context.preferred_kernels`)."""
+        return context.preferred_kernels() if self.grid.device.type == "cuda" else contextlib.nullcontext()
