@@ -41,9 +41,10 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
                   their loop (`ParallelMoE.grouped_gemm` false): step time, the grouped kernel taken (an
                   nsys trace), no host sync in the dropless step (set_sync_debug_mode), and CUDA peak against
                   the estimator's stacked-weight and all-rows terms
-  masked          document-masked attention (GQA) on one rank: the band's SDPA takes the memory-efficient
-                  kernel with K/V repeated (`masked_attention(expand_heads)`; sdpa_kernel(EFFICIENT_ATTENTION)
-                  must not raise), its time and peak against the math kernel's; the cp ring's masked blocks
+  masked          document-masked attention (GQA, and a sliding window) on one rank: flash's varlen kernel
+                  (`masked_attention`, the default in bf16 on CUDA) equal to the banded path within bf16
+                  tolerance, its time and peak against the banded efficient kernel's (`varlen=False`,
+                  K/V repeated) and against causal attention; the cp ring's masked blocks
                   on the efficient kernel (`context._masked_efficient`): equal to `_masked_math` in bf16
                   tolerance, its time and peak against it
   compile_whole   a dp-only Llama step with train.compile (each block one graph): tokens/s against eager,

@@ -304,6 +304,60 @@ def test_preferred_kernels_put_cudnn_first_and_keep_what_the_caller_turned_off()
     assert torch.backends.cuda.cudnn_sdp_enabled() and torch._C._get_sdp_priority_order() == before
 
 
+def _flash_varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, enable_gqa=False,
+                            window_size=(-1, -1)):
+    """torch's varlen_attn as its contract reads, on CPU: packed [tokens, heads, d] rows, int32
+    cumulative starts, and flash-attn's window: query i sees keys i - left .. i + right inclusive
+    (-1: no bound)."""
+    assert cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k)
+    assert max_q == max_k == int(cu_seq_q.diff().max()) and (enable_gqa or key.shape[1] == query.shape[1])
+    left, right = window_size
+    out = []
+    for a, e in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        i = torch.arange(e - a)
+        distance = i[:, None] - i[None, :]
+        seen = (distance >= -right if right >= 0 else True) & (distance <= left if left >= 0 else True)
+        q, k, v = (t[a:e].transpose(0, 1) for t in (query, key, value))
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=seen, scale=scale, enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_document_ids_as_varlen_sequences():
+    ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    starts, longest = context.Documents(ids).varlen(2, 5, torch.device("cpu"))
+    assert starts.tolist() == [0, 2, 5, 6, 8, 10] and starts.dtype == torch.int32 and longest == 3
+    starts, longest = context.Documents(None).varlen(2, 5, torch.device("cpu"))
+    assert starts.tolist() == [0, 5, 10] and longest == 5
+    with pytest.raises(ValueError, match="must not decrease"):
+        context.Documents(torch.tensor([[0, 1, 0]])).varlen(1, 3, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_masked_attention_on_varlen_equals_the_banded_path(monkeypatch, window):
+    """CUDA's path: flash's varlen kernel, each document a sequence and the window its left window,
+    GQA native. With the kernel's contract run on CPU (`_flash_varlen_reference`), equal to the
+    banded SDPA path in float64, forward and backward, with documents, a window, or both."""
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", _flash_varlen_reference)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 8, 24, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    for ids in (torch.tensor([[0] * 10 + [1] * 14, [0] * 3 + [1] * 12 + [2] * 9]), None):
+        if ids is None and not window:
+            continue
+        results = []
+        for use_varlen in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = masked_attention(*leaves, ids, window, enable_gqa=True, varlen=use_varlen)
+            out.backward(dout)
+            results.append([out.detach(), *(t.grad for t in leaves)])
+        for a, b in zip(*results):
+            assert (a - b).abs().max() < 1e-13
+
+
 def test_rules_accept_context_parallelism():
     job = Job(Layout(cp=2), global_batch=8, micro_batch=8, seq=16)
     assert problems(LLAMA, job, world=2, attention="document") == problems(LLAMA, job, world=2) == []

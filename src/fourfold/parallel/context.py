@@ -312,6 +312,26 @@ class Documents:
                                       [rank_positions(0, 1, seq)], window, device)[0]
         return self._plans[key]
 
+    def varlen(self, batch: int, seq: int, device) -> tuple[torch.Tensor, int]:
+        """Each document a sequence of its own, as varlen kernels take them: the cumulative starts
+        [documents + 1] (int32, on `device`) over the batch's tokens flattened, and the longest
+        document. One host read (the ids, b*s integers), made once a forward; none without ids."""
+        key = ("varlen", batch, seq)
+        if key not in self._plans:
+            if self.ids is None:
+                starts, longest = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32), seq
+            else:
+                ids = self.ids.cpu()  # (the one host read)
+                if decreasing(ids):
+                    raise ValueError("document ids must not decrease along the sequence (as block.document_ids "
+                                     "gives them)")
+                first = torch.ones(ids.shape, dtype=torch.bool)
+                first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+                starts = torch.cat([first.flatten().nonzero().flatten(), torch.tensor([ids.numel()])]).int()
+                longest = int(starts.diff().max())
+            self._plans[key] = (starts.to(device, non_blocking=True), longest)
+        return self._plans[key]
+
     def ring(self, cp: Group, seq: int, window: int, device) -> list[BlockPlan | None]:
         """Ring attention's plan over `cp`, step by step (None: no row sees the arriving block)."""
         key = (cp.ranks, seq, window)

@@ -135,20 +135,27 @@ def document_ids(ids: torch.Tensor, end_of_document: int) -> torch.Tensor:
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | Documents | None,
                      window: int = 0, *, enable_gqa: bool, scale: float | None = None,
-                     expand_heads: bool | None = None) -> torch.Tensor:
+                     expand_heads: bool | None = None, varlen: bool | None = None) -> torch.Tensor:
     """Causal attention within each document (`documents`: [b, s] ids, or None: one a sequence) and
-    within a sliding `window` (0: none): the rows in bands (`context.Documents.whole`), each band's
-    SDPA over only the keys its documents and window reach, with the mask of that part materialised
-    ([b, 1, band, keys]). A correct path on any device, and on CPU with the mask nearer plain causal
-    attention's cost than one [s, s] mask (on CUDA a varlen or windowed flash kernel would avoid the
-    mask, not done yet). Ids must not decrease (checked). The bands are made once per `Documents`
-    (at most one host read a forward, not a layer).
+    within a sliding `window` (0: none). Ids must not decrease (checked); what is planned from them
+    is made once per `Documents` (at most one host read a forward, not a layer).
 
-    `expand_heads` (default: on CUDA): GQA's K/V repeated to the query heads for each band. CUDA's
-    memory-efficient kernel takes a mask but not GQA, so SDPA given both takes the math path (its
-    scores kept for backward); repeated, the band runs on the efficient kernel. CPU's flash kernel
-    takes both."""
+    `varlen` (default: on CUDA in bf16 or fp16 with one head size): flash's variable-length kernel
+    (`varlen_kernel`), every document a sequence of its own (`Documents.varlen`) and the window its
+    left window, GQA native: no mask at all. Else the rows in bands (`context.Documents.whole`), each
+    band's SDPA over only the keys its documents and window reach, with the mask of that part
+    materialised ([b, 1, band, keys]): any device, and on CPU with the mask nearer plain causal
+    attention's cost than one [s, s] mask.
+
+    `expand_heads` (banded, default: on CUDA): GQA's K/V repeated to the query heads for each band.
+    CUDA's memory-efficient kernel takes a mask but not GQA, so SDPA given both takes the math path
+    (its scores kept for backward); repeated, the band runs on the efficient kernel. CPU's flash
+    kernel takes both."""
     documents = context.as_documents(documents)
+    if varlen is None:
+        varlen = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]
+    if varlen:
+        return _varlen_attention(q, k, v, documents, window, enable_gqa, scale)
     plan = documents.whole(q.shape[2], window, q.device)
     if enable_gqa and (q.is_cuda if expand_heads is None else expand_heads):
         group = q.shape[1] // k.shape[1]
@@ -158,6 +165,25 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
                                           scale=scale)
            for rows, keys in plan.cut]  # (keys never empty: each row sees itself)
     return torch.cat(out, dim=2)
+
+
+def varlen_kernel(q, k, v, starts: torch.Tensor, longest: int, window: int, enable_gqa: bool, scale: float | None):
+    """torch's flash varlen attention on packed [tokens, heads, d] rows: each span of `starts` one
+    sequence, causal, and with `window` > 0 only the window - 1 keys before a query and itself."""
+    from torch.nn.attention.varlen import varlen_attn  # (CUDA only)
+
+    return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scale, enable_gqa=enable_gqa,
+                       window_size=(window - 1 if window else -1, 0))
+
+
+def _varlen_attention(q, k, v, documents: Documents, window: int, enable_gqa: bool, scale: float | None):
+    """`masked_attention` on `varlen_kernel`: [b, heads, s, d] in and out, packed [b*s, heads, d] between
+    (views where the heads' rows are already token-major, as qkv's are)."""
+    b, heads, s, _ = q.shape
+    starts, longest = documents.varlen(b, s, q.device)
+    packed = [t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3]) for t in (q, k, v)]
+    out = varlen_kernel(*packed, starts, longest, window, enable_gqa, scale)
+    return out.view(b, s, heads, -1).transpose(1, 2)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
