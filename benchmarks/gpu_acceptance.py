@@ -24,7 +24,8 @@ Sections (each {"error": ...} if it raised; the others still run):
                   autocast, fused AdamW) and transformers in pure bf16 (bf16 weights and moments); the host
                   syncs in each one's timed steps (torch.cuda.set_sync_debug_mode: fourfold's must be 0) and
                   the attention kernels fourfold's step dispatched (which SDPA backend ran: cuDNN's where
-                  it takes the shapes, `context.preferred_kernels`, else flash)
+                  it takes the shapes, `context.preferred_kernels`, else flash; transformers' steps run
+                  torch's default order, flash first: compare kernels before tokens/s)
   memory          fourfold's peak at recompute none / selective / full x micro-batch 1 / 8 against the
                   planner's estimate (fourfold.plan.memory.fourfold_memory): max_allocated within 10% of
                   its allocator terms
@@ -46,7 +47,8 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
                   tolerance, its time and peak against the banded efficient kernel's (`varlen=False`,
                   K/V repeated) and against causal attention; the cp ring's masked blocks
                   on the efficient kernel (`context._masked_efficient`): equal to `_masked_math` in bf16
-                  tolerance, its time and peak against it
+                  tolerance on every row, those that see none of a block's keys included (their lse
+                  -inf), its time and peak against it
   compile_whole   a dp-only Llama step with train.compile (each block one graph): tokens/s against eager,
                   zero graph breaks (torch._dynamo counters) with ZeRO-1's gathers in flight
   forward_tp      a tp8 (y8, sequence parallel) Llama step with train.overlap on (forward_chunks 2) against

@@ -237,15 +237,19 @@ def test_masked_block_on_cpu_and_elsewhere():
 
 
 def _efficient_reference(q, k, v, bias, scale):
-    """CUDA's memory-efficient kernel as its contract reads (torch's meta registration): one head of
-    K/V a query head, a bias of q's dtype whose rows start at 16-element boundaries, the log-sum-exp
-    padded to 32 rows (the pad unspecified: NaN here)."""
+    """CUDA's memory-efficient kernel as its contract reads (torch's meta registration and its CUDA
+    source): one head of K/V a query head, a bias of q's dtype whose rows start at 16-element
+    boundaries, the log-sum-exp padded to 32 rows (+inf in the pad). A row whose bias is the dtype's
+    lowest number everywhere gets output 0 and log-sum-exp 0: the kernel scales the bias by log2(e),
+    past fp32's range for bf16, and resets a row whose maximum is -inf."""
     assert k.shape[1] == q.shape[1] and bias.shape == (*q.shape[:3], k.shape[2]) and bias.dtype == q.dtype
     assert bias.stride(-2) % context.BIAS_ALIGNMENT == 0 and bias.stride(-1) == 1
     s = q @ k.transpose(-1, -2) * scale + bias
     lse = s.logsumexp(-1)
     out = torch.softmax(s, -1) @ v
-    padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=torch.float64)
+    unseen = (bias == torch.finfo(bias.dtype).min).all(-1)
+    lse, out = lse.masked_fill(unseen, 0.0), out.masked_fill(unseen[..., None], 0.0)
+    padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("inf"), dtype=torch.float64)
     padded[..., :lse.shape[2]] = lse
     return out, padded
 
@@ -276,7 +280,10 @@ def test_masked_block_on_the_efficient_kernel(monkeypatch):
     seen = mask.any(-1)[:, None].expand_as(lse)
     assert lse.shape == lse_m.shape and lse.is_contiguous()
     assert (out - out_m)[seen].abs().max() < 1e-14 and (lse - lse_m)[seen].abs().max() < 1e-14
-    assert (lse[~seen] < -1e300).all()
+    assert torch.equal(lse[~seen], lse_m[~seen]) and torch.isinf(lse[~seen]).all()  # -inf, as the kernel's 0 is not
+    merged_out, merged_lse = torch.ones_like(out), torch.zeros_like(lse)
+    context._merge(merged_out, merged_lse, out, lse)  # a row that sees nothing leaves what it merges into
+    assert (merged_out[:, :, 0] == 1).all() and (merged_lse[:, :, 0] == 0).all()
     final = torch.where(seen, lse_m, 0.0)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
     grads = context._masked_efficient_backward(dout, q, k, v, out_m, final, mask, 0.3)
@@ -302,6 +309,9 @@ def test_preferred_kernels_put_cudnn_first_and_keep_what_the_caller_turned_off()
         assert not (torch.backends.cuda.cudnn_sdp_enabled() or torch.backends.cuda.math_sdp_enabled()
                     or torch.backends.cuda.mem_efficient_sdp_enabled())
     assert torch.backends.cuda.cudnn_sdp_enabled() and torch._C._get_sdp_priority_order() == before
+    with sdpa_kernel(SDPBackend.MATH), context.preferred_kernels():  # (sdpa_kernel alone would keep math first)
+        pass
+    assert torch._C._get_sdp_priority_order() == before
 
 
 def _flash_varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, enable_gqa=False,
@@ -323,10 +333,24 @@ def _flash_varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
     return torch.cat(out)
 
 
+def test_the_efficient_kernels_calls_bind_to_torchs_operators():
+    """The real aten calls of the masked blocks' CUDA path, on meta tensors (torch's shape rules):
+    the arguments bind to the operators' schemas and the shapes are the flash path's."""
+    q = torch.empty(2, 8, 40, 64, device="meta", dtype=torch.bfloat16)
+    k, v = (torch.empty(2, 2, 24, 64, device="meta", dtype=torch.bfloat16) for _ in "kv")
+    mask = torch.ones(2, 40, 24, device="meta", dtype=torch.bool)
+    out, lse = context._masked_efficient(q, k, v, mask, 0.125)
+    grads = context._masked_efficient_backward(torch.empty_like(out), q, k, v, out, lse, mask, 0.125)
+    assert out.shape == q.shape and lse.shape == (2, 8, 40) and lse.dtype == torch.float32
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
 def test_document_ids_as_varlen_sequences():
     ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
     starts, longest = context.Documents(ids).varlen(2, 5, torch.device("cpu"))
     assert starts.tolist() == [0, 2, 5, 6, 8, 10] and starts.dtype == torch.int32 and longest == 3
+    starts, longest = context.Documents(torch.zeros(2, 3, dtype=torch.long)).varlen(2, 3, torch.device("cpu"))
+    assert starts.tolist() == [0, 3, 6] and longest == 3  # a sequence's first token starts a document
     starts, longest = context.Documents(None).varlen(2, 5, torch.device("cpu"))
     assert starts.tolist() == [0, 5, 10] and longest == 5
     with pytest.raises(ValueError, match="must not decrease"):

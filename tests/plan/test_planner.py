@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fourfold.models.config import load_config
 from fourfold.plan.constants import Calibration
-from fourfold.plan.frameworks import FOURFOLD, MEGATRON
+from fourfold.plan.frameworks import FOURFOLD, MEGATRON, Megatron, named
 from fourfold.plan.frameworks.fourfold import ORDERS, Fourfold
 from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
 from fourfold.plan.perf import compute_bound, placement_bound, step_time
@@ -126,11 +126,12 @@ SETUPS = st.builds(
     recompute=st.sampled_from(["none", "selective", "full"]))
 
 
-@given(s=SETUPS, framework=st.sampled_from([FOURFOLD, MEGATRON]), per_node=st.sampled_from([2, 4, 8]))
+@given(s=SETUPS, framework=st.sampled_from([FOURFOLD, MEGATRON, Megatron("all_gather"), Megatron("a2a")]),
+       per_node=st.sampled_from([2, 4, 8]))
 @settings(max_examples=150, deadline=None)
 def test_the_search_bounds_are_below_every_placements_step_time(s, framework, per_node):
     # The search stops on these bounds, so a bound above a step time would drop a better job.
-    if framework is MEGATRON:
+    if isinstance(framework, Megatron):
         s = s.with_layout(x=1, z=1)
     cluster = replace(CLUSTER, gpus_per_node=per_node)
     variants = [s, replace(s, keep_gathered_inputs=True)] if framework is FOURFOLD else [s]
@@ -388,3 +389,49 @@ def test_a_sliding_window_prices_only_the_pairs_it_keeps():
     full_step, windowed_step = (step_time(cfg, job, CLUSTER) for cfg in (full, windowed))
     assert windowed_step.compute < 0.5 * full_step.compute
     assert windowed_step.flops_per_gpu < 0.6 * full_step.flops_per_gpu  # (6N is about half of the full one)
+
+
+def test_megatrons_a2a_context_exchange_by_hand():
+    """cp_comm a2a (Ulysses): Q, K, V and the output all-to-all over cp in forward, dO, dQ, dK, dV in
+    backward, each rank sending (cp-1)/cp of each; Llama 3.1 8B, y2 cp4 in one H100 node, 32k tokens."""
+    from fourfold.plan.constants import constants
+    from fourfold.plan.perf import _a2a_seconds
+
+    cfg, cluster = load_config("llama-3.1-8b"), make_cluster("dgx-h100")
+    s = job(dp=1, cp=4, y=2, seq=32768, micro_batch=1, global_batch=8)
+    k = constants(Calibration(), cluster)
+    rows = 32768 // 4 * 128  # one head's rows of a rank
+    elements = 2 * (16 * rows + 4 * rows)  # Q and the output on 16 heads, K and V on 4, a pass
+    seconds = 2 * elements * 2 * 3 / 4 / (450e9 * k.intra_node_efficiency) + 8 * 3 * k.latency_us * 1e-6
+    assert abs(_a2a_seconds(cfg, s, cluster, k, Megatron("a2a")) / seconds - 1) < 1e-12
+    recomputed = _a2a_seconds(cfg, replace(s, recompute="full"), cluster, k, Megatron("a2a"))
+    assert abs(recomputed / seconds - 1.5) < 1e-12  # the forward's four again
+    assert not Megatron("a2a").problems(cfg, s)
+    eight = Megatron("a2a").problems(cfg, replace(s, layout=replace(s.layout, cp=8, dp=1)))
+    assert any("does not divide its 16 query and 4 key/value heads" in p.what for p in eight)
+
+
+def test_the_cp_exchange_is_the_megatron_profiles_choice():
+    assert named("megatron") is MEGATRON and named("megatron", "p2p") is MEGATRON
+    assert named("fourfold", "p2p") is FOURFOLD
+    assert named("megatron", "a2a").cp_comm == "a2a"
+    with pytest.raises(ValueError, match="give --framework megatron"):
+        named("fourfold", "all_gather")
+    with pytest.raises(ValueError, match="give one of p2p, all_gather, a2a"):
+        Megatron("ring")
+
+
+def test_cli_prices_each_cp_exchange(capsys):
+    from fourfold.cli.main import main
+
+    args = ["estimate", "--model", "llama-3.1-8b", "--seq", "32768", "--global-batch", "16", "--dp", "2", "--cp", "4",
+            "--tp", "2", "--framework", "megatron", "--json"]
+    steps = {}
+    for comm in ("p2p", "all_gather", "a2a"):
+        assert main([*args, "--cp-comm", comm]) == 0
+        out = json.loads(capsys.readouterr().out)
+        steps[comm] = out["step_seconds"]
+        assert f"--cp-comm {comm}" in out["commands"]["estimate"]
+    assert len(set(steps.values())) == 3
+    assert main(["estimate", "--model", "llama-3.1-8b", "--cp", "2", "--dp", "2", "--cp-comm", "a2a"]) != 0
+    assert "give --framework megatron" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from fourfold.cli.options import layer_counts
 from fourfold.config import as_overrides, job_settings
 from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.constants import Calibration
-from fourfold.plan.frameworks import FRAMEWORKS, named
+from fourfold.plan.frameworks import CP_COMMS, FRAMEWORKS, named
 from fourfold.plan.memory import GIB
 from fourfold.plan.search import HEADROOM, as_json, predict, search
 from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
@@ -51,6 +51,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", choices=[r for r in FP8_RECIPES if r], default="",
                    help="the linears' GEMMs in FP8 with torchao's recipe (GPUs with FP8 tensor cores; default bf16)")
     p.add_argument("--framework", choices=list(FRAMEWORKS), default="fourfold")
+    p.add_argument("--cp-comm", choices=CP_COMMS,
+                   help="megatron profile: context parallelism's exchange, Megatron-Core's cp_comm_type (default p2p)")
     p.add_argument("--no-80-rule", action="store_true", help="megatron profile: compare with the whole card")
     p.add_argument("--calibrate", help="JSON of the step-time model's constants (`fourfold calibrate` writes one)")
     p.add_argument("--json", action="store_true")
@@ -113,7 +115,7 @@ def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
         sizes.update(x=1, y=args.tp, z=1)
     order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
     job = _job(args, Layout(**sizes, order=order, ep=args.ep), args.virtual)
-    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, named(args.framework)), cal
+    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, named(args.framework, args.cp_comm)), cal
 
 
 def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
@@ -127,6 +129,7 @@ def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
     estimate += ["--seq", job.seq, "--global-batch", job.global_batch, "--micro-batch", job.micro_batch,
                  "--recompute", job.recompute, "--seq-parallel" if job.seq_parallel else "--no-seq-parallel",
                  "--precision", job.precision, "--framework", args.framework, *(["--no-80-rule"] * args.no_80_rule),
+                 *(["--cp-comm", args.cp_comm] * bool(args.cp_comm)),
                  *(v for d in (*DIMS, "ep") for v in (f"--{d}", getattr(job.layout, d))), "--virtual", job.virtual,
                  "--order", ",".join(job.layout.order), *(["--keep-gathered-inputs"] * job.keep_gathered_inputs),
                  *(["--stage-layers", ",".join(map(str, job.stage_layers))] * bool(job.stage_layers)),
@@ -260,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
         # a plot and --all need every candidate.
         top = None if args.plot or args.all else args.top if args.json else args.top or 10
         found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
-                       rule80=not args.no_80_rule, include_unfit=args.all, framework=named(args.framework), top=top,
+                       rule80=not args.no_80_rule, include_unfit=args.all,
+                       framework=named(args.framework, args.cp_comm), top=top,
                        virtuals=tuple(dict.fromkeys(args.virtual)) if args.virtual else None)
         if not found.considered:  # not a question of memory: say what the rules refuse, with its fix
             simplest = problems(cfg, _job(args, Layout(dp=args.gpus)), gpu=True)

@@ -20,6 +20,7 @@ memory-efficient kernel, or explicit masked scores elsewhere (`attend_block_mask
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -77,11 +78,18 @@ _ENABLED = {SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
             SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled}
 
 
+@contextlib.contextmanager
 def preferred_kernels():
     """A context in which SDPA tries its kernels in `PREFERRED_KERNELS`' order; a kernel the caller
-    turned off (an enclosing `sdpa_kernel`) stays off. Entered once a step (`Model.step`), outside
-    compiled code."""
-    return sdpa_kernel([k for k in PREFERRED_KERNELS if _ENABLED[k]()], set_priority=True)
+    turned off (an enclosing `sdpa_kernel`) stays off. The priority before is restored whole on exit
+    (`sdpa_kernel` restores only the enabled kernels' order). Entered once a step (`Model.step`),
+    outside compiled code."""
+    order = torch._C._get_sdp_priority_order()
+    try:
+        with sdpa_kernel([k for k in PREFERRED_KERNELS if _ENABLED[k]()], set_priority=True):
+            yield
+    finally:
+        torch._C._set_sdp_priority_order(order)
 
 
 def attend_block(q, k, v, causal: bool, scale: float):
@@ -111,7 +119,7 @@ def attend_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, e
 def attend_block_masked(q, k, v, mask, scale: float):
     """One block under a boolean mask [b, rows, keys] (True: seen): (output in q's dtype, log-sum-
     exp per row in at least fp32). A row that sees no key gets a log-sum-exp that merges as nothing
-    (-inf, or about the dtype's lowest number on CPU and CUDA). GQA as `attend_block`."""
+    (-inf, or about the dtype's lowest number on CPU). GQA as `attend_block`."""
     check_flash_inputs(q, k, v)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -180,17 +188,20 @@ def _repeat_heads(t: torch.Tensor, group: int) -> torch.Tensor:
 def _masked_efficient(q, k, v, mask, scale):
     """`attend_block_masked` on CUDA's memory-efficient kernel: the mask a bf16 bias of one element
     a (row, key), where the explicit path keeps fp32 scores for every head, and no score matrix
-    kept (backward recomputes them in its tiles)."""
+    kept (backward recomputes them in its tiles). A row that sees no key gets a log-sum-exp of -inf:
+    the kernel scales the bias by log2(e), which takes bf16's lowest number past fp32's, and then
+    returns such a row a log-sum-exp of 0, which would merge as a weight of 1."""
     group = q.shape[1] // k.shape[1]
     out, lse = efficient_forward(q, _repeat_heads(k, group), _repeat_heads(v, group),
                                  _efficient_bias(mask, q, k.shape[2]), scale)
-    return out, lse[..., :q.shape[2]].contiguous()
+    seen = mask.any(-1)[:, None]
+    return out, torch.where(seen, lse[..., :q.shape[2]], float("-inf"))
 
 
 def _masked_efficient_backward(dout, q, k, v, out, lse, mask, scale):
     b, heads, rows = lse.shape
     group = heads // k.shape[1]
-    padded = lse.new_zeros(b, heads, -(-rows // LSE_ALIGNMENT) * LSE_ALIGNMENT)
+    padded = lse.new_full((b, heads, -(-rows // LSE_ALIGNMENT) * LSE_ALIGNMENT), float("inf"))  # the kernel's pad
     padded[..., :rows] = lse
     dq, dk, dv = efficient_backward(dout, q, _repeat_heads(k, group), _repeat_heads(v, group),
                                     _efficient_bias(mask, q, k.shape[2]), out, padded, scale)

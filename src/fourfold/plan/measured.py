@@ -243,7 +243,7 @@ def _csv_run(values: dict, cluster: Cluster | None, source: str) -> Run:
         raise ValueError(f"grad_reduce={reduce!r}: give fp32 or bf16 (the gradients' reduce-scatter)")
     traits = RunTraits(_flag(values, "flash_attention", True),
                        _flag(values, "fp8", values.get("notes", "").upper().startswith("FP8")),
-                       values.get("cp_comm", "p2p"),
+                       values.get("cp_comm") or None,
                        _flag(values, "tp_comm_overlap", recipe.get("tp_comm_overlap", False)),
                        2 if reduce == "bf16" else 4)
     return make_run(cfg, job, _csv_cluster(values, cluster), framework, seconds, _source(values, source),

@@ -22,7 +22,7 @@ from fourfold.plan.costs import (
     totals_seconds,
     within_replica,
 )
-from fourfold.plan.frameworks import FOURFOLD, Framework
+from fourfold.plan.frameworks import CP_COMMS, FOURFOLD, Framework
 from fourfold.plan.routing import expert_params, expert_tokens, replicated_params, routed_tokens
 from fourfold.spec.blockspec import block_plan
 from fourfold.spec.counts import flops_per_token as model_flops_per_token
@@ -39,18 +39,15 @@ class RunTraits:
 
     flash_attention: bool = True  # False: runs that predate it (Megatron-LM 2021)
     fp8: bool = False  # FP8 linear layers (Transformer Engine, torchao's Float8)
-    cp_comm: str = "p2p"  # context parallelism's exchange: the ring ("p2p") or an all-gather of K and V
+    cp_comm: str | None = None  # context parallelism's exchange (CP_COMMS; None: the framework profile's)
     # Transformer Engine's userbuffers: the sequence-parallel collectives pipelined with their GEMMs
     # (NeMo's and Megatron-Bridge's performance recipes: MegatronCommOverlapCallback(tp_comm_overlap=True))
     tp_comm_overlap: bool = False
     grad_reduce_bytes: int = 4  # the gradients' reduce-scatter in fp32 (4) or bf16 (2: grad_reduce_in_fp32=False)
 
     def __post_init__(self) -> None:
-        if self.cp_comm not in CP_COMMS:
+        if self.cp_comm is not None and self.cp_comm not in CP_COMMS:
             raise ValueError(f"cp_comm {self.cp_comm!r}: give one of {', '.join(CP_COMMS)}")
-
-
-CP_COMMS = ("p2p", "all_gather")  # Megatron-Core's cp_comm_type p2p and all_gather (Llama 3's); a2a is not priced
 
 
 @dataclass
@@ -115,7 +112,7 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
             peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
     # the local queries against the whole sequence (ring attention brings the other chunks' keys)
     attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, traits.flash_attention,
-                                  traits.cp_comm == "all_gather", attention_share)
+                                  traits.cp_comm in ("all_gather", "a2a"), attention_share)
     return forward + attention, forward
 
 
@@ -132,9 +129,12 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     is attended: `parallel.context`, and TransformerEngine's ring for Megatron), backward behind
     two (its dQ and dK/dV GEMMs); `cal.ring_overlap` (1: both runtimes) of the traffic can hide.
     `cp_comm` "all_gather" (Llama 3, Megatron-Core's cp_comm_type all_gather): K and V all-gathered
-    before attention, again in backward, and dK, dV (fp32) reduce-scattered after it, exposed."""
+    before attention, again in backward, and dK, dV (fp32) reduce-scattered after it, exposed;
+    "a2a": `_a2a_seconds`."""
     if cp_comm == "all_gather":
         return _gathered_kv_seconds(cfg, s, cluster, cal, framework)
+    if cp_comm == "a2a":
+        return _a2a_seconds(cfg, s, cluster, cal, framework)
     ring_forward, ring_backward = _ring_totals(cfg.block, within_replica(s), int(s.micro_batch / s.z),
                                                int(s.seq / s.cp))
     tp_heads = framework.attention_split(cfg.block, s.x, s.y)
@@ -157,6 +157,21 @@ def _gathered_kv_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Consta
     return comm_seconds(gathers * (passes + 1) + scatters, s, cluster, s.element_bytes, cal)
 
 
+def _a2a_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: Framework) -> float:
+    """Megatron-Core's cp_comm_type a2a (DeepSpeed-Ulysses; Transformer Engine's
+    AttnFuncWithCPAndQKVOA2A): Q, K and V all-to-all over cp before attention, from a sequence
+    chunk of every head to the whole sequence of heads/cp, and the output back after it; backward
+    the same for dO, then dQ, dK, dV. Each rank sends (cp-1)/cp of each tensor, exposed (attention
+    waits for its inputs); attention itself is the whole sequence's on heads/cp (`attention_seconds`
+    as gathered). With full recompute the forward's all-to-alls run again."""
+    split = framework.attention_split(cfg.block, s.x, s.y)
+    local = int(s.micro_batch / s.z) * s.seq // s.cp * cfg.block.head_dim  # one head's rows of this rank
+    q, kv = cfg.heads // split * local, cfg.kv_heads // split * local
+    forward = [Collective("cp", "all_to_all", n) for n in (q, kv, kv, q)]  # Q, K, V, then the output
+    passes = 2 if s.recompute == "full" else 1
+    return comm_seconds(forward * (passes + 1), s, cluster, s.element_bytes, cal)
+
+
 @dataclass(frozen=True)
 class _Compute:
     """The part of a step's time no placement order or collective changes."""
@@ -175,8 +190,14 @@ class _Compute:
                 + self.micro_batch_overhead)
 
 
+def _with_exchange(traits: RunTraits, framework: Framework) -> RunTraits:
+    """`traits` with its cp exchange: a measured run's own, else the framework profile's."""
+    return traits if traits.cp_comm else dataclasses.replace(traits, cp_comm=framework.cp_comm)
+
+
 def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: Framework,
              traits: RunTraits = RunTraits()) -> _Compute:
+    traits = _with_exchange(traits, framework)
     forward, dw = _layer_compute_cached(cfg.block, s.x, s.y, s.seq, s.cp,
                                         s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
                                         linear_tflops(cluster, cal, _fp8(s, traits)), traits,
@@ -278,6 +299,7 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     `fp8_speedup` times bf16's rate and their inputs are cast (attention and the head stay bf16);
     context parallelism by all-gathered K and V instead of the ring."""
     k = constants(cal, cluster)
+    traits = _with_exchange(traits, framework)
     c = _compute(cfg, s, cluster, k, framework, traits)
     layer_comm = framework.tensor_comm(cfg, s, cluster, k, c.forward, linear_tflops(cluster, k, _fp8(s, traits)),
                                        traits.tp_comm_overlap)

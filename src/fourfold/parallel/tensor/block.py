@@ -140,7 +140,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     within a sliding `window` (0: none). Ids must not decrease (checked); what is planned from them
     is made once per `Documents` (at most one host read a forward, not a layer).
 
-    `varlen` (default: on CUDA in bf16 or fp16 with one head size): flash's variable-length kernel
+    `varlen` (default: on CUDA from Ampere on, in bf16 or fp16, with one head size): flash's variable-length kernel
     (`varlen_kernel`), every document a sequence of its own (`Documents.varlen`) and the window its
     left window, GQA native: no mask at all. Else the rows in bands (`context.Documents.whole`), each
     band's SDPA over only the keys its documents and window reach, with the mask of that part
@@ -152,8 +152,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     (its scores kept for backward); repeated, the band runs on the efficient kernel. CPU's flash
     kernel takes both."""
     documents = context.as_documents(documents)
-    if varlen is None:
-        varlen = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]
+    if varlen is None:  # (flash: Ampere on, 16-bit, one head size)
+        varlen = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == v.shape[-1]
+                  and torch.cuda.get_device_capability(q.device) >= (8, 0))
     if varlen:
         return _varlen_attention(q, k, v, documents, window, enable_gqa, scale)
     plan = documents.whole(q.shape[2], window, q.device)

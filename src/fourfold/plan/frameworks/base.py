@@ -15,12 +15,18 @@ from fourfold.spec.job import Job
 from fourfold.spec.rules import Problem
 from fourfold.spec.volumes import Collective
 
+# Context parallelism's exchanges (Megatron-Core's cp_comm_type): the ring of K and V blocks ("p2p",
+# fourfold's `parallel.context` and Transformer Engine's), K and V all-gathered before attention
+# ("all_gather", Llama 3's), or Ulysses' all-to-alls of Q, K, V and the output over heads ("a2a")
+CP_COMMS = ("p2p", "all_gather", "a2a")
+
 
 class Framework(ABC):
     """A training framework as the planner prices it. Subclass it in a module of this package and
     add its instance to `FRAMEWORKS` (fourfold.plan.frameworks)."""
 
     name: str
+    cp_comm: str = "p2p"  # context parallelism's exchange (CP_COMMS)
     keeps_gathered_inputs: bool  # its linears can keep their gathered inputs for backward (a search option)
     # ZeRO-1's parameter all-gather left in flight behind the next forward by the runtime itself (True),
     # or as the calibration or a measured run says (False: `param_gather_overlap`)

@@ -11,7 +11,7 @@ import functools
 from fourfold.models.config import ModelConfig
 from fourfold.plan.constants import Constants
 from fourfold.plan.costs import bandwidth, gemm_seconds, totals, totals_seconds
-from fourfold.plan.frameworks.base import Framework
+from fourfold.plan.frameworks.base import CP_COMMS, Framework
 from fourfold.plan.memory import Memory, megatron_memory
 from fourfold.spec.blockspec import BlockConfig, block_plan
 from fourfold.spec.hardware import Cluster
@@ -27,6 +27,15 @@ class Megatron(Framework):
     name = "megatron"
     keeps_gathered_inputs = False
     hides_param_gather = False  # overlap_param_gather: a run or the calibration says
+
+    def __init__(self, cp_comm: str = "p2p"):
+        """`cp_comm`: Megatron-Core's cp_comm_type, one of CP_COMMS (p2p: its default)."""
+        if cp_comm not in CP_COMMS:
+            raise ValueError(f"cp_comm {cp_comm!r}: give one of {', '.join(CP_COMMS)} (Megatron-Core's cp_comm_type)")
+        self.cp_comm = cp_comm
+
+    def __repr__(self) -> str:
+        return f"<{self.name} profile, cp_comm {self.cp_comm}>"
 
     def problems(self, cfg: ModelConfig, job: Job) -> list[Problem]:
         found = problems(cfg, job, gpu=True)
@@ -48,6 +57,10 @@ class Megatron(Framework):
             found.append(Problem("the megatron profile prices expert parallelism without context parallelism "
                                  "(Megatron's ep ranks sit between cp and dp, a placement it does not model)",
                                  "leave --cp 1 with --ep, or --framework fourfold"))
+        if self.cp_comm == "a2a" and job.cp > 1 and (cfg.heads // job.y % job.cp or cfg.kv_heads // job.y % job.cp):
+            found.append(Problem(f"cp_comm a2a splits each tensor-parallel rank's heads over cp: cp={job.cp} does not "
+                                 f"divide its {cfg.heads // job.y} query and {cfg.kv_heads // job.y} key/value heads",
+                                 "choose a cp dividing them, or --cp-comm p2p or all_gather"))
         chunks = job.pp * job.virtual
         bridge = megatron_stages(cfg.layers, chunks)
         if cfg.layers % chunks and not (bridge and job.stage_layers == bridge):
