@@ -87,3 +87,64 @@ def test_a_pipelined_forward_with_fp8_rowwise_equals_the_whole(ranks):
     for rank in ranks.run(_chunked_against_whole, 4, dict(x=2, y=2), "x-in", "all_reduce", "tokens", "rowwise"):
         for error, _, (whole, chunked) in rank:
             assert error < 1e-6 and chunked == 2 * whole
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """The sizes of the tensors copy operators wrote (clone, copy_, _to_copy), in elements."""
+
+    COPIES = {"clone.default", "copy_.default", "_to_copy.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    @property
+    def largest(self) -> int:
+        return max(self.sizes, default=0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__ in self.COPIES:
+            self.sizes.append(out.numel())
+        return out
+
+
+def _largest_copy(chunks: int, batch: int) -> int:
+    grid = Grid(Layout(x=2))
+    layer = ParallelLinear(grid, K, [RowSource("w", 0, N)], "x-in", seed=0, std=0.5, bias=False,
+                           reduction="scatter_features", input_gather="none", dtype=torch.float64,
+                           overlap=Overlapper(OverlapOptions(forward_chunks=chunks), grid.group("z")))
+    x = torch.randn(batch, SEQ, K // 2, dtype=torch.float64)  # (K over x)
+    with _Copies() as copies:
+        layer(x)
+    return copies.largest
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_feature_reduce_scatter_sends_its_gemms_output_as_it_is(ranks, chunks):
+    """A linear reducing its output features over x runs its GEMM as one GEMM per rank's columns, into
+    the [x, ..., N/x] order the reduce-scatter sends: no copy of the output (before, `comm.reduce_scatter`
+    reordered the whole [b, s, N] output over its last dim), whole or in chunks."""
+    for batch in (1, 2):
+        for largest in ranks.run(_largest_copy, 2, chunks, batch):
+            assert largest < batch * SEQ * N // 2, largest  # not even one rank's share of it
+
+
+def _input_gradient_copies(batch: int) -> list[int]:
+    grid = Grid(Layout(x=2))
+    layer = ParallelLinear(grid, K, [RowSource("w", 0, N)], "y-in", seed=0, std=0.5, bias=False,
+                           reduction="all_reduce", input_gather="features", keep_gathered_input=True,
+                           dtype=torch.float64, overlap=Overlapper(OverlapOptions(), grid.group("z")))
+    x = torch.randn(batch, SEQ, K // 2, dtype=torch.float64, requires_grad=True)  # (K's features over x)
+    y = layer(x)
+    with _Copies() as copies:
+        y.backward(torch.ones_like(y))
+    return copies.sizes
+
+
+def test_the_input_gradients_reduce_scatter_over_features_sends_its_gemms_output_as_it_is(ranks):
+    """The backward of a linear whose input features were gathered over x: dX = dY W, reduce-scattered
+    over those features, runs as one GEMM per rank's columns into the order the collective sends, so
+    no copy the size of dX is made (3 sequences: no other tensor of the step has its size)."""
+    for sizes in ranks.run(_input_gradient_copies, 2, 3):
+        assert 3 * SEQ * K not in sizes, sizes

@@ -175,6 +175,26 @@ def _reduce(y: torch.Tensor, layer: "ParallelLinear", group, async_op: bool = Fa
     return comm.reduce_scatter(y, group, dim=dim, async_op=async_op)
 
 
+def _by_rank_slices(layer: "ParallelLinear", group, scatter: str) -> bool:
+    """Whether a reduce-scatter over features (`scatter`: the forward's reduction, or the input
+    gather the backward mirrors) takes its chunks straight from the GEMMs (`_features_scattered`):
+    a bf16 or float GEMM, over more than one rank."""
+    return scatter in ("scatter_features", "features") and group.size > 1 and layer.fp8 is None
+
+
+def _features_scattered(x: torch.Tensor, blocks: tuple[torch.Tensor, ...], group, async_op: bool = False,
+                        out: torch.Tensor | None = None):
+    """x @ [blocks[0] | blocks[1] | ...] summed over `group`, rank r keeping the columns of
+    blocks[r]: one GEMM per block into its place of a [g, ..., columns/g] buffer, which the
+    reduce-scatter sends as it is (over the last dim, `comm.reduce_scatter` would first copy the
+    whole product into that order: one more read and write of it). Returns [1, ..., columns/g]
+    (`out`, if given: this rank's place, with a leading 1)."""
+    y = x.new_empty(len(blocks), *x.shape[:-1], blocks[0].shape[-1])
+    for r, block in enumerate(blocks):
+        torch.matmul(x, block, out=y[r])
+    return comm.reduce_scatter(y, group, dim=0, async_op=async_op, out=out)
+
+
 def forward_chunks(layer: "ParallelLinear", x: torch.Tensor) -> int:
     """In how many chunks the forward pipelines its collectives with its GEMM (1: not at all): where
     a collective crosses ranks, the chunks divide evenly (whole sequences, or one sequence's tokens)
@@ -232,6 +252,9 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
 
     def reduced(xc, place):
         """Chunk `xc`'s GEMM and its reduction launched, into `place` where it can land directly."""
+        if _by_rank_slices(layer, in_group, reduction):
+            return _features_scattered(xc, weight.t().chunk(split, dim=1), in_group, async_op=True,
+                                       out=place[None] if place.is_contiguous() else None)
         if reduction == "all_reduce" or split == 1:
             shape = (*xc.shape[:-1], weight.shape[0])
             direct = place.is_contiguous() and place.shape == shape and layer.fp8 is None
@@ -284,8 +307,11 @@ class _Linear3D(torch.autograd.Function):
             if layer.input_gather != "none":
                 x = comm.all_gather(x, out_group, dim=_gather_dim(layer.input_gather, x))
             weight = layer.gather_weight(shard)
-            y = x @ weight.t() if layer.fp8 is None else layer.fp8.output(x, weight)
-            y = _reduce(y, layer, in_group)
+            if _by_rank_slices(layer, in_group, layer.reduction):
+                y = _features_scattered(x, weight.t().chunk(in_group.size, dim=1), in_group)[0]
+            else:
+                y = x @ weight.t() if layer.fp8 is None else layer.fp8.output(x, weight)
+                y = _reduce(y, layer, in_group)
         ctx.layer = layer
         # Megatron's rule: keep the local input and gather it again in backward (the memory that
         # sequence parallelism and the non-redundant path save), unless asked to keep the gathered one.
@@ -305,11 +331,18 @@ class _Linear3D(torch.autograd.Function):
         if layer.reduction != "all_reduce":
             dy = comm.all_gather(dy, in_group, dim=SEQ_DIM if layer.reduction == "scatter_tokens" else dy.dim() - 1)
         weight = saved if layer.keep_weight else layer.gather_weight(saved)
-        dx = dy @ weight if layer.fp8 is None else layer.fp8.grad_input(dy, weight)
-        if layer.input_gather == "none":
-            pending = comm.all_reduce(dx, out_group, async_op=overlap)
+        sliced = _by_rank_slices(layer, out_group, layer.input_gather)
+        if sliced:  # dX's features, each rank's by its own GEMM
+            dx = dy.new_empty(1, *dy.shape[:-1], weight.shape[1] // out_group.size)
+            pending = _features_scattered(dy, weight.chunk(out_group.size, dim=1), out_group, async_op=overlap,
+                                          out=dx)
         else:
-            pending = comm.reduce_scatter(dx, out_group, dim=_gather_dim(layer.input_gather, dx), async_op=overlap)
+            dx = dy @ weight if layer.fp8 is None else layer.fp8.grad_input(dy, weight)
+            if layer.input_gather == "none":
+                pending = comm.all_reduce(dx, out_group, async_op=overlap)
+            else:
+                pending = comm.reduce_scatter(dx, out_group, dim=_gather_dim(layer.input_gather, dx),
+                                              async_op=overlap)
         if regather and overlap:
             x = x.wait()
         # With overlap on, the dW GEMM runs while the input-gradient collective is in flight.
@@ -318,7 +351,8 @@ class _Linear3D(torch.autograd.Function):
         else:
             dweight = layer.fp8.grad_weight(dy, x)
         dshard = layer.overlap.weight_grad(layer.weight, m.pad(dweight))
-        return pending.wait() if overlap else pending, dshard, None
+        dx = pending.wait() if overlap else pending
+        return dx[0] if sliced else dx, dshard, None
 
 
 class ParallelLinear(ParallelModule):
