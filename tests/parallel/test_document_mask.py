@@ -212,16 +212,23 @@ def test_ring_attention_with_documents(ranks, cp):
     assert area[0] == uncut and area[1] == 0 and 0 < area[2] < uncut / 4, (area, uncut)
 
 
-def test_masked_block_on_cpu_and_elsewhere():
-    """The CPU kernel with an additive mask and the explicit scores (CUDA's path) agree, rows seeing
-    no key included: their output merges as nothing, and the backward (given the final log-sum-
-    exp, finite) gives them no gradient."""
-    g = torch.Generator().manual_seed(4)
+def _masked_block(g: torch.Generator):
+    """A GQA block (4 query heads, 2 kv heads, 6 rows, 5 keys) in float64 under a random mask whose
+    row 0 sees no key and row 1 every key."""
     q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in "kv")
     mask = torch.rand(2, 6, 5, generator=g) < 0.5
     mask[:, 0] = False
     mask[:, 1] = True
+    return q, k, v, mask
+
+
+def test_masked_block_on_cpu_and_elsewhere():
+    """The CPU kernel with an additive mask and the explicit scores (CUDA's path) agree, rows seeing
+    no key included: their output merges as nothing, and the backward (given the final log-sum-
+    exp, finite) gives them no gradient."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v, mask = _masked_block(g)
     out, lse = context.attend_block_masked(q, k, v, mask, 0.3)
     out_m, lse_m = context._masked_math(q, k, v, mask, 0.3)
     seen = mask.any(-1)[:, None].expand_as(lse)
@@ -270,11 +277,7 @@ def test_masked_block_on_the_efficient_kernel(monkeypatch):
     monkeypatch.setattr(context, "efficient_forward", _efficient_reference)
     monkeypatch.setattr(context, "efficient_backward", _efficient_backward_reference)
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in "kv")
-    mask = torch.rand(2, 6, 5, generator=g) < 0.5
-    mask[:, 0] = False
-    mask[:, 1] = True
+    q, k, v, mask = _masked_block(g)
     out, lse = context._masked_efficient(q, k, v, mask, 0.3)
     out_m, lse_m = context._masked_math(q, k, v, mask, 0.3)
     seen = mask.any(-1)[:, None].expand_as(lse)

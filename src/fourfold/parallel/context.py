@@ -273,6 +273,9 @@ def document_reach(documents: torch.Tensor, owner: torch.Tensor, row_bands: list
     return torch.stack([start, stop], dim=1)
 
 
+DECREASING_IDS = "document ids must not decrease along the sequence (as block.document_ids gives them)"
+
+
 def decreasing(documents: torch.Tensor) -> torch.Tensor:
     """Whether ids decrease anywhere along a sequence [b, s] (a 0-d tensor on the device)."""
     return (documents.diff(dim=1) < 0).any()
@@ -334,8 +337,7 @@ class Documents:
             else:
                 ids = self.ids.cpu()  # (the one host read)
                 if decreasing(ids):
-                    raise ValueError("document ids must not decrease along the sequence (as block.document_ids "
-                                     "gives them)")
+                    raise ValueError(DECREASING_IDS)
                 first = torch.ones(ids.shape, dtype=torch.bool)
                 first[:, 1:] = ids[:, 1:] != ids[:, :-1]
                 starts = torch.cat([first.flatten().nonzero().flatten(), torch.tensor([ids.numel()])]).int()
@@ -376,7 +378,7 @@ def _plans(ids, whole, owner_ids, seen, row_pos, key_pos, window, device) -> lis
         found += [document_reach(ids, owner, b, keys) for owner, b, (_, keys) in zip(owner_ids, row_bands, seen)]
         bad, *by_documents = torch.cat(found).tolist()  # (one host read)
         if bad[0]:
-            raise ValueError("document ids must not decrease along the sequence (as block.document_ids gives them)")
+            raise ValueError(DECREASING_IDS)
         for r in reach:
             r[:] = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(r, by_documents[: len(r)])]
             by_documents = by_documents[len(r):]

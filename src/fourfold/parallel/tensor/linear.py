@@ -333,9 +333,7 @@ class _Linear3D(torch.autograd.Function):
         weight = saved if layer.keep_weight else layer.gather_weight(saved)
         sliced = _by_rank_slices(layer, out_group, layer.input_gather)
         if sliced:  # dX's features, each rank's by its own GEMM
-            dx = dy.new_empty(1, *dy.shape[:-1], weight.shape[1] // out_group.size)
-            pending = _features_scattered(dy, weight.chunk(out_group.size, dim=1), out_group, async_op=overlap,
-                                          out=dx)
+            pending = _features_scattered(dy, weight.chunk(out_group.size, dim=1), out_group, async_op=overlap)
         else:
             dx = dy @ weight if layer.fp8 is None else layer.fp8.grad_input(dy, weight)
             if layer.input_gather == "none":
