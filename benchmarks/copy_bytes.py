@@ -53,7 +53,8 @@ def counted(layout: Layout, batch: int, seq: int, seq_parallel: bool) -> tuple[i
 def main() -> None:
     init_process_group()
     rows = []
-    for label, layout, seq_parallel in [("x2 y2, sequence parallel", Layout(x=2, y=2), True),
+    for label, layout, seq_parallel in [("y4, sequence parallel", Layout(y=4), True),
+                                        ("x2 y2, sequence parallel", Layout(x=2, y=2), True),
                                         ("x2 y2", Layout(x=2, y=2), False),
                                         ("x4", Layout(x=4), False)]:
         for batch in (1, 2):

@@ -10,7 +10,6 @@ from fourfold.parallel import comm
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import TensorOptions
 from fourfold.parallel.tensor.params import full_weights
-from fourfold.parallel.tensor.vocab import batch_order
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import padded_vocab
@@ -41,7 +40,7 @@ def compare_with_hf(path, sizes, ids, loss_ref, logits_ref, grads_ref, dtype, to
     total = comm.all_reduce(per_token.detach().sum(), grid.group(("dp", "z"))) / ids[:, 1:].numel()
     # the head keeps this x rank's tokens (flattened, in its order) and y's part of the vocabulary
     full_logits = comm.all_gather(comm.all_gather(logits.detach(), grid.group("y"), dim=-1), grid.group("x"), dim=1)
-    full_logits = batch_order(full_logits, len(local), grid, seq_parallel)
+    full_logits = full_logits.view(len(local), -1, full_logits.shape[-1])  # (the head's tokens: in order)
     # a vocabulary y does not divide is padded: its padded logits are -inf
     assert full_logits.shape[-1] == padded_vocab(cfg.vocab, layout.y)
     assert (full_logits[..., cfg.vocab:] == float("-inf")).all()

@@ -148,3 +148,31 @@ def test_the_input_gradients_reduce_scatter_over_features_sends_its_gemms_output
     no copy the size of dX is made (3 sequences: no other tensor of the step has its size)."""
     for sizes in ranks.run(_input_gradient_copies, 2, 3):
         assert 3 * SEQ * K not in sizes, sizes
+
+
+def _token_collective_copies(kind: str, reduction: str, input_gather: str, chunks: int) -> list[int]:
+    grid = Grid(Layout(y=2))
+    layer = ParallelLinear(grid, K, [RowSource("w", 0, N)], kind, seed=0, std=0.5, bias=False, reduction=reduction,
+                           input_gather=input_gather, dtype=torch.float64,
+                           overlap=Overlapper(OverlapOptions(forward_chunks=chunks), grid.group("z")))
+    tokens = SEQ // 2 if input_gather == "tokens" else SEQ
+    x = torch.randn(2, tokens, K // 2 if kind == "y-in" else K, dtype=torch.float64, requires_grad=True)
+    with _Copies() as copies:
+        y = layer(x)
+        y.backward(torch.ones_like(y))
+    return copies.sizes
+
+
+TOKEN_FORMS = [form for form in FORMS if any("tokens" in v for v in form[1:])]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("kind, reduction, input_gather", TOKEN_FORMS, ids=lambda v: v)
+def test_token_collectives_copy_no_activation_whatever_the_batch(ranks, kind, reduction, input_gather, chunks):
+    """Two sequences a micro-batch, tokens gathered or reduce-scattered over y (sequence parallelism), in
+    forward and backward, whole or in chunks: a rank's share of the tokens is a contiguous range of them
+    flattened (`regions.token_rows`), and a chunk's GEMM runs block by block where its tokens are slices
+    of each rank's, so nothing the size of an input, output or gradient is copied (before, every one of
+    these collectives reordered its whole tensor: a slice of each sequence is strided in [b, s, f])."""
+    for sizes in ranks.run(_token_collective_copies, 2, kind, reduction, input_gather, chunks):
+        assert max(sizes, default=0) < 2 * SEQ * min(K, N) // 2, sizes

@@ -36,8 +36,8 @@ def _local(t, grid, seq_parallel, batch_dim=0):
     """This rank's slice of a full [batch, seq, hidden] activation."""
     c, L = grid.coords, grid.layout
     t = t.chunk(L.dp, 0)[c["dp"]].chunk(L.z, 0)[c["z"]]
-    if seq_parallel:
-        t = t.chunk(L.y, 1)[c["y"]]
+    if seq_parallel:  # the y rank's share of the tokens, flattened in order (regions.own_tokens)
+        t = t.reshape(1, -1, t.shape[-1]).chunk(L.y, 1)[c["y"]].view(t.shape[0], -1, t.shape[-1])
     return t.chunk(L.x, -1)[c["x"]]
 
 

@@ -45,7 +45,7 @@ def _check_lm(sizes, tied, seq_parallel, vocab=VOCAB):
     local_ids = ids.chunk(layout.dp)[c["dp"]].chunk(layout.z)[c["z"]]
     h = _mix(embed(local_ids[:, :-1]), mix, grid)
     logits = head(h)
-    per_token = vocab_parallel_cross_entropy(logits, local_ids[:, 1:], grid, seq_parallel)
+    per_token = vocab_parallel_cross_entropy(logits, local_ids[:, 1:], grid)
     # (before backward, which writes the logits' gradient over them)
     rows = padded_vocab(vocab, layout.y) // layout.y
     assert logits.shape == (1, local_ids[:, 1:].numel() // layout.x, rows)  # 1/(x*y) of the (padded) logits

@@ -183,7 +183,7 @@ class Pipeline:
 
     def _stage_loss(self, output, targets: torch.Tensor) -> torch.Tensor:
         logits, sums = output if self.routing else (output, None)
-        loss = vocab_parallel_cross_entropy(logits, targets, self.grid, self.seq_parallel).sum() * self._scale
+        loss = vocab_parallel_cross_entropy(logits, targets, self.grid).sum() * self._scale
         if sums is None:
             return loss
         # each micro-batch's load-balancing loss, averaged as the token losses are (as without pp)

@@ -35,12 +35,14 @@ class PositionEmbedding(ParallelModule):
         cols = torch.arange(local)[None, :] + self.grid.coords["x"] * local
         self.weight.copy_(init.normal(self.seed, "positions", rows * self.hidden + cols, self.std, self.weight.dtype))
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        table = self.weight[positions]
-        if self.seq_parallel:
-            y = self.grid.group("y")
-            table = table.chunk(y.size)[y.rank]
-        return table
+    def forward(self, positions: torch.Tensor, batch: int) -> torch.Tensor:
+        """The rows of `positions` ([seq], or [batch, seq]) for this rank's tokens: with sequence
+        parallelism its share of the batch's tokens flattened (`regions.own_tokens`)."""
+        if not self.seq_parallel:
+            return self.weight[positions]
+        y = self.grid.group("y")
+        mine = positions.expand(batch, -1).reshape(-1).chunk(y.size)[y.rank]
+        return self.weight[mine].view(batch, -1, self.weight.shape[-1])
 
     def load(self, read, put) -> None:
         local = self.weight.shape[1]
@@ -115,7 +117,7 @@ class Transformer(nn.Module):
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel logits [1, tokens/x, padded_vocab/y]: this x rank's share of the batch's
-        tokens in the head's order (`vocab.batch_order` restores [batch, seq]); padded columns are -inf."""
+        tokens flattened in order (a reshape restores [batch, seq]); padded columns are -inf."""
         return self(ids)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None,
@@ -139,7 +141,7 @@ class Transformer(nn.Module):
             if self.cfg.family_spec().scaled_embedding:  # sqrt(hidden) rounded as transformers' float32 buffer
                 h = h * torch.tensor(self.cfg.hidden ** 0.5, dtype=torch.float32).to(h.dtype)
             if self.positions is not None:
-                h = h + self.positions(positions)
+                h = h + self.positions(positions, h.shape[0])
         for layer in self.layers.values():
             if self.recompute == "full":
                 h = checkpoint(layer, h, positions, documents, use_reentrant=False)
@@ -148,5 +150,4 @@ class Transformer(nn.Module):
         if not last:
             return h.contiguous()  # sent to the next stage, whose receive buffer is contiguous
         logits = self.lm_head(self.norm(h))
-        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets, self.grid,
-                                                                           self.opts.seq_parallel)
+        return logits if targets is None else vocab_parallel_cross_entropy(logits, targets, self.grid)

@@ -120,7 +120,7 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
                                                          requires_grad=True)
         out = pipeline.models[local](h)
         if index == n_stages - 1:
-            out = vocab_parallel_cross_entropy(out, chunks[micro], grid, job.seq_parallel).sum() * scale
+            out = vocab_parallel_cross_entropy(out, chunks[micro], grid).sum() * scale
         waiting[(micro, local)] = out
     if pipeline.tied and pipeline.has_last:
         comm.send(pipeline.models[-1].lm_head.copy_grad, 0, pp)

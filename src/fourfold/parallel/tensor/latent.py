@@ -144,7 +144,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, documents=None) -> torch.Tensor:
         if self.seq_parallel:  # every y rank projects the whole sequence's latents (its heads differ)
-            h = regions.all_gather_replicated(h, self.grid.group("y"), dim=1)
+            h = regions.gather_tokens_replicated(h, self.grid.group("y"))
         q = self.q_b(regions.sum_gradients(self.q_a_norm(self.q_a(h)), self.group))
         latent, k_rot = self.kv_a(h).split([self.cfg.kv_lora, self.cfg.rope_dim], dim=-1)
         kv = self.kv_b(regions.sum_gradients(self.kv_a_norm(latent), self.group))

@@ -1,8 +1,10 @@
 """The 3D-parallel linear layer (tensor3d.md): weight blocks over (x, y), flattened and split over z.
 
 An "x-in" layer splits its input features K over x and output features N over y; a "y-in" layer
-the reverse. Activations are [batch/z, seq, features]. Around the GEMM, one autograd function
-carries out, in order:
+the reverse. Activations are [batch/z, seq, features]; a layer that gathers or scatters tokens runs on them
+flattened into one row, [1, batch/z*seq, features] (`regions.token_rows`: a rank's share of the
+tokens is a contiguous range of them, so the collectives copy nothing whatever the batch). Around
+the GEMM, one autograd function carries out, in order:
 
     forward:  [all-gather of the input over the out-dim (tokens or features)]
               all-gather of the weight over z; GEMM;
@@ -29,6 +31,7 @@ from fourfold.parallel.overlap import OverlapOptions, Overlapper
 from fourfold.parallel.tensor import init
 from fourfold.parallel.tensor.fp8 import Float8GEMMs, gpu_takes_fp8
 from fourfold.parallel.tensor.params import ParallelModule, ParamLayout, Piece
+from fourfold.parallel.tensor.regions import token_rows
 from fourfold.spec.blockspec import LINEAR_KINDS, RowSource
 from fourfold.spec.layout import GridError
 
@@ -195,6 +198,15 @@ def _features_scattered(x: torch.Tensor, blocks: tuple[torch.Tensor, ...], group
     return comm.reduce_scatter(y, group, dim=0, async_op=async_op, out=out)
 
 
+def _gemm_by_blocks(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x @ weight.t() into `out`, one GEMM per block of dim 1 ([1, blocks, rows, K] -> [1, blocks,
+    rows, N]): each block's rows are contiguous where the whole is not (a chunk of tokens gathered
+    or scattered in slices), so neither the input nor the output is copied into order."""
+    for r in range(x.shape[1]):
+        torch.matmul(x[:, r], weight.t(), out=out[:, r])
+    return out
+
+
 def forward_chunks(layer: "ParallelLinear", x: torch.Tensor) -> int:
     """In how many chunks the forward pipelines its collectives with its GEMM (1: not at all): where
     a collective crosses ranks, the chunks divide evenly (whole sequences, or one sequence's tokens)
@@ -230,12 +242,13 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
         x = gathered_whole = comm.all_gather(x, out_group, dim=SEQ_DIM)
         gather = "none"
     batch, split = x.shape[0], in_group.size
+    token_slices = reduction == "scatter_tokens" and split > 1  # a chunk: a slice of each in-dim rank's tokens
     tokens = x.shape[SEQ_DIM] * (out_group.size if gather == "tokens" else 1)
     out = x.new_empty(batch, tokens // (split if reduction == "scatter_tokens" else 1),
                       weight.shape[0] // (split if reduction == "scatter_features" else 1))
     if batch % chunks == 0:
         pieces, places = x.chunk(chunks), out.chunk(chunks)
-    elif reduction == "scatter_tokens":
+    elif token_slices:
         pieces, places = x.unflatten(SEQ_DIM, (split, chunks, -1)).unbind(2), out.chunk(chunks, SEQ_DIM)
     elif gather == "tokens":
         pieces, places = x.chunk(chunks, SEQ_DIM), out.unflatten(SEQ_DIM, (out_group.size, chunks, -1)).unbind(2)
@@ -255,12 +268,17 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
         if _by_rank_slices(layer, in_group, reduction):
             return _features_scattered(xc, weight.t().chunk(split, dim=1), in_group, async_op=True,
                                        out=place[None] if place.is_contiguous() else None)
+        if split == 1 and not place.is_contiguous() and layer.fp8 is None:  # gathered tokens: [1, ranks, slice, N]
+            return comm.Pending.done(_gemm_by_blocks(xc.view(*place.shape[:-1], -1), weight, place))
         if reduction == "all_reduce" or split == 1:
             shape = (*xc.shape[:-1], weight.shape[0])
             direct = place.is_contiguous() and place.shape == shape and layer.fp8 is None
             yc = torch.matmul(xc, weight.t(), out=place) if direct else gemm(xc)
             return comm.all_reduce(yc, in_group, async_op=True)
-        yc = gemm(xc)
+        if token_slices and layer.fp8 is None:  # xc: [1, in-dim ranks, slice, K], each rank's rows contiguous
+            yc = _gemm_by_blocks(xc, weight, xc.new_empty(*xc.shape[:-1], weight.shape[0]))
+        else:
+            yc = gemm(xc)
         dim = SEQ_DIM if reduction == "scatter_tokens" else yc.dim() - 1
         shape = (*yc.shape[:dim], yc.shape[dim] // split, *yc.shape[dim + 1:])
         return comm.reduce_scatter(yc, in_group, dim=dim, async_op=True,
@@ -268,7 +286,7 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
 
     def land(pending, place):
         result = pending.wait()
-        if result.data_ptr() != place.data_ptr() or not place.is_contiguous():
+        if result is not place and (result.data_ptr() != place.data_ptr() or not place.is_contiguous()):
             place.copy_(result.view(place.shape))
 
     inputs, arriving, previous = [], gathered(pieces[0]), None
@@ -288,7 +306,7 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
         return out, torch.cat(inputs)
     if gather == "tokens":
         inputs = [t.unflatten(SEQ_DIM, (out_group.size, -1)) for t in inputs]
-    if gather == "tokens" or reduction == "scatter_tokens":  # [b, ranks, slice, K] each: in token order
+    if gather == "tokens" or token_slices:  # [b, ranks, slice, K] each: in token order
         return out, torch.stack(inputs, dim=2).flatten(1, 3)
     return out, torch.cat(inputs, SEQ_DIM)
 
@@ -403,7 +421,11 @@ class ParallelLinear(ParallelModule):
         return self.overlap.gather(self, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _Linear3D.apply(x, self.weight, self)
+        if self.input_gather == "tokens" or self.reduction == "scatter_tokens":  # on the tokens in one row
+            y = _Linear3D.apply(token_rows(x), self.weight, self)
+            y = y.view(x.shape[0], -1, y.shape[-1])
+        else:
+            y = _Linear3D.apply(x, self.weight, self)
         if self.bias is None:
             return y
         bias = self.bias

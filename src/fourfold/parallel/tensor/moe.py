@@ -174,7 +174,7 @@ class ParallelMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.grid.group("y")
         if self.seq_parallel:  # every y rank routes the whole sequence; each keeps its part at the end
-            h = regions.all_gather_replicated(h, y, dim=1)
+            h = regions.gather_tokens_replicated(h, y)
         shape = h.shape
         flat = h.reshape(-1, shape[-1])
         logits = self.router(flat)
@@ -204,7 +204,7 @@ class ParallelMoE(nn.Module):
             out = out + self.shared(flat[None])[0]
         self.stats = self._stats(logits)
         out = out.view(shape)
-        return regions.own_part(out, y, dim=1) if self.seq_parallel else out
+        return regions.own_tokens(out, y) if self.seq_parallel else out
 
     def _grouped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter), in fp32 at least: (the chosen

@@ -8,6 +8,11 @@ Which pair is right depends on how the ranks of the group use the result:
 - `all_gather_replicated`: parts gathered into a tensor every rank uses whole, so the backward
   keeps each rank's own part.
 - `all_to_all_rows`: rows sent to the ranks that use them (uneven splits), their gradients sent back.
+- `scatter_tokens`, `gather_tokens_replicated`, `own_tokens`: the same over a micro-batch's tokens
+  (sequence parallelism). A rank's share of [batch, seq, f] is a contiguous range of its tokens
+  flattened in order, [batch*seq/g] rows viewed as [batch, seq/g, f] (whole sequences where g divides
+  the batch; with one sequence, a slice of it): its collectives then copy nothing whatever the batch,
+  where a slice of every sequence would be strided (`tensor.linear` keeps the same order).
 (The norms' statistics, summed over x and used by each rank's feature slice, have their own
 autograd function in `norm.py`.)
 """
@@ -149,3 +154,20 @@ def all_gather_weight(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 def all_gather_replicated(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return x if group.size == 1 else _AllGatherReplicated.apply(x, group, dim % x.dim())
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, f] as the one row of tokens [1, batch*seq, f] that token collectives split (a view)."""
+    return x.reshape(1, -1, x.shape[-1])
+
+
+def scatter_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return reduce_scatter(token_rows(x), group, 1).view(x.shape[0], -1, x.shape[-1])
+
+
+def gather_tokens_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return all_gather_replicated(token_rows(x), group, 1).view(x.shape[0], -1, x.shape[-1])
+
+
+def own_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return own_part(token_rows(x), group, 1).view(x.shape[0], -1, x.shape[-1])

@@ -36,7 +36,7 @@ from fourfold.parallel.tensor.regions import (
     all_gather_replicated,
     all_gather_weight,
     all_reduce_replicated,
-    reduce_scatter,
+    scatter_tokens,
 )
 from fourfold.spec.rules import loss_chunk_tokens, padded_vocab
 
@@ -119,7 +119,7 @@ class ParallelEmbedding(ParallelModule):
         inside = (local >= 0) & (local < rows)
         partial = F.embedding(local.clamp(0, rows - 1), table) * inside.unsqueeze(-1).to(table.dtype)
         if self.seq_parallel:
-            return reduce_scatter(partial, y_group, dim=SEQ_DIM)
+            return scatter_tokens(partial, y_group)
         return all_reduce_replicated(partial, y_group)
 
     def load(self, read, put) -> None:
@@ -241,29 +241,13 @@ class LMHead(ParallelLinear):
                 for p, layout in super().param_layouts().items()}
 
 
-def head_order(t: torch.Tensor, grid: Grid, seq_parallel: bool) -> torch.Tensor:
-    """[batch, seq, ...] in the LM head's token order, [1, batch*seq, ...]: with sequence
-    parallelism each y rank flattens its seq/y tokens of every sequence and the gather over y
-    puts them y-rank-major."""
-    b, s, y = t.shape[0], t.shape[1], grid.size("y") if seq_parallel else 1
-    return t.reshape(b, y, s // y, *t.shape[2:]).transpose(0, 1).reshape(1, b * s, *t.shape[2:])
-
-
-def batch_order(t: torch.Tensor, batch: int, grid: Grid, seq_parallel: bool) -> torch.Tensor:
-    """The inverse of `head_order`: [1, batch*seq, ...] back to [batch, seq, ...]."""
-    y = grid.size("y") if seq_parallel else 1
-    s = t.shape[1] // batch
-    return t.reshape(y, batch, s // y, *t.shape[2:]).transpose(0, 1).reshape(batch, s, *t.shape[2:])
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid,
-                                 seq_parallel: bool = False) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Per-token loss [batch, seq] from the head's logits [1, tokens/x, V/y] (this x rank's tokens,
     the vocabulary split over y) and global target ids [batch, seq]; a negative target marks
     padding: its loss is 0. Every x rank returns every token's loss. The loss consumes the logits:
     its backward writes their gradient over them (the largest tensor of the step is not copied)."""
     x = grid.group("x")
-    mine = head_order(targets, grid, seq_parallel).chunk(x.size, dim=SEQ_DIM)[x.rank]
+    mine = targets.reshape(1, -1).chunk(x.size, dim=SEQ_DIM)[x.rank]  # the head's tokens: in order, flattened
     # bf16 logits are scored in fp32 (as Megatron does), a chunk at a time; float64 stays float64
     scored = _VocabParallelCrossEntropy.apply(logits, mine, grid.group("y"))
-    return batch_order(all_gather_replicated(scored, x, SEQ_DIM), targets.shape[0], grid, seq_parallel)
+    return all_gather_replicated(scored, x, SEQ_DIM).view(targets.shape)
