@@ -54,7 +54,10 @@ Owed by issue #38's levers, which one GPU cannot measure (a multi-GPU job's, doc
   forward_tp      a tp8 (y8, sequence parallel) Llama step with train.overlap on (forward_chunks 2) against
                   forward_chunks 1: step time, and the NCCL kernels beside the chunked GEMMs in an nsys trace
                   with CUDA_DEVICE_MAX_CONNECTIONS=1; on x2 y4, the rank-slice GEMMs of the feature
-                  reduce-scatters (`linear._features_scattered`) against one GEMM and the reordering copy
+                  reduce-scatters (`linear._features_scattered`) against one GEMM and the reordering copy;
+                  with micro-batch 1 and 4, a chunk's GEMM block by block (`linear._gemm_by_blocks`, 8
+                  GEMMs of a slice each on y8) against one GEMM and its landing copy, and step time per
+                  token at both micro-batches (the token collectives copy nothing at either)
   fp8             an 8B-class step with train.fp8 tensorwise and rowwise against bf16: tokens/s (torchtitan:
                   about 1.28x for tensorwise on H100), the loss gap over 100 steps, _scaled_mm taken (an
                   nsys trace), and the planner's fp8_speedup against the measured ratio
