@@ -243,6 +243,7 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
         gather = "none"
     batch, split = x.shape[0], in_group.size
     token_slices = reduction == "scatter_tokens" and split > 1  # a chunk: a slice of each in-dim rank's tokens
+    token_gather = gather == "tokens" and out_group.size > 1  # a chunk: a slice of each out-dim rank's tokens
     tokens = x.shape[SEQ_DIM] * (out_group.size if gather == "tokens" else 1)
     out = x.new_empty(batch, tokens // (split if reduction == "scatter_tokens" else 1),
                       weight.shape[0] // (split if reduction == "scatter_features" else 1))
@@ -250,7 +251,7 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
         pieces, places = x.chunk(chunks), out.chunk(chunks)
     elif token_slices:
         pieces, places = x.unflatten(SEQ_DIM, (split, chunks, -1)).unbind(2), out.chunk(chunks, SEQ_DIM)
-    elif gather == "tokens":
+    elif token_gather:
         pieces, places = x.chunk(chunks, SEQ_DIM), out.unflatten(SEQ_DIM, (out_group.size, chunks, -1)).unbind(2)
     else:
         pieces, places = x.chunk(chunks, SEQ_DIM), out.chunk(chunks, SEQ_DIM)
@@ -304,9 +305,9 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
         return out, gathered_whole
     if batch % chunks == 0:
         return out, torch.cat(inputs)
-    if gather == "tokens":
+    if token_gather:
         inputs = [t.unflatten(SEQ_DIM, (out_group.size, -1)) for t in inputs]
-    if gather == "tokens" or token_slices:  # [b, ranks, slice, K] each: in token order
+    if token_gather or token_slices:  # [b, ranks, slice, K] each: in token order
         return out, torch.stack(inputs, dim=2).flatten(1, 3)
     return out, torch.cat(inputs, SEQ_DIM)
 
