@@ -369,36 +369,25 @@ def traces_whole(grid: Grid, cfg: BlockConfig) -> bool:
 
 
 class rebuilt_in_backward(torch.autograd.graph.saved_tensors_hooks):
-    """Within it, what autograd saves is kept as usual, except the tensor `dropped` or a reshaped view
-    of it (a linear gathering tokens saves its input as one row, `regions.token_rows`): backward gets
-    `rebuild()` in its place, in the saved shape, computed then (the same operations on the same
-    inputs: the same values)."""
+    """Within it, what autograd saves is kept as usual, except the tensor `dropped`: backward gets
+    `rebuild()` in its place, computed then (the same operations on the same inputs: the same values)."""
 
     def __init__(self, dropped: torch.Tensor, rebuild):
         dropped = weakref.ref(dropped)  # (autograd keeps both hooks with each saved tensor: no strong one here)
 
         def pack(t: torch.Tensor):
-            return (_REBUILD, t.shape) if _same_elements(t, dropped()) else t
+            return _REBUILD if t is dropped() else t
 
         def unpack(packed):
-            if not isinstance(packed, tuple):
+            if packed is not _REBUILD:
                 return packed
             with torch.no_grad():
-                return rebuild().view(packed[1])
+                return rebuild()
 
         super().__init__(pack, unpack)
 
 
-_REBUILD = object()  # what the hooks keep (with the saved shape) in place of the dropped tensor
-
-
-def _same_elements(t: torch.Tensor, dropped: torch.Tensor | None) -> bool:
-    """Whether `t` is `dropped` or a view of all its elements in their order (a reshape)."""
-    if dropped is None or t is dropped:
-        return t is dropped
-    base = dropped if dropped._base is None else dropped._base
-    return (t._base is base and t.numel() == dropped.numel() and t.storage_offset() == dropped.storage_offset()
-            and t.is_contiguous() and dropped.is_contiguous())
+_REBUILD = object()  # what the hooks keep in place of the dropped tensor
 
 
 class ParallelBlock(nn.Module):

@@ -201,7 +201,8 @@ def _features_scattered(x: torch.Tensor, blocks: tuple[torch.Tensor, ...], group
 def _gemm_by_blocks(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """x @ weight.t() into `out`, one GEMM per block of dim 1 ([1, blocks, rows, K] -> [1, blocks,
     rows, N]): each block's rows are contiguous where the whole is not (a chunk of tokens gathered
-    or scattered in slices), so neither the input nor the output is copied into order."""
+    or scattered in slices), so neither the input nor the output is copied into order. (A chunk whose
+    features are also gathered, the non-redundant path's out and down, is still copied by that gather.)"""
     for r in range(x.shape[1]):
         torch.matmul(x[:, r], weight.t(), out=out[:, r])
     return out
@@ -209,9 +210,9 @@ def _gemm_by_blocks(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) ->
 
 def forward_chunks(layer: "ParallelLinear", x: torch.Tensor) -> int:
     """In how many chunks the forward pipelines its collectives with its GEMM (1: not at all): where
-    a collective crosses ranks, the chunks divide evenly (whole sequences, or one sequence's tokens)
-    and the GEMM is not FP8 tensorwise (a chunk's amax is not the input's: its scale would differ;
-    rowwise, each token's is its own)."""
+    a collective crosses ranks, the chunks divide evenly (whole sequences, or, for a layer on token
+    rows, its row of tokens: slices of each rank's share) and the GEMM is not FP8 tensorwise (a
+    chunk's amax is not the input's: its scale would differ; rowwise, each token's is its own)."""
     chunks = layer.overlap.options.forward_chunks
     m, grid = layer.matrix, layer.grid
     gathers_tokens = layer.input_gather == "tokens" and grid.size(m.out_dim) > 1
@@ -230,16 +231,17 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
     """(output, gathered input if kept) of the forward with its collectives in flight behind its GEMM,
     chunk by chunk (`forward_chunks`): while chunk c's GEMM runs, chunk c+1's input all-gather and
     chunk c-1's reduction are in flight (the backward's overlap, `_Linear3D.backward`, for the
-    forward). A chunk is whole sequences; of one sequence, a slice of its tokens (of each in-dim
-    rank's output tokens, where they are reduce-scattered). Each chunk lands in its place of the
-    output as its reduction ends: in place where that place is contiguous, else copied (one sequence's
-    tokens gathered slice by slice: each chunk holds every gathering rank's slice in turn)."""
+    forward). A chunk is whole sequences; of a layer on token rows (one row), a slice of its tokens (of
+    each in-dim rank's output tokens, where they are reduce-scattered; of each out-dim rank's input
+    tokens, where they are gathered). Each chunk lands in its place of the output as its reduction
+    ends: in place where that place is contiguous, or block by block where its GEMM is (gathered tokens
+    not reduced over the in-dim: `_gemm_by_blocks`), else copied (gathered tokens reduced over the
+    in-dim: the reduction's result holds every gathering rank's slice in turn)."""
     gather, reduction = layer.input_gather, layer.reduction
-    gathered_whole = None
     if gather == "tokens" and reduction == "scatter_tokens":  # the LM head under sequence parallelism: its
         # input (hidden features a token, against the logits' vocabulary) gathered whole, then chunked as
         # the reduce-scatter splits its tokens
-        x = gathered_whole = comm.all_gather(x, out_group, dim=SEQ_DIM)
+        x = comm.all_gather(x, out_group, dim=SEQ_DIM)
         gather = "none"
     batch, split = x.shape[0], in_group.size
     token_slices = reduction == "scatter_tokens" and split > 1  # a chunk: a slice of each in-dim rank's tokens
@@ -301,8 +303,10 @@ def _pipelined_forward(x: torch.Tensor, weight: torch.Tensor, layer: "ParallelLi
         previous = current
         inputs.append(xc if layer.keep_gathered_input else None)
     land(*previous)
-    if not layer.keep_gathered_input or gathered_whole is not None:
-        return out, gathered_whole
+    if not layer.keep_gathered_input:
+        return out, None
+    if gather == "none":  # (kept: the input as it came, or the LM head's gathered whole)
+        return out, x
     if batch % chunks == 0:
         return out, torch.cat(inputs)
     if token_gather:
@@ -317,7 +321,9 @@ class _Linear3D(torch.autograd.Function):
     def forward(ctx, x, shard, layer: "ParallelLinear"):
         grid, m = layer.grid, layer.matrix
         in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
-        local = x
+        local, ctx.input_shape = x, x.shape
+        if layer.on_token_rows:
+            x = token_rows(x)
         chunks = forward_chunks(layer, x)
         if chunks > 1:
             weight = layer.gather_weight(shard)
@@ -334,8 +340,12 @@ class _Linear3D(torch.autograd.Function):
         ctx.layer = layer
         # Megatron's rule: keep the local input and gather it again in backward (the memory that
         # sequence parallelism and the non-redundant path save), unless asked to keep the gathered one.
-        ctx.save_for_backward(x if layer.keep_gathered_input else local, weight if layer.keep_weight else shard)
-        return y
+        # The local input is saved as it came (not its one-row view): selective recompute's hooks
+        # (`block.rebuilt_in_backward`) know the tensor they drop by identity.
+        kept_gathered = layer.keep_gathered_input and layer.input_gather != "none"
+        ctx.save_for_backward(x if kept_gathered else local, weight if layer.keep_weight else shard)
+        return y  # (on token rows: [1, tokens, N], viewed as [batch, ...] outside, where the loss may
+        # write over the logits in place, which autograd forbids on a view made inside a Function)
 
     @staticmethod
     def backward(ctx, dy):
@@ -343,6 +353,8 @@ class _Linear3D(torch.autograd.Function):
         grid, m = layer.grid, layer.matrix
         in_group, out_group = grid.group(m.in_dim), grid.group(m.out_dim)
         x, saved = ctx.saved_tensors
+        if layer.on_token_rows:
+            x, dy = token_rows(x), token_rows(dy)
         overlap = layer.overlap.options.input_grad
         regather = layer.input_gather != "none" and not layer.keep_gathered_input
         if regather:  # in flight while dY is gathered and the dX GEMM runs
@@ -369,14 +381,15 @@ class _Linear3D(torch.autograd.Function):
             dweight = layer.fp8.grad_weight(dy, x)
         dshard = layer.overlap.weight_grad(layer.weight, m.pad(dweight))
         dx = pending.wait() if overlap else pending
-        return dx[0] if sliced else dx, dshard, None
+        return (dx[0] if sliced else dx).view(ctx.input_shape), dshard, None
 
 
 class ParallelLinear(ParallelModule):
     """Y = X W^T (+ b) on the 3D grid; see the module docstring for the collectives.
 
     `reduction` over the in-dim: "all_reduce" (output replicated over it), "scatter_features"
-    (each rank keeps 1/in of the output features) or "scatter_tokens" (1/in of the sequence).
+    (each rank keeps 1/in of the output features) or "scatter_tokens" (1/in of the tokens: a contiguous
+    range of them flattened, `regions.token_rows`).
     `input_gather` over the out-dim: "none" (input replicated), "tokens" or "features" (the input
     holds 1/out of them and is gathered first). `keep_weight` keeps the gathered weight from
     forward to backward instead of gathering it again; `keep_gathered_input` likewise the gathered
@@ -397,6 +410,8 @@ class ParallelLinear(ParallelModule):
             raise ValueError(f"input_gather {input_gather!r} must be one of {', '.join(GATHERS)}")
         self.grid, self.reduction, self.input_gather, self.keep_weight = grid, reduction, input_gather, keep_weight
         self.keep_gathered_input = keep_gathered_input
+        # its collectives gather or scatter tokens: it runs on them as one row (`regions.token_rows`)
+        self.on_token_rows = input_gather == "tokens" or reduction == "scatter_tokens"
         self.matrix = ShardedMatrix(grid, rows, in_features, kind, name)
         self.fp8 = None
         if fp8:
@@ -422,11 +437,9 @@ class ParallelLinear(ParallelModule):
         return self.overlap.gather(self, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_gather == "tokens" or self.reduction == "scatter_tokens":  # on the tokens in one row
-            y = _Linear3D.apply(token_rows(x), self.weight, self)
+        y = _Linear3D.apply(x, self.weight, self)
+        if self.on_token_rows:
             y = y.view(x.shape[0], -1, y.shape[-1])
-        else:
-            y = _Linear3D.apply(x, self.weight, self)
         if self.bias is None:
             return y
         bias = self.bias
