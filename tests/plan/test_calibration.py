@@ -143,6 +143,21 @@ def test_llama3_405b_long_context_against_its_8k_row_from_profiles_not_fitted_on
         assert abs(model / ratio - 1) <= 0.15
 
 
+def test_the_plan_lists_the_llama_a100_groups_no_worse_than_the_rule_from_a_fit_on_the_others(published):
+    """The Llama 3.1 8B A100 groups (16 to 256 GPUs, tp, cp, pp and micro-batch varied), fitted on the
+    other sources only: as `fourfold plan` lists them, in tiers within the other sources' per-kind
+    error band, each simplest first, their order is above the rule's (docs/planner.md: 0.94 against
+    0.90; by predicted time alone 0.89, below it; with only the fastest's ties so listed, 0.89-0.90).
+    The band here is the other sources' in-sample error (the benchmark's, held out, takes six fits)."""
+    held = [r for r in published if r.source == "megatron_llama31_8b_a100.csv"]
+    others = [r for r in published if r.source != "megatron_llama31_8b_a100.csv"]
+    cal = fit(others)
+    band = Calibration(cv_error=None, cv_errors=kind_errors(others, [predicted_seconds(r, cal) for r in others]))
+    predicted = [predicted_seconds(r, cal) for r in held]
+    listed, rule = plan_scores(held, predicted, band), rule_scores(held)
+    assert listed.groups >= 4 and listed.spearman >= max(rule.spearman, model_scores(held, predicted).spearman) + 0.03
+
+
 def test_a_fit_changes_only_the_profiles_of_its_clusters():
     cfg, a100, h100 = load_config("llama-3.1-8b"), make_cluster("dgx-a100"), make_cluster("dgx-h100")
     job = Job(Layout(dp=4, y=4), global_batch=64, micro_batch=1, seq=4096, seq_parallel=True, precision="bf16")

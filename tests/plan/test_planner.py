@@ -90,20 +90,30 @@ def test_every_candidate_multiplies_out_and_divides(gpus, framework):
         assert (r["virtual"] > 1) == (r["job"].schedule == "interleaved-1f1b") and (r["pp"] > 1 or r["virtual"] == 1)
     if gpus >= 16:  # pipelines exist: the search tries them interleaved too
         assert any(r["virtual"] > 1 for r in found)
-    # best first: those that fit; the ties of the fastest with headroom (within the model's error)
-    # lead, simplest first; then the rest with headroom, then the tight ones, by step time to four digits
+    # best first: those that fit; those with headroom in tiers: the fastest left and every other left
+    # within the model's error of it (the band of the wider of the two kinds: cp, pp, tp, dp), each
+    # simplest first; the fastest's tier marked as ties; then the tight ones, by step time to four digits
     fitting = [r for r in found if r["fits"]]
     assert found[: len(fitting)] == fitting
-    fastest = min((r for r in fitting if not r["tight"]), key=lambda r: r["step_seconds"])
-    band = Calibration().error_band  # of the two configurations' kinds (cp, pp, tp, dp), the wider
-    ties = [r for r in fitting if not r["tight"] and r["step_seconds"] <= fastest["step_seconds"] * (
-        1 + max(band(kind(r)), band(kind(fastest))))]
-    ties = ties if len(ties) > 1 else []  # the fastest alone is no tie
-    assert [r["tie"] for r in fitting] == [r in ties for r in fitting] and fitting[: len(ties)] == ties
-    simplest = [(r["pp"] * r["cp"] * r["x"] * r["y"] * r["z"], r["ep"], r["virtual"], -r["micro_batch"]) for r in ties]
-    assert simplest == sorted(simplest)
-    rest = [(r["tight"], rounded_seconds(r["step_seconds"])) for r in fitting[len(ties):]]
-    assert rest == sorted(rest)
+    band = Calibration().error_band
+
+    def simplest(r: dict) -> tuple:
+        return r["pp"] * r["cp"] * r["x"] * r["y"] * r["z"], r["ep"], r["virtual"], -r["micro_batch"]
+
+    left, listed, first = [r for r in fitting if not r["tight"]], fitting, True
+    while left:
+        leader = min(left, key=lambda r: r["step_seconds"])
+        tier = [r for r in left if r["step_seconds"] <= leader["step_seconds"] * (
+            1 + max(band(kind(r)), band(kind(leader))))]
+        head, listed = listed[: len(tier)], listed[len(tier):]
+        assert sorted(map(id, head)) == sorted(map(id, tier))  # a tier's members are listed together,
+        assert [simplest(r) for r in head] == sorted(simplest(r) for r in head)  # simplest first
+        assert all(r["tie"] == (first and len(tier) > 1) for r in head)  # the fastest's tier: ties
+        left, first = [r for r in left if all(r is not t for t in tier)], False
+    ties = [r for r in fitting if r["tie"]]
+    assert fitting[: len(ties)] == ties and all(r["tier"] == 0 for r in ties)
+    rest = [rounded_seconds(r["step_seconds"]) for r in listed]
+    assert all(r["tight"] for r in listed) and rest == sorted(rest)
 
 
 @given(gpus=st.sampled_from([16, 64, 128]), framework=st.sampled_from([FOURFOLD, MEGATRON]),
@@ -277,9 +287,11 @@ def test_cli_json_objects(tmp_path):
     candidates = plan["candidates"]
     assert candidates and all(KEYS <= c.keys() for c in candidates) and all(c["fits"] for c in candidates)
     ties = sum(c["tie"] for c in candidates)  # the ties lead (the ranking: test_every_candidate_...)
-    assert all(c["tie"] for c in candidates[:ties])
-    times = [(c["tight"], rounded_seconds(c["step_seconds"])) for c in candidates[ties:]]
-    assert times == sorted(times)
+    assert all(c["tie"] and c["tier"] == 0 for c in candidates[:ties])
+    roomy = [c for c in candidates if not c["tight"]]  # then the tiers in turn, each simplest first
+    assert candidates[: len(roomy)] == roomy and [c["tier"] for c in roomy] == sorted(c["tier"] for c in roomy)
+    times = [rounded_seconds(c["step_seconds"]) for c in candidates[len(roomy):]]
+    assert times == sorted(times) and all(c["tier"] is None for c in candidates[len(roomy):])
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 

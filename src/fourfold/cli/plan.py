@@ -200,7 +200,8 @@ def error_note(cal: Calibration) -> str:
     return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error{kinds}); "
             f"{TIE} within it of the fastest: "
             f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the least ep, then "
-            f"the fewest virtual stages, then the largest micro-batch); measure them before choosing")
+            f"the fewest virtual stages, then the largest micro-batch); measure them before choosing; the rest "
+            f"alike, in tiers: the fastest left and those within the error of it, simplest first")
 
 
 def passed_over(found: list[dict]) -> str:

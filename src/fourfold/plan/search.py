@@ -194,36 +194,48 @@ def expert_parallel_sizes(cfg: ModelConfig, replicas: int) -> list[int]:
 
 
 def _cutoff(kept: list[float], top: int, cal: Calibration) -> float:
-    """The step time past which no job can enter the first `top` results or the first's ties
-    (`kept`: the times of the candidates that fit with headroom, sorted)."""
+    """The step time past which no job can enter the first `top` results (`kept`: the times of the
+    candidates that fit with headroom, sorted): the `top`-th's tier (`rank`) reaches at most the
+    widest band past it, whoever leads that tier."""
     widest = max([cal.cv_error or 0.0, *(e for _, e in cal.cv_errors)])
-    return max(kept[top - 1], kept[0] * (1 + widest)) * (1 + ROUNDING)
+    return kept[top - 1] * (1 + widest) * (1 + ROUNDING)
 
 
 def rank(results: list[dict], cal: Calibration) -> list[dict]:
     """Best first: those that fit with headroom, then the tight ones, then those that do not fit.
-    When others' step times are within the model's cross-validated error of the fastest's, they
-    and the fastest (`tie` True) lead, simplest first: the least model parallelism (tp*cp*pp), then the least
-    expert parallelism, then the fewest virtual stages, then the largest micro-batch, as the measured runs
-    rank them (docs/planner.md,
-    "Calibration"); then by step time (equal to four digits: less context parallelism, then the smaller
-    model-parallel group, then less memory)."""
+    The model cannot tell two step times apart within its cross-validated error (the band of the
+    larger of the two kinds', `kind`), so those with headroom are listed in tiers: the fastest not yet
+    in one leads a tier of every other not yet in one within the band of it, each tier listed simplest
+    first: the least model parallelism (tp*cp*pp), then the least expert parallelism, then the fewest
+    virtual stages, then the largest micro-batch, as the measured runs rank them (docs/planner.md,
+    "Calibration"); then by step time (equal to four digits: less context parallelism, then the
+    smaller model-parallel group, then less memory). Each result gets its `tier` (0: the fastest's;
+    None: tight or not fitting) and `tie` (in the fastest's tier with another)."""
     def by_time(r: dict) -> tuple:
         return (rounded_seconds(r["step_seconds"]), r["cp"], _model_parallel(r), r["memory_gib"])
 
-    roomy = [r for r in results if r["fits"] and not r["tight"]]
-    best = min(roomy, key=lambda r: r["step_seconds"], default=None)
+    def simplest(r: dict) -> tuple:
+        return (_model_parallel(r), r.get("ep", 1), r.get("virtual", 1), -r["micro_batch"])
+
+    widest = max([cal.cv_error or 0.0, *(e for _, e in cal.cv_errors)])
     for r in results:
-        # the band: the larger of the two configurations' kinds' cross-validated errors
-        margin = max(cal.error_band(kind(r)), cal.error_band(kind(best))) if best else 0.0
-        near = best is not None and r["step_seconds"] <= best["step_seconds"] * (1 + margin)
-        r["tie"] = r["fits"] and not r["tight"] and margin > 0 and near
-    if sum(r["tie"] for r in results) == 1:  # the fastest alone: nothing to tell apart
-        next(r for r in results if r["tie"])["tie"] = False
-    return sorted(results, key=lambda r: (not r["fits"], r["tight"], not r["tie"],
-                                          (_model_parallel(r), r.get("ep", 1), r.get("virtual", 1), -r["micro_batch"])
-                                          if r["tie"] else (),
-                                          *by_time(r)))
+        r["tier"] = None
+    left = sorted((r for r in results if r["fits"] and not r["tight"]), key=lambda r: r["step_seconds"])
+    tier = 0
+    while left:
+        leader = left[0]
+        for r in left:
+            if r["step_seconds"] > leader["step_seconds"] * (1 + widest):
+                break  # (sorted: none further can join)
+            margin = max(cal.error_band(kind(r)), cal.error_band(kind(leader)))
+            if r is leader or (margin and r["step_seconds"] <= leader["step_seconds"] * (1 + margin)):
+                r["tier"] = tier
+        left, tier = [r for r in left if r["tier"] is None], tier + 1
+    first = sum(r["tier"] == 0 for r in results)
+    for r in results:
+        r["tie"] = first > 1 and r["tier"] == 0
+    return sorted(results, key=lambda r: (not r["fits"], r["tight"], r["tier"] or 0,
+                                          simplest(r) if r["tier"] is not None else (), *by_time(r)))
 
 
 def kind(r: dict) -> str:
