@@ -21,7 +21,6 @@ from fourfold.parallel import comm, context
 from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.overlap import OverlapOptions
-from fourfold.parallel.pipeline import Pipeline
 from fourfold.parallel.tensor.block import TensorOptions, document_ids
 from fourfold.parallel.tensor.moe import ParallelMoE
 from fourfold.parallel.transformer import Transformer
@@ -77,6 +76,8 @@ class Model:
         self.grid, self.microbatches, self.module_cfg = grid, job.microbatches, model_cfg
         self.pipeline = None
         if job.pp > 1:
+            from fourfold.parallel.pipeline import Pipeline  # (torch's pipelining imports dynamo: 0.4 s a process)
+
             self.pipeline = Pipeline(grid, model_cfg, opts, schedule=job.schedule, microbatches=self.microbatches,
                                      micro_batch=job.micro_batch // job.z, seq=job.seq // job.cp,
                                      virtual=job.virtual, stage_layers=list(job.stage_layers) or None, **common)
