@@ -65,6 +65,8 @@ def cpu_tests_see_no_gpu(request, monkeypatch):
 @pytest.fixture(scope="session")
 def ranks():
     """`ranks.run(fn, n, *args)` runs a module-level `fn` on n gloo ranks and returns their results."""
-    pool = RankPool(max_ranks=8)
+    # what most ranks import, once in the fork server: 0.7 s (the trainer) and 2.8 s (transformers'
+    # modelling) a worker otherwise, 8 workers at each of the pool's restarts
+    pool = RankPool(max_ranks=8, preload=("fourfold.train.trainer", "transformers.models.llama.modeling_llama"))
     yield pool
     pool.close()

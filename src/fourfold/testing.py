@@ -56,8 +56,10 @@ def _worker(index: int, store_port: int, tasks, results) -> None:
 
 
 class RankPool:
-    def __init__(self, max_ranks: int = 8, timeout_s: float = 300.0, jobs_per_worker: int = 12):
+    def __init__(self, max_ranks: int = 8, timeout_s: float = 300.0, jobs_per_worker: int = 12,
+                 preload: tuple[str, ...] = ()):
         self.max_ranks = max_ranks
+        self.preload = ["torch", "torch.distributed", *preload]
         self.timeout_s = timeout_s
         # gloo groups of finished worlds are not all freed (their sockets stay connected and
         # their threads keep polling), so workers are replaced after this many jobs.
@@ -70,8 +72,9 @@ class RankPool:
         import torch.distributed as dist
 
         ctx = mp.get_context("forkserver")
-        # The fork server imports torch once; workers fork from it in a fraction of a second.
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        # The fork server imports torch (and `preload`) once; workers fork from it in a fraction of a
+        # second, where each would take seconds to import them again after every restart.
+        ctx.set_forkserver_preload(self.preload)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.max_ranks)]
