@@ -97,6 +97,15 @@ class ModelConfig:
         return self._sliding_block
 
     @functools.cached_property
+    def layer_kinds(self) -> tuple[tuple[BlockConfig, int], ...]:
+        """Each kind of layer block and how many layers have it, the first layer's kind first (the
+        planner asks for every candidate: hashing a block for each of 126 layers was half the 405B search)."""
+        kinds: dict[BlockConfig, int] = {}
+        for i in range(self.layers):
+            kinds[self.layer_block(i)] = kinds.get(self.layer_block(i), 0) + 1
+        return tuple(kinds.items())
+
+    @functools.cached_property
     def _dense_block(self) -> BlockConfig:
         return dataclasses.replace(self.block, ffn=self.dense_ffn, experts=0, top_k=0, shared_ffn=0)
 

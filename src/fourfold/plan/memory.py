@@ -109,10 +109,7 @@ def fourfold_memory(cfg: ModelConfig, s: Job, memory_gib: float, flash_attention
     whose layers are of several kinds (DeepSeek-V3's first dense layers) is each kind's memory
     weighted by its share of the layers: exact for the terms that add up over layers (weights,
     gradients, optimizer state, activations), the average of the others."""
-    kinds: dict[BlockConfig, int] = {}
-    for i in range(cfg.layers):
-        b = cfg.layer_block(i)
-        kinds[b] = kinds.get(b, 0) + 1
+    kinds = dict(cfg.layer_kinds)
     if len({(b.experts, b.ffn, b.mla) for b in kinds}) == 1:  # (windows and RoPE change no byte)
         return _uniform_memory(cfg, cfg.block, s, memory_gib, flash_attention, gloo)
     parts = [(n / cfg.layers, _uniform_memory(cfg, b, s, memory_gib, flash_attention, gloo)) for b, n in kinds.items()]

@@ -72,10 +72,7 @@ def flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """6 N (non-embedding parameters a token runs through: a mixture's active ones, each layer's as
     its kind) + 6 L h s for causal attention (forward and backward; 12 h FLOPs per pair of the seq/2
     keys a query sees, fewer under a sliding window)."""
-    kinds: dict[BlockConfig, int] = {}
-    for i in range(cfg.layers):
-        kinds[cfg.layer_block(i)] = kinds.get(cfg.layer_block(i), 0) + 1
-    matrices = sum(n * layer_params(cfg, True, b)[0] for b, n in kinds.items()) / cfg.layers
+    matrices = sum(n * layer_params(cfg, True, b)[0] for b, n in cfg.layer_kinds) / cfg.layers
     share = cfg.attention_share(seq)
     keys = seq / 2 if share == 1.0 else share * attended_pairs(seq, 0) / seq
     b = cfg.block  # a pair's QK^T and PV: heads * (qk + v) / 2 features for latent attention, else hidden
