@@ -30,8 +30,10 @@ from fourfold.plan.calibrate import (
     held_out_table,
     kind_errors,
     leave_out,
+    model_scores,
     predicted_job,
     predicted_seconds,
+    rule_scores,
 )
 from fourfold.plan.constants import Calibration
 from fourfold.plan.frameworks import MEGATRON
@@ -83,6 +85,21 @@ def llama3_long_context(cal: Calibration) -> list[str]:
     return lines
 
 
+def in_sample(runs, cal: Calibration) -> str:
+    """The fit on every run scored on the same runs: what the model's structure can reach at best (a
+    held-out score cannot beat it by much)."""
+    predicted = [predicted_seconds(r, cal) for r in runs]
+    lines = [f"{'fitted on every run, scored on it':<38} {'runs':>4} {'error':>6} {'by time':>7} {'rule':>5}"]
+    for source in sorted({r.source for r in runs}):
+        mine = [i for i, r in enumerate(runs) if r.source == source]
+        model = model_scores([runs[i] for i in mine], [predicted[i] for i in mine])
+        rule = rule_scores([runs[i] for i in mine])
+        rho = (f"{model.spearman:7.2f} {rule.spearman:5.2f}" if model.groups else f"{'-':>7} {'-':>5}")
+        lines.append(f"{source:<38} {len(mine):>4} {model.error:6.1%} {rho}")
+    lines.append(f"{'every run':<38} {len(runs):>4} {model_scores(runs, predicted).error:6.1%}")
+    return "\n".join(lines)
+
+
 def residuals(runs, source: str) -> None:
     """Each run of `source` predicted by a fit on the other sources, by group, fastest measured first:
     measured and predicted seconds and the model's parts (where a held-out error comes from)."""
@@ -122,6 +139,7 @@ def main() -> None:
     print("\n" + held_out_table(by_generation, "GPU generation"))
     print("\nLlama 3 405B, 131,072 tokens, tp8 cp16 pp16 dp8 on 16,384 H100s: 380 TFLOP/s measured (not fitted)")
     print("\n".join(llama3_long_context(cal)))
+    print("\n" + in_sample(runs, cal))
     print("\nfitted on every run (constants.Calibration's defaults; cv_error and cv_errors: leave one source out):")
     for field in dataclasses.fields(Calibration):
         value = getattr(cal, field.name)
