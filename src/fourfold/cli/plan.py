@@ -206,8 +206,8 @@ def error_note(cal: Calibration) -> str:
 
 def passed_over(found: list[dict]) -> str:
     """How the first row was chosen, and the faster candidate a tight fit, if any, that it passed over."""
-    rule = (f"ranked: candidates that leave {HEADROOM:.0%} of the GPU's memory free first, fastest first, then tight "
-            f"fits (yes*), then what does not fit")
+    rule = (f"ranked: candidates that leave {HEADROOM:.0%} of the GPU's memory free first, in tiers from the fastest, "
+            f"then tight fits (yes*) fastest first, then what does not fit")
     first = found[0]
     faster = [r for r in found if r["fits"] and r["tight"] and r["step_seconds"] < first["step_seconds"]]
     if first["tight"] or not faster:

@@ -288,8 +288,8 @@ def model_scores(runs: list[Run], predicted: list[float]) -> Scores:
 
 
 def plan_scores(runs: list[Run], predicted: list[float], band: float | Calibration) -> Scores:
-    """How `fourfold plan` orders each group (`search.rank`) on the predicted step times: the
-    runs within the error band of the fastest prediction first, simplest first, then by time.
+    """How `fourfold plan` orders each group (`search.rank`) on the predicted step times: in tiers,
+    the fastest left and those within the error band of it, each simplest first.
     `band`: one error, or a Calibration whose per-kind errors (`cv_errors`) set it."""
     cal = band if isinstance(band, Calibration) else Calibration(cv_error=band, cv_errors=())
     speed = [0.0] * len(runs)
@@ -310,7 +310,7 @@ def rule_scores(runs: list[Run]) -> Scores:
 @dataclass(frozen=True)
 class CrossValidation:
     model: Scores  # the held-out step times' own order
-    plan: Scores  # `fourfold plan`'s order of them: ties within the cross-validated error by the rule
+    plan: Scores  # `fourfold plan`'s order of them: tiers within the cross-validated error, by the rule
 
 
 def calibrate(runs: list[Run], software: bool = True) -> tuple[Calibration, CrossValidation]:

@@ -220,7 +220,9 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     widest = max([cal.cv_error or 0.0, *(e for _, e in cal.cv_errors)])
     for r in results:
         r["tier"] = None
-    left = sorted((r for r in results if r["fits"] and not r["tight"]), key=lambda r: r["step_seconds"])
+    left = sorted((r for r in results if r["fits"] and not r["tight"]), key=lambda r: (r["step_seconds"], *by_time(r)))
+    if not widest:  # no error known: a tier a row, by time to four digits
+        left.sort(key=by_time)
     tier = 0
     while left:
         leader = left[0]

@@ -119,7 +119,7 @@ def planner_job(cfg: TrainConfig, ranks: int, gpu: bool = False, top: int | None
     `fourfold train`, the trainer's own options too), of its `top` best rows (None: all); None if none."""
     from fourfold.plan.search import search
 
-    for candidate in search(cfg.model_config(), ranks, cfg.cluster(), cfg.job(), top=top):
+    for candidate in search(cfg.model_config(), ranks, cfg.cluster(), cfg.job(), top=top)[:top]:
         trial = copied(cfg)
         trial.use_job(candidate["job"])
         if _usable(trial, ranks, gpu):
