@@ -179,12 +179,16 @@ def row(r: dict, tie: bool = False) -> str:
               f"{r['memory_gib']:8.1f}/{r['memory_limit_gib']:<6.1f} {fits:<4}")
     if "step_seconds" not in r:  # `fourfold memory`
         return f"{memory}  {r['order']}"
-    return (f"{memory} {TIE if tie else ' '}{r['step_seconds']:8.3f} {r['tokens_per_second']:12.0f}"
-            f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
+    timed = (f"{memory} {TIE if tie else ' '}{r['step_seconds']:8.3f} {r['tokens_per_second']:12.0f}"
+             f" {r['model_tflops_per_gpu']:7.1f} {100 * r['mfu']:5.1f}%  {r['order']}")
+    if "tier" not in r:  # `estimate`: one job, nothing ranked
+        return timed
+    return f"{timed:<{len(HEADER) - 4}} {'-' if r['tier'] is None else r['tier']}"
 
 
 MEMORY_HEADER = f"{'grid':<32} {'mb':<3} {'recompute':<9} {'keep':<4} {'GiB/limit':>15} {'fits':<4}"
-HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':>6}  order"
+TIMED_HEADER = f"{MEMORY_HEADER} {'step s':>9} {'tokens/s':>12} {'TFLOP/s':>7} {'MFU':>6}  order"
+HEADER = f"{TIMED_HEADER:<{len(TIMED_HEADER) + 10}} tier"  # (`plan`'s table: the order and its tier)
 
 
 TIGHT_NOTE = (f"* fits with less than {HEADROOM:.0%} of the GPU's memory free: the estimate's error or allocator "
@@ -201,7 +205,7 @@ def error_note(cal: Calibration) -> str:
             f"{TIE} within it of the fastest: "
             f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the least ep, then "
             f"the fewest virtual stages, then the largest micro-batch); measure them before choosing; the rest "
-            f"alike, in tiers: the fastest left and those within the error of it, simplest first")
+            f"alike, in tiers (the last column): the fastest left and those within the error of it, simplest first")
 
 
 def passed_over(found: list[dict]) -> str:
@@ -219,7 +223,7 @@ def passed_over(found: list[dict]) -> str:
 
 
 def _print_one(r: dict, memory_only: bool) -> None:
-    print(f"{MEMORY_HEADER}  order" if memory_only else HEADER)
+    print(f"{MEMORY_HEADER}  order" if memory_only else TIMED_HEADER)
     print(row(r))
     if r["tight"]:
         print(TIGHT_NOTE)
