@@ -84,6 +84,10 @@ class Calibration:
         """The cross-validated error of a configuration of `kind` (cp, pp, tp, dp), else the overall one."""
         return dict(self.cv_errors).get(kind, self.cv_error or 0.0)
 
+    def widest_band(self) -> float:
+        """The largest `error_band` of any kind: how far past a step time a tier can reach."""
+        return max([self.cv_error or 0.0, *(e for _, e in self.cv_errors)])
+
     def profile(self, cluster: Cluster) -> Profile:
         """The hardware constants of `cluster`: fitted on it, else its preset's measured defaults."""
         for p in self.profiles:

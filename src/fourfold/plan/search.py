@@ -197,8 +197,7 @@ def _cutoff(kept: list[float], top: int, cal: Calibration) -> float:
     """The step time past which no job can enter the first `top` results (`kept`: the times of the
     candidates that fit with headroom, sorted): the `top`-th's tier (`rank`) reaches at most the
     widest band past it, whoever leads that tier."""
-    widest = max([cal.cv_error or 0.0, *(e for _, e in cal.cv_errors)])
-    return kept[top - 1] * (1 + widest) * (1 + ROUNDING)
+    return kept[top - 1] * (1 + cal.widest_band()) * (1 + ROUNDING)
 
 
 def rank(results: list[dict], cal: Calibration) -> list[dict]:
@@ -217,7 +216,7 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     def simplest(r: dict) -> tuple:
         return (_model_parallel(r), r.get("ep", 1), r.get("virtual", 1), -r["micro_batch"])
 
-    widest = max([cal.cv_error or 0.0, *(e for _, e in cal.cv_errors)])
+    widest = cal.widest_band()
     for r in results:
         r["tier"] = None
     left = sorted((r for r in results if r["fits"] and not r["tight"]), key=lambda r: (r["step_seconds"], *by_time(r)))

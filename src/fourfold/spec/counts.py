@@ -46,13 +46,7 @@ def layer_params(cfg: ModelConfig, active: bool = False, block: BlockConfig | No
 def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     """Every parameter, a tied embedding once (transformers' count); with `active`, a mixture's
     parameters one token runs through (its top_k experts). Layers of several kinds each count theirs."""
-    per_block: dict[int, int] = {}
-    layers = 0
-    for i in range(cfg.layers):
-        block = cfg.layer_block(i)
-        if id(block) not in per_block:
-            per_block[id(block)] = sum(layer_params(cfg, active, block))
-        layers += per_block[id(block)]
+    layers = sum(n * sum(layer_params(cfg, active, block)) for block, n in cfg.layer_kinds)
     embed = cfg.vocab * cfg.hidden * (1 if cfg.tied else 2)
     positions = cfg.max_positions * cfg.hidden if cfg.family_spec().learned_positions else 0
     final_norm = cfg.hidden * (2 if cfg.block.norm == "layer" else 1)
