@@ -26,12 +26,12 @@ class Profile:
 
 
 # The hardware profiles of the shipped runs' clusters, fitted with the defaults below.
-FITTED_A100 = Profile("dgx-a100", efficiency_max=0.7758, efficiency_half=143.2, intra_node_efficiency=1.0,
+FITTED_A100 = Profile("dgx-a100", efficiency_max=0.7806, efficiency_half=150.9, intra_node_efficiency=1.0,
                       inter_node_efficiency=0.3)
-FITTED_H100 = Profile("dgx-h100", efficiency_max=0.7544, efficiency_half=359.1, intra_node_efficiency=1.0,
+FITTED_H100 = Profile("dgx-h100", efficiency_max=0.7627, efficiency_half=393.8, intra_node_efficiency=1.0,
                       inter_node_efficiency=1.0)
 # every B200 run is FP8: its GEMM figures stand for FP8's too (fp8_speedup is at its bound)
-FITTED_B200 = Profile("dgx-b200", efficiency_max=0.9605, efficiency_half=2060, intra_node_efficiency=0.8522,
+FITTED_B200 = Profile("dgx-b200", efficiency_max=0.9698, efficiency_half=2096, intra_node_efficiency=0.8590,
                       inter_node_efficiency=1.0)
 
 
@@ -43,19 +43,19 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    attention_ratio: float = 0.3723  # flash attention's best rate as a fraction of the GEMMs' best (efficiency_max)
+    attention_ratio: float = 0.4276  # flash attention's best rate as a fraction of the GEMMs' best (efficiency_max)
     attention_half: float = 512  # keys a query attends in one kernel call at which attention runs at half that rate
     fp8_speedup: float = 1.8  # an FP8 GEMM's speed over a bf16 GEMM of the same shape (runs with FP8 linears)
     ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 0.0  # fraction of the data-parallel reduce-scatter that hides behind the last backward
     param_gather_overlap: float = 0.0  # fraction of the parameter all-gather that hides behind the first forward
-    layer_overhead_us: float = 1081  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    layer_overhead_us: float = 1088  # fixed cost of a layer's forward and backward on a micro-batch (launches)
     micro_batch_overhead_us: float = 10000  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
     cv_error: float | None = 0.0906  # cross-validated mean error of a step time (fraction): leave one source out
     # the same by kind of configuration (cp > 1, else pp > 1, else tensor parallel, else data only):
     # the band within which `plan` cannot tell a candidate of that kind from the fastest
-    cv_errors: tuple[tuple[str, float], ...] = (("cp", 0.0650), ("dp", 0.0787), ("pp", 0.1022), ("tp", 0.0099))
+    cv_errors: tuple[tuple[str, float], ...] = (("cp", 0.0655), ("dp", 0.0779), ("pp", 0.1017), ("tp", 0.0165))
     profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_B200, FITTED_H100)  # the clusters the fit was measured on
 
     @classmethod

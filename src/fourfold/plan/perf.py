@@ -80,7 +80,7 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
                           cal: Constants, ep: int = 1, linear_tflops: float = 0.0,
                           traits: RunTraits = RunTraits(), attention_share: float = 1.0,
                           expert_tflops: float = 0.0) -> tuple[float, float]:
-    """(forward seconds, seconds of the dW GEMMs) of one layer for one micro-batch on one rank;
+    """(seconds of the GEMMs, seconds of attention) of one layer's forward for one micro-batch on one rank;
     x = 1 for the megatron profile's 1D tensor parallelism; a mixture's experts/ep experts on the
     rows the ep ranks send them. `linear_tflops`, `expert_tflops`: the dense linear layers' and the
     routed experts' peaks (FP8's speed-up; 0: bf16). `attention_share`: of causal attention's pairs,
@@ -113,7 +113,7 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
     # the local queries against the whole sequence (ring attention brings the other chunks' keys)
     attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, traits.flash_attention,
                                   traits.cp_comm in ("all_gather", "a2a"), attention_share)
-    return forward + attention, forward
+    return forward, attention
 
 
 @functools.lru_cache(maxsize=65536)
@@ -127,7 +127,8 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     """Ring attention over cp (the runtime's volumes): each of the cp-1 forward steps hides its
     K, V transfer behind one block attention (the next block is in flight while the current one
     is attended: `parallel.context`, and TransformerEngine's ring for Megatron), backward behind
-    two (its dQ and dK/dV GEMMs); `cal.ring_overlap` (1: both runtimes) of the traffic can hide.
+    the block's backward (2.5 block attentions: flash attention's); `cal.ring_overlap` (1: both
+    runtimes) of the traffic can hide.
     `cp_comm` "all_gather" (Llama 3, Megatron-Core's cp_comm_type all_gather): K and V all-gathered
     before attention, again in backward, and dK, dV (fp32) reduce-scattered after it, exposed;
     "a2a": `_a2a_seconds`."""
@@ -144,7 +145,7 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     forward = exposed(totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
                       cal.ring_overlap)
     backward = exposed(totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
-                       2 * (s.cp - 1) * block_attention, cal.ring_overlap)
+                       (2 + ATTENTION_BACKWARD_EXTRA[True]) * (s.cp - 1) * block_attention, cal.ring_overlap)
     return forward + backward
 
 
@@ -172,12 +173,18 @@ def _a2a_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, fra
     return comm_seconds(forward * (passes + 1), s, cluster, s.element_bytes, cal)
 
 
+# A layer's backward: the GEMMs' dX and dW, twice their forward. Attention's without flash attention
+# too (dP, dS from the stored scores, then dQ, dK, dV); flash attention recomputes the scores in its
+# backward, which is 2.5 times its forward (five matmuls to two: Dao 2023, FlashAttention-2, the
+# FLOP count of its benchmarks): half a forward more than the rest.
+ATTENTION_BACKWARD_EXTRA = {True: 0.5, False: 0.0}
+
+
 @dataclass(frozen=True)
 class _Compute:
     """The part of a step's time no placement order or collective changes."""
 
     forward: float  # one layer's forward, one micro-batch
-    dw: float  # its weight-gradient GEMMs
     layer: float  # one layer's forward and backward (and recompute), with the fixed overhead
     head: float  # the LM head and loss of one micro-batch, on the last pipeline rank
     ranks: tuple[int, ...]  # layers of each pipeline rank
@@ -198,16 +205,16 @@ def _with_exchange(traits: RunTraits, framework: Framework) -> RunTraits:
 def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: Framework,
              traits: RunTraits = RunTraits()) -> _Compute:
     traits = _with_exchange(traits, framework)
-    forward, dw = _layer_compute_cached(cfg.block, s.x, s.y, s.seq, s.cp,
-                                        s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
-                                        linear_tflops(cluster, cal, _fp8(s, traits)), traits,
-                                        cfg.attention_share(s.seq), linear_tflops(cluster, cal, traits.fp8))
+    gemms, attention = _layer_compute_cached(cfg.block, s.x, s.y, s.seq, s.cp,
+                                             s.micro_batch / s.z, cluster.gpu.bf16_tflops, cal, s.layout.ep,
+                                             linear_tflops(cluster, cal, _fp8(s, traits)), traits,
+                                             cfg.attention_share(s.seq), linear_tflops(cluster, cal, traits.fp8))
     T = s.seq / s.cp * s.micro_batch / s.z
     traffic = _elementwise_traffic(cfg, s, T, _fp8(s, traits))
     if not traits.flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
         traffic += _score_traffic(cfg, s, T, framework)
-    forward += traffic / (cluster.gpu.hbm_tbs * 1e12)
-    per_layer = 3 * forward  # forward, then dX and dW GEMMs in backward
+    forward = gemms + attention + traffic / (cluster.gpu.hbm_tbs * 1e12)
+    per_layer = forward + 2 * forward + ATTENTION_BACKWARD_EXTRA[traits.flash_attention] * attention
     if s.recompute == "full":
         per_layer += forward
     vocab = framework.head_columns(cfg.vocab, s.y)
@@ -217,7 +224,7 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     dense, experts = _params_per_rank(cfg, s, ranks)
     # ZeRO-1: the dense parameters' shard of 1/(dp*cp), the experts' of 1/(dp*cp/ep)
     optimizer = 16 * (dense + experts * s.layout.ep) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
-    return _Compute(forward, dw, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
+    return _Compute(forward, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
 
 
