@@ -10,7 +10,7 @@ import pytest
 from fourfold.cli.main import main
 from fourfold.models.config import load_config
 from fourfold.plan import routing
-from fourfold.plan.constants import Calibration, constants
+from fourfold.plan.constants import Calibration, Profile, constants
 from fourfold.plan.costs import comm_seconds
 from fourfold.plan.frameworks import FOURFOLD, MEGATRON
 from fourfold.plan.frameworks.fourfold import Fourfold, expert_exchange_bytes
@@ -268,8 +268,10 @@ def test_megatrons_expert_parallelism_by_hand():
 
 def test_a_mixtures_search_places_its_expert_groups_inside_a_node_where_that_is_faster():
     """For a mixture the search also tries the data dims innermost (ep consecutive dp*cp ranks then
-    share a node); a dense model's search does not."""
-    ranking = search(MIXTRAL, 64, H100, job(), micro_batches=(2,), top=None)
+    share a node); a dense model's search does not. (Both links at their peaks, not a fit's figures:
+    where each order wins depends on the inside- and across-node rates.)"""
+    peaks = Calibration(profiles=(Profile("dgx-h100", 0.75, 400, 1.0, 1.0),))  # NVLink and NICs at their peaks
+    ranking = search(MIXTRAL, 64, H100, job(), micro_batches=(2,), top=None, cal=peaks)
     inner = [r for r in ranking if r["order"].startswith("cp,dp")]
     assert inner and any(r["ep"] > 1 for r in inner)
     # where it wins: ep8 over dp*cp with z2 innermost would put each expert group on 8 nodes
@@ -294,7 +296,8 @@ def test_fp8_speeds_the_dense_linears_and_leaves_fourfolds_routed_experts():
     s = job(dp=8, y=4, z=2, micro_batch=4)
     bf16, fp8 = step_time(MIXTRAL, s, H100), step_time(MIXTRAL, replace(s, fp8="rowwise"), H100)
     measured = step_time(MIXTRAL, s, H100, traits=RunTraits(fp8=True))
-    assert measured.total < fp8.total < bf16.total
+    # (the compute: faster GEMMs hide less of the tensor collectives, which may show more)
+    assert measured.compute < fp8.compute < bf16.compute
     dense, waited = replace(MIXTRAL, experts=0, top_k=0), Fourfold(forward_chunks=1)  # (FP8's forward is unchunked)
     assert step_time(dense, replace(s, fp8="tensorwise"), H100, framework=waited).total == pytest.approx(
         step_time(dense, s, H100, framework=waited, traits=RunTraits(fp8=True)).total)

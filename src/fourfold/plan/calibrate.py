@@ -287,15 +287,19 @@ def model_scores(runs: list[Run], predicted: list[float]) -> Scores:
     return scores(runs, [1 / p for p in predicted], predicted)
 
 
-def plan_scores(runs: list[Run], predicted: list[float], band: float | Calibration) -> Scores:
+def plan_scores(runs: list[Run], predicted: list[float], band: float | Calibration,
+                jobs: list[Job] | None = None) -> Scores:
     """How `fourfold plan` orders each group (`search.rank`) on the predicted step times: in tiers,
     the fastest left and those within the error band of it, each simplest first.
-    `band`: one error, or a Calibration whose per-kind errors (`cv_errors`) set it."""
+    `band`: one error, or a Calibration whose per-kind errors (`cv_errors`) set it. `jobs`: the job
+    each time is of (`predicted_job`), which `plan` would list; else each run's first (an unpublished
+    grid's or micro-batch's then counts as its simplest alternative, micro-batch unknown)."""
     cal = band if isinstance(band, Calibration) else Calibration(cv_error=band, cv_errors=())
     speed = [0.0] * len(runs)
     for group in {r.group for r in runs}:
         members = [dict(fits=True, tight=False, step_seconds=predicted[i], memory_gib=0.0, index=i,
-                        micro_batch=r.micro_batch or 0, **r.jobs[0].layout.sizes)
+                        micro_batch=jobs[i].micro_batch if jobs else r.micro_batch or 0,
+                        **(jobs[i] if jobs else r.jobs[0]).layout.sizes)
                    for i, r in enumerate(runs) if r.group == group]
         for position, m in enumerate(rank(members, cal)):
             speed[m["index"]] = -position
@@ -387,12 +391,13 @@ def leave_out(runs: list[Run], key) -> tuple[list[HeldOut], list[float]]:
     cross-validation, which would cost a fit per value and fold). Also returns every run's held-out
     prediction."""
     names = [key(r) for r in runs]
-    predicted = [0.0] * len(runs)
+    predicted, chosen = [0.0] * len(runs), [r.jobs[0] for r in runs]
     for name in sorted(set(names)):
         cal = fit([r for r, n in zip(runs, names) if n != name])
         for i, n in enumerate(names):
             if n == name:
-                predicted[i] = predicted_seconds(runs[i], cal)
+                chosen[i], step = predicted_job(runs[i], cal)
+                predicted[i] = step.total
     out = []
     for name in sorted(set(names)):
         held = [i for i, n in enumerate(names) if n == name]
@@ -402,7 +407,8 @@ def leave_out(runs: list[Run], key) -> tuple[list[HeldOut], list[float]]:
         mine, times = [runs[i] for i in held], [predicted[i] for i in held]
         cp = [abs(r.seconds / p - 1) for r, p in zip(mine, times) if r.kind == "cp"]
         baseline = mfu_baseline([runs[i] for i in others], mine)
-        out.append(HeldOut(name, len(held), model_scores(mine, times), plan_scores(mine, times, band),
+        out.append(HeldOut(name, len(held), model_scores(mine, times),
+                           plan_scores(mine, times, band, [chosen[i] for i in held]),
                            rule_scores(mine), float(np.mean(cp)) if cp else None,
                            float(np.mean([abs(r.seconds / p - 1) for r, p in zip(mine, baseline)]))))
     return out, predicted

@@ -38,10 +38,12 @@ SHIPPED = {
                                          virtual="1"),
     "megatron_gpt_a100_scaling.csv": dict(family="gpt2", tied="true", seq_parallel="false", cluster="dgx-a100",
                                           overlap_dp="false", flash_attention="false"),
-    # Megatron-Core r0.8.0's H100 table: gradient reduce and parameter gather overlapped, selective
-    # recompute, interleaved pipelines whose stages per rank are not published ("?")
+    # Megatron-Core r0.8.0's H100 table: gradient reduce and parameter gather overlapped, and the
+    # tensor-parallel collectives (Megatron-LM's README: "--overlap-grad-reduce --overlap-param-gather",
+    # "--tp-comm-overlap"), selective recompute, interleaved pipelines whose stages per rank are not
+    # published ("?")
     "megatron_core_gpt_h100.csv": dict(family="gpt2", tied="true", recompute="selective", cluster="dgx-h100",
-                                       overlap_dp="true", virtual="?"),
+                                       overlap_dp="true", tp_comm_overlap="true", virtual="?"),
     # NeMo's and Megatron-Bridge's tables (Megatron-Core with Transformer Engine): the architecture in
     # columns, FP8 linears where the notes say so, NeMo's FLOP count (Megatron's formula), gradient
     # reduce and parameter gather overlapped (the recipes' defaults); torchtitan's rows are read apart

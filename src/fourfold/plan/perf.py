@@ -143,10 +143,16 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     block_attention = attention_seconds(s.seq, s.cp, s.micro_batch / s.z, cfg.heads / tp_heads, cfg.block.head_dim,
                                         cluster.gpu.bf16_tflops, cal, share=cfg.attention_share(s.seq)) / s.cp
     forward = exposed(totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
-                      cal.ring_overlap)
+                      cal.ring_overlap) * _attention_passes(s)
     backward = exposed(totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
                        (2 + ATTENTION_BACKWARD_EXTRA[True]) * (s.cp - 1) * block_attention, cal.ring_overlap)
     return forward + backward
+
+
+def _attention_passes(s: Job) -> int:
+    """How often the attention core's forward runs a step: again in backward under full recompute
+    and under selective (Megatron-Core's checkpointed core attention, fourfold's `recompute="selective"`)."""
+    return 2 if s.recompute in ("full", "selective") else 1
 
 
 def _gathered_kv_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: Framework) -> float:
@@ -154,8 +160,7 @@ def _gathered_kv_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Consta
     whole = int(s.micro_batch / s.z) * kv_heads * s.seq * cfg.block.head_dim  # K (or V) of the whole sequence
     gathers = [Collective("cp", "all_gather", whole)] * 2  # K and V
     scatters = [Collective("cp", "reduce_scatter", whole, wide=True)] * 2  # dK and dV
-    passes = 2 if s.recompute == "full" else 1
-    return comm_seconds(gathers * (passes + 1) + scatters, s, cluster, s.element_bytes, cal)
+    return comm_seconds(gathers * (_attention_passes(s) + 1) + scatters, s, cluster, s.element_bytes, cal)
 
 
 def _a2a_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framework: Framework) -> float:
@@ -164,13 +169,12 @@ def _a2a_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, fra
     chunk of every head to the whole sequence of heads/cp, and the output back after it; backward
     the same for dO, then dQ, dK, dV. Each rank sends (cp-1)/cp of each tensor, exposed (attention
     waits for its inputs); attention itself is the whole sequence's on heads/cp (`attention_seconds`
-    as gathered). With full recompute the forward's all-to-alls run again."""
+    as gathered). With full or selective recompute the forward's all-to-alls run again."""
     split = framework.attention_split(cfg.block, s.x, s.y)
     local = int(s.micro_batch / s.z) * s.seq // s.cp * cfg.block.head_dim  # one head's rows of this rank
     q, kv = cfg.heads // split * local, cfg.kv_heads // split * local
     forward = [Collective("cp", "all_to_all", n) for n in (q, kv, kv, q)]  # Q, K, V, then the output
-    passes = 2 if s.recompute == "full" else 1
-    return comm_seconds(forward * (passes + 1), s, cluster, s.element_bytes, cal)
+    return comm_seconds(forward * (_attention_passes(s) + 1), s, cluster, s.element_bytes, cal)
 
 
 # A layer's backward: the GEMMs' dX and dW, twice their forward. Attention's without flash attention
@@ -217,9 +221,13 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     per_layer = forward + 2 * forward + ATTENTION_BACKWARD_EXTRA[traits.flash_attention] * attention
     if s.recompute == "full":
         per_layer += forward
+    elif s.recompute == "selective":  # the attention core again
+        per_layer += attention
     vocab = framework.head_columns(cfg.vocab, s.y)
     head = 6 * T * cfg.hidden * vocab / (s.x * s.y)
     head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, vocab / s.y, cal)
+    # the loss: passes over the rank's logits in fp32, bound by HBM bandwidth
+    head += T * vocab / (s.x * s.y) * framework.loss_bytes(s.element_bytes) / (cluster.gpu.hbm_tbs * 1e12)
     ranks = rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
     dense, experts = _params_per_rank(cfg, s, ranks)
     # ZeRO-1: the dense parameters' shard of 1/(dp*cp), the experts' of 1/(dp*cp/ep)
@@ -320,7 +328,7 @@ def step_time(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Cal
     # Pipeline: P2P of each micro-batch's activation shard in both directions, at each of the
     # rank's `virtual` stages (interleaving sends v times as often), over the pp group's link.
     if s.pp > 1:
-        sends = framework.pipeline_sends(cfg, int(T * cfg.hidden / (s.x * s.y)))
+        sends = framework.pipeline_sends(cfg, s, T)
         micro_comm += comm_seconds(sends * 2 * s.virtual, s, cluster, s.element_bytes, k)
     m = s.microbatches
     # Interleaved 1F1B (Narayanan et al. 2021): the bubble is (p-1)/v micro-batch times.
@@ -343,6 +351,7 @@ def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Co
     if g == 1:
         return 0.0
     dense, experts = _params_per_rank(cfg, s, c.ranks)
+    table = min(dense, cfg.hidden * cfg.vocab / (s.x * s.y * s.z))
     reduce = gather = 0.0
     # the dense parameters over dp*cp; with expert parallelism the experts' over their replicas (edp)
     for params, group in ((dense, ("dp", "cp")), (experts, ("edp",) if s.layout.ep > 1 else ("dp", "cp"))):
@@ -352,5 +361,10 @@ def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Co
         bw = bandwidth(s.layout, cluster, group, k.intra_node_efficiency, k.inter_node_efficiency)
         reduce += float(bytes_sent("reduce_scatter", size, grad_bytes * params)) / bw
         gather += float(bytes_sent("all_gather", size, s.element_bytes * params)) / bw
-    return (exposed(reduce, micro_compute * 2 / 3, k.dp_overlap)
-            + exposed(gather, micro_compute / 3, 1.0 if framework.hides_param_gather else k.param_gather_overlap))
+    dg = group_size(s.layout, ("dp", "cp"))
+    bw = bandwidth(s.layout, cluster, ("dp", "cp"), k.intra_node_efficiency, k.inter_node_efficiency)
+    reduce_last = float(bytes_sent("reduce_scatter", dg, grad_bytes * table)) / bw
+    gather_first = float(bytes_sent("all_gather", dg, s.element_bytes * table)) / bw
+    return (exposed(reduce - reduce_last, micro_compute * 2 / 3, k.dp_overlap) + reduce_last
+            + exposed(gather - gather_first, micro_compute / 3,
+                      1.0 if framework.hides_param_gather else k.param_gather_overlap) + gather_first)

@@ -18,6 +18,7 @@ class GPU:
     hbm_tbs: float
     gemm_efficiency: float  # best fraction of the peak a large bf16 GEMM reaches (measured, docs/planner.md)
     fp8_tflops: float = 0.0  # dense FP8 tensor-core peak (0: the GPU has no FP8 tensor cores)
+    sms: int = 0  # streaming multiprocessors (compute units), what kernels running side by side share (0: unknown)
 
     @property
     def ridge(self) -> float:
@@ -42,15 +43,16 @@ class Cluster:
 # 0.87, H100 SXM 0.80 of the dense peak); the other Hopper parts take the H100's, the MI250X the
 # H100's too (no published figure found: an assumption), and so do the Blackwell parts (B200,
 # GB200, GB300: no published mamf-finder figure found either). FP8: the data sheets' dense peaks
-# (twice bf16 on Hopper and Blackwell).
+# (twice bf16 on Hopper and Blackwell). SMs: the architecture white papers' (A100 108; H100 SXM5 and
+# the other GH100 parts 132); the Blackwell parts and the MI250X are left unknown (0).
 GPUS = {g.name: g for g in [
-    GPU("a100-40gb", 312, 40, 1.56, 0.87),
-    GPU("a100-80gb", 312, 80, 2.04, 0.87),
-    GPU("h100-80gb", 989, 80, 3.35, 0.80, 1979),
-    GPU("h100-94gb", 989, 94, 2.4, 0.80, 1979),
-    GPU("h100-96gb", 989, 96, 3.35, 0.80, 1979),  # the SXM part with 96 GB (torchtitan's, capped at 500 W)
-    GPU("h200", 989, 141, 4.8, 0.80, 1979),
-    GPU("gh200", 989, 96, 4.0, 0.80, 1979),
+    GPU("a100-40gb", 312, 40, 1.56, 0.87, sms=108),
+    GPU("a100-80gb", 312, 80, 2.04, 0.87, sms=108),
+    GPU("h100-80gb", 989, 80, 3.35, 0.80, 1979, sms=132),
+    GPU("h100-94gb", 989, 94, 2.4, 0.80, 1979, sms=132),
+    GPU("h100-96gb", 989, 96, 3.35, 0.80, 1979, sms=132),  # the SXM part with 96 GB (torchtitan's, capped at 500 W)
+    GPU("h200", 989, 141, 4.8, 0.80, 1979, sms=132),
+    GPU("gh200", 989, 96, 4.0, 0.80, 1979, sms=132),
     GPU("b200", 2250, 180, 8.0, 0.80, 4500),  # DGX B200: 1,440 GB over 8 GPUs
     GPU("gb200", 2500, 186, 8.0, 0.80, 5000),
     GPU("gb300", 2500, 279, 8.0, 0.80, 5000),

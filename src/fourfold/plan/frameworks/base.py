@@ -74,6 +74,12 @@ class Framework(ABC):
         """The LM head's GEMM columns (the vocabulary as the framework pads it)."""
 
     @abstractmethod
+    def loss_bytes(self, element_bytes: int) -> float:
+        """HBM bytes the cross-entropy moves per logit (a token's share of the vocabulary on a rank),
+        forward and backward, from logits of `element_bytes`: every elementwise pass of its loss
+        over the fp32 logits (they are far larger than the caches)."""
+
+    @abstractmethod
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """Exposed tensor-parallel communication of one layer for one micro-batch (forward,
@@ -86,8 +92,8 @@ class Framework(ABC):
         """The embedding's and the LM head's collectives for one micro-batch of `tokens` on a rank."""
 
     @abstractmethod
-    def pipeline_sends(self, cfg: ModelConfig, shard: int) -> list[Collective]:
-        """What a pipeline stage sends the next for one micro-batch (an activation shard of `shard` elements)."""
+    def pipeline_sends(self, cfg: ModelConfig, s: Job, tokens: float) -> list[Collective]:
+        """What a pipeline stage sends the next for one micro-batch of `tokens` on a rank (its activation shard)."""
 
     @abstractmethod
     def tied_seconds(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, bubble: float) -> float:

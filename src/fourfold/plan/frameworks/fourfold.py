@@ -76,6 +76,13 @@ class Fourfold(Framework):
     def head_columns(self, vocab: int, y: int) -> int:
         return padded_vocab(vocab, y)
 
+    def loss_bytes(self, element_bytes: int) -> float:
+        """`parallel.tensor.vocab`'s loss, a chunk of tokens at a time: forward the max over the
+        logits (e), then each chunk's fp32 cast (e + 4), the max subtracted (8), exp in place (8)
+        and the sum (4); backward the chunk's softmax rebuilt from the logits (cast e + 4,
+        subtracted 8, exp 8, divided 8), masked (8), scaled (8) and written over the logits (4 + e)."""
+        return 72 + 4 * element_bytes
+
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         b = s.element_bytes  # bf16 on GPUs
@@ -106,7 +113,10 @@ class Fourfold(Framework):
         return totals_seconds(_head_totals(within_replica(s), cfg.vocab, cfg.hidden, tokens), s, cluster,
                               s.element_bytes, k)
 
-    def pipeline_sends(self, cfg: ModelConfig, shard: int) -> list[Collective]:
+    def pipeline_sends(self, cfg: ModelConfig, s: Job, tokens: float) -> list[Collective]:
+        """The residual stream [tokens(/y), hidden/x]: the sequence split over y only under sequence
+        parallelism (`spec.volumes.pipeline_sends`)."""
+        shard = int(tokens * cfg.hidden / (s.x * (s.y if s.seq_parallel else 1)))
         sends = [Collective("pp", "send", shard)]
         if cfg.experts and cfg.aux_loss:  # a mixture's load-balancing sums beside it
             sends.append(Collective("pp", "send", 2 * cfg.experts, wide=True))

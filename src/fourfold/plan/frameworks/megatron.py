@@ -99,6 +99,13 @@ class Megatron(Framework):
     def head_columns(self, vocab: int, y: int) -> int:
         return vocab
 
+    def loss_bytes(self, element_bytes: int) -> float:
+        """Megatron-Core's `vocab_parallel_cross_entropy` (tensor_parallel/cross_entropy.py, 0.8),
+        whole logits at once: forward the fp32 cast (e read, 4 written), the max (4), the max
+        subtracted in place (8), exp in place (8), the sum (4), the softmax's division in place
+        (8); backward the gradient scaled in place (8) and cast back to the logits' dtype (4 + e)."""
+        return 48 + 2 * element_bytes
+
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """With sequence parallelism each sublayer all-gathers its input and reduce-scatters its output
@@ -118,7 +125,7 @@ class Megatron(Framework):
         passes = 2 if s.recompute == "full" else 1
         if gemm_overlap and s.seq_parallel and not dispatched and s.y > 1:
             return _pipelined_with_gemms(cfg.block, T, s.y, seconds(regather), seconds(reduction), passes,
-                                         gemm_tflops, k)
+                                         gemm_tflops, k, cluster.gpu.sms)
         exposed = passes * seconds(forward) + seconds(backward) + sublayers * (seconds(regather) + seconds(reduction))
         for in_features, out_features in _column_parallel(cfg.block, s.y, dispatched):
             gemm = gemm_seconds(T, in_features, out_features / s.y, gemm_tflops, k)
@@ -130,8 +137,11 @@ class Megatron(Framework):
     def head_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, tokens: int) -> float:
         return 0.0  # not priced: the gather of the sequence-parallel stream before the output layer is left out
 
-    def pipeline_sends(self, cfg: ModelConfig, shard: int) -> list[Collective]:
-        return [Collective("pp", "send", shard)]
+    def pipeline_sends(self, cfg: ModelConfig, s: Job, tokens: float) -> list[Collective]:
+        """A tensor-parallel rank's 1/tp of the stream: its sequence shard under sequence parallelism,
+        else a 1/tp slice of it, gathered over NVLink on arrival (the scatter-gather optimisation,
+        Narayanan et al. 2021, section 4.1)."""
+        return [Collective("pp", "send", int(tokens * cfg.hidden / s.y))]
 
     def tied_seconds(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, bubble: float) -> float:
         """The two stages' embedding gradients all-reduced over a group of 2 (fp32 main grads), after
@@ -160,20 +170,37 @@ def _column_parallel(block: BlockConfig, y: int, dispatched: bool) -> tuple[tupl
 
 
 def _pipelined_with_gemms(block: BlockConfig, T: float, y: int, gather: float, scatter: float, passes: int,
-                          gemm_tflops: float, k: Constants) -> float:
+                          gemm_tflops: float, k: Constants, sms: int = 0) -> float:
     """One layer's sequence-parallel collectives each pipelined with its GEMM (the seconds of one
-    all-gather and one reduce-scatter of the stream): forward, the all-gather into each
-    column-parallel GEMM (QKV, up) and the reduce-scatter out of each row-parallel one (out, down),
-    `passes` times; backward, the gather of dY into the row-parallel dX GEMM, and the column-parallel
-    linear's input re-gather and dX reduce-scatter beside its dX and dW GEMMs (as without it)."""
+    all-gather and one reduce-scatter of the stream), as Transformer Engine's userbuffers run them
+    (`initialize_ub`'s default methods, TE 1.9): the all-gathers into the column-parallel GEMMs (QKV,
+    up; forward, `passes` times) and of dY into the row-parallel dX GEMMs (backward) by ring exchange,
+    a 1/y chunk of the GEMM on each chunk while the next arrives (the first is local: the gather
+    hides behind the GEMM's last y-1 chunks); the reduce-scatters out of the row-parallel GEMMs
+    (out, down; forward) pipelined in UB_SCATTER_CHUNKS, each chunk's reduction beside the next
+    chunk's GEMM, the last one's exposed; in backward the column-parallel linear's input re-gather
+    and dX reduce-scatter in bulk beside its dX and dW GEMMs (as without userbuffers). The pipelined
+    and bulk ones run on UB_COMM_SMS of the GPU's `sms` beside their GEMM, which loses that share of
+    its rate while both run (`sms` 0, unknown: not priced)."""
     plan = block_plan(block, 1, y, seq_parallel=False)
-    exposed = 0.0
+    n, share = UB_SCATTER_CHUNKS, UB_COMM_SMS / sms if sms else 0.0
+    seconds = 0.0
     for column, row in ((plan.qkv, plan.out), (plan.up, plan.down)):
         col = gemm_seconds(T, column.in_features, column.out_features / y, gemm_tflops, k)
         rowg = gemm_seconds(T, row.in_features / y, row.out_features, gemm_tflops, k)
-        exposed += passes * (max(0.0, gather - col) + max(0.0, scatter - rowg))
-        exposed += max(0.0, gather - rowg) + max(0.0, gather - col) + max(0.0, scatter - col)
-    return exposed
+        scattered = scatter / n + max(0.0, scatter - rowg) * (n - 1) / n
+        seconds += passes * (max(0.0, gather - col * (y - 1) / y) + scattered)
+        seconds += max(0.0, gather - rowg * (y - 1) / y) + max(0.0, gather - col) + max(0.0, scatter - col)
+        seconds += share * (passes * min(scatter, rowg) + min(gather, col) + min(scatter, col))
+    return seconds
+
+
+# The chunks of a row-parallel GEMM whose output reduce-scatter is pipelined with it: Transformer
+# Engine's default `num_splits` of the "pipeline" method (`initialize_ub`, TE 1.9: 4; ring exchange: tp)
+UB_SCATTER_CHUNKS = 4
+# The SMs each SM-based userbuffers overlap ("pipeline", "bulk") runs on beside its GEMM: TE 1.9's default
+# `num_sm`, with `set_sm_margin` False (the GEMM is launched on every SM, and shares them while both run)
+UB_COMM_SMS = 16
 
 
 @functools.lru_cache(maxsize=4096)
