@@ -94,7 +94,8 @@ def in_sample(runs, cal: Calibration) -> str:
         mine = [i for i, r in enumerate(runs) if r.source == source]
         model = model_scores([runs[i] for i in mine], [predicted[i] for i in mine])
         rule = rule_scores([runs[i] for i in mine])
-        rho = (f"{model.spearman:7.2f} {rule.spearman:5.2f}" if model.groups else f"{'-':>7} {'-':>5}")
+        rho = (f"{model.spearman:7.2f}" if model.groups else f"{'-':>7}") + (
+            f" {rule.spearman:5.2f}" if rule.groups else f" {'-':>5}")
         lines.append(f"{source:<38} {len(mine):>4} {model.error:6.1%} {rho}")
     lines.append(f"{'every run':<38} {len(runs):>4} {model_scores(runs, predicted).error:6.1%}")
     return "\n".join(lines)

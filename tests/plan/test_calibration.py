@@ -25,6 +25,7 @@ from fourfold.plan.calibrate import (
     mfu_baseline,
     model_scores,
     plan_scores,
+    predicted_job,
     predicted_seconds,
     rule_scores,
     split_parts,
@@ -71,7 +72,7 @@ def test_the_llama_a100_runs_are_plain_1f1b_with_their_micro_batch(published):
 def test_tensor_collectives_pipelined_with_their_gemms(published):
     """NeMo's and Megatron-Bridge's runs overlap Megatron's sequence-parallel collectives with their
     GEMMs (Transformer Engine's userbuffers; `RunTraits.tp_comm_overlap`, read from the source):
-    each is exposed only where it outlasts its GEMM, so over fast links almost nothing shows, over
+    each is exposed where it outlasts its GEMM's chunks (and a pipelined reduce-scatter's last chunk), over
     slow ones the excess; the runs' gradients are reduced in bf16 (half the reduce-scatter's bytes)."""
     cfg, job = load_config("llama-3.1-70b"), Job(Layout(dp=2, y=8), global_batch=16, micro_batch=1, seq=8192,
                                                  seq_parallel=True, precision="bf16")
@@ -118,7 +119,11 @@ def test_long_sequences_and_context_parallelism_hold_on_a_source_left_out(publis
     assert model.error < np.mean([abs(r.seconds / p - 1) for r, p in zip(held, baseline)]) / 1.5
     assert model.groups >= 2 and model.spearman >= DOCUMENTED["spearman"] - 0.1
     band = Calibration(cv_error=None, cv_errors=kind_errors(others, [predicted_seconds(r, cal) for r in others]))
-    assert plan_scores(held, predicted, band).spearman >= rule.spearman  # never below the rule
+    jobs = [predicted_job(r, cal)[0] for r in held]
+    assert plan_scores(held, predicted, band, jobs).spearman >= DOCUMENTED["spearman"] - 0.1
+    # each group sets a published cp run against NeMo's best without cp, whose grid is not published:
+    # no rule over grids can place it
+    assert rule.groups == 0
 
 
 def test_llama3_405b_long_context_against_its_8k_row_from_profiles_not_fitted_on_it():

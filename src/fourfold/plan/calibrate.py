@@ -218,16 +218,18 @@ def folds(runs: list[Run]) -> list[str]:
     return fold if len(set(fold)) > 1 else [str(i) for i in range(len(runs))]
 
 
-def cross_validate(runs: list[Run], **fit_options) -> list[float]:
-    """Each run's step time predicted by constants fitted without its fold (`folds`)."""
+def cross_validate(runs: list[Run], **fit_options) -> tuple[list[float], list[Job]]:
+    """Each run's step time predicted by constants fitted without its fold (`folds`), and the job
+    it is of (`predicted_job`: of a run's alternatives, the fastest by those constants)."""
     fold = folds(runs)
-    predicted = [0.0] * len(runs)
+    predicted, jobs = [0.0] * len(runs), [r.jobs[0] for r in runs]
     for held_out in sorted(set(fold)):
         cal = fit([r for r, f in zip(runs, fold) if f != held_out], **fit_options)
         for i, f in enumerate(fold):
             if f == held_out:
-                predicted[i] = predicted_seconds(runs[i], cal)
-    return predicted
+                jobs[i], step = predicted_job(runs[i], cal)
+                predicted[i] = step.total
+    return predicted, jobs
 
 
 def _ranks(values: list[float]) -> np.ndarray:
@@ -307,8 +309,11 @@ def plan_scores(runs: list[Run], predicted: list[float], band: float | Calibrati
 
 
 def rule_scores(runs: list[Run]) -> Scores:
-    """The rule "least tp*cp*pp, then the largest micro-batch" (an unknown micro-batch counts as 0)."""
-    return scores(runs, [-r.model_parallel + (r.micro_batch or 0) / 1e3 for r in runs])
+    """The rule "least tp*cp*pp, then the largest micro-batch" (an unknown micro-batch counts as 0),
+    on the runs whose grid was published: a rule over configurations cannot place an unpublished one
+    (NeMo's "best without cp", whose alternatives the model's default constants pick)."""
+    known = [r for r in runs if len({j.layout for j in r.jobs}) == 1]
+    return scores(known, [-r.model_parallel + (r.micro_batch or 0) / 1e3 for r in known])
 
 
 @dataclass(frozen=True)
@@ -324,10 +329,10 @@ def calibrate(runs: list[Run], software: bool = True) -> tuple[Calibration, Cros
     if len(runs) < 2:
         raise ValueError(f"calibration needs 2 or more measured runs, got {len(runs)}")
     options = {} if software else dict(start=Calibration(), software=False)
-    predicted = cross_validate(runs, **options)
+    predicted, jobs = cross_validate(runs, **options)
     model = model_scores(runs, predicted)
     cal = replace(fit(runs, **options), cv_error=model.error, cv_errors=kind_errors(runs, predicted))
-    return cal, CrossValidation(model, plan_scores(runs, predicted, cal))
+    return cal, CrossValidation(model, plan_scores(runs, predicted, cal, jobs))
 
 
 def comparison(runs: list[Run], cross: CrossValidation) -> str:

@@ -18,6 +18,7 @@ from fourfold.plan.costs import (
     gemm_efficiency,
     group_size,
     linear_tflops,
+    per_byte,
     totals,
     totals_seconds,
     within_replica,
@@ -29,7 +30,7 @@ from fourfold.spec.counts import flops_per_token as model_flops_per_token
 from fourfold.spec.counts import layer_params
 from fourfold.spec.hardware import Cluster
 from fourfold.spec.job import Job, rank_layers
-from fourfold.spec.volumes import Collective, bytes_sent, ring_attention_passes
+from fourfold.spec.volumes import Collective, ring_attention_passes
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,12 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
     expert_peak = (expert_tflops or peak_tflops) * 1e12
     d = block.head_dim
     plan = _plan(block, x, y)
-    forward = 0.0
+    gemms = 0.0
     if block.mla:  # the latents on every y rank (columns over x), the per-head projections on this rank's heads
         heads = plan.local_heads
         for k, n in ((block.hidden / x, block.q_lora), (block.hidden / x, block.kv_lora + block.rope_dim),
                      (block.q_lora, heads * d), (block.kv_lora, heads * (block.nope_dim + block.v_dim))):
-            forward += 2 * T * k * n / (peak * gemm_efficiency(T, k, n, cal))
+            gemms += 2 * T * k * n / (peak * gemm_efficiency(T, k, n, cal))
     for layer in plan.linears:  # each rank's block of each GEMM (z only splits the stored weights)
         if block.mla and layer is plan.qkv:  # (latent attention has none)
             continue
@@ -105,15 +106,15 @@ def _layer_compute_cached(block, x: int, y: int, seq: int, cp: int, batch: float
         # with expert parallelism, experts/ep of them, each on its share of the ep ranks' tokens
         routed = block.moe and layer in (plan.up, plan.down)
         tokens, times = (expert_tokens(block, T * ep), block.experts // ep) if routed else (T, 1)
-        forward += times * 2 * tokens * k_local * n_local / ((expert_peak if routed else peak)
-                                                             * gemm_efficiency(tokens, k_local, n_local, cal))
+        gemms += times * 2 * tokens * k_local * n_local / ((expert_peak if routed else peak)
+                                                           * gemm_efficiency(tokens, k_local, n_local, cal))
     if block.moe:  # the router's GEMM on the stream's features of this x rank (the shared gate's is a GEMV)
-        forward += 2 * T * block.hidden / x * block.experts / (
+        gemms += 2 * T * block.hidden / x * block.experts / (
             peak * gemm_efficiency(T, block.hidden / x, block.experts, cal))
     # the local queries against the whole sequence (ring attention brings the other chunks' keys)
     attention = attention_seconds(seq, cp, batch, plan.local_heads, d, peak_tflops, cal, traits.flash_attention,
                                   traits.cp_comm in ("all_gather", "a2a"), attention_share)
-    return forward, attention
+    return gemms, attention
 
 
 @functools.lru_cache(maxsize=65536)
@@ -145,7 +146,7 @@ def _ring_attention_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Con
     forward = exposed(totals_seconds(ring_forward, s, cluster, s.element_bytes, cal), (s.cp - 1) * block_attention,
                       cal.ring_overlap) * _attention_passes(s)
     backward = exposed(totals_seconds(ring_backward, s, cluster, s.element_bytes, cal),
-                       (2 + ATTENTION_BACKWARD_EXTRA[True]) * (s.cp - 1) * block_attention, cal.ring_overlap)
+                       (2 + FLASH_BACKWARD_EXTRA) * (s.cp - 1) * block_attention, cal.ring_overlap)
     return forward + backward
 
 
@@ -181,7 +182,7 @@ def _a2a_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, fra
 # too (dP, dS from the stored scores, then dQ, dK, dV); flash attention recomputes the scores in its
 # backward, which is 2.5 times its forward (five matmuls to two: Dao 2023, FlashAttention-2, the
 # FLOP count of its benchmarks): half a forward more than the rest.
-ATTENTION_BACKWARD_EXTRA = {True: 0.5, False: 0.0}
+FLASH_BACKWARD_EXTRA = 0.5
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     if not traits.flash_attention:  # attention's score matrices through HBM (Dao et al. 2022, standard attention)
         traffic += _score_traffic(cfg, s, T, framework)
     forward = gemms + attention + traffic / (cluster.gpu.hbm_tbs * 1e12)
-    per_layer = forward + 2 * forward + ATTENTION_BACKWARD_EXTRA[traits.flash_attention] * attention
+    per_layer = forward + 2 * forward + (FLASH_BACKWARD_EXTRA * attention if traits.flash_attention else 0.0)
     if s.recompute == "full":
         per_layer += forward
     elif s.recompute == "selective":  # the attention core again
@@ -279,7 +280,7 @@ def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...]) -> tuple[
     replicated = replicated_params(cfg.block)  # a mixture's router and shared gate: split over x only
     experts = expert_params(cfg.block)
     held = replicated / s.x - replicated / tp
-    dense = max(ranks) * ((matrices - experts + vectors) / tp + held) + cfg.hidden * cfg.vocab / tp
+    dense = max(ranks) * ((matrices - experts + vectors) / tp + held) + _table_per_rank(cfg, s)
     return dense, max(ranks) * experts / (tp * s.layout.ep)
 
 
@@ -346,25 +347,30 @@ def _dp_exposed(cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, c: _Co
     micro-batch's backward (fourfold's GradientSync, Megatron's overlap_grad_reduce), so the fraction
     `dp_overlap` of the reduce-scatter can hide behind that backward (2/3 of its compute); the all-gather
     hides behind the next step's first forward (1/3): fourfold's whole (each bucket waited by the first layer
-    using it, `GradientSync.set_params`), Megatron's as overlap_param_gather says (`param_gather_overlap`)."""
+    using it, `GradientSync.set_params`), Megatron's as overlap_param_gather says (`param_gather_overlap`).
+    Not the embedding table's bucket: its gradients are final last (Megatron-Core buckets the parameters
+    in reverse order), and its parameters are the first the next forward waits for, so both show."""
     g = s.dp * s.cp
     if g == 1:
         return 0.0
     dense, experts = _params_per_rank(cfg, s, c.ranks)
-    table = min(dense, cfg.hidden * cfg.vocab / (s.x * s.y * s.z))
-    reduce = gather = 0.0
+    reduce = gather = table_reduce = table_gather = 0.0
     # the dense parameters over dp*cp; with expert parallelism the experts' over their replicas (edp)
-    for params, group in ((dense, ("dp", "cp")), (experts, ("edp",) if s.layout.ep > 1 else ("dp", "cp"))):
+    for params, group, table in ((dense, ("dp", "cp"), _table_per_rank(cfg, s)),
+                                 (experts, ("edp",) if s.layout.ep > 1 else ("dp", "cp"), 0.0)):
         size = group_size(s.layout, group)
         if size == 1 or params == 0:
             continue
         bw = bandwidth(s.layout, cluster, group, k.intra_node_efficiency, k.inter_node_efficiency)
-        reduce += float(bytes_sent("reduce_scatter", size, grad_bytes * params)) / bw
-        gather += float(bytes_sent("all_gather", size, s.element_bytes * params)) / bw
-    dg = group_size(s.layout, ("dp", "cp"))
-    bw = bandwidth(s.layout, cluster, ("dp", "cp"), k.intra_node_efficiency, k.inter_node_efficiency)
-    reduce_last = float(bytes_sent("reduce_scatter", dg, grad_bytes * table)) / bw
-    gather_first = float(bytes_sent("all_gather", dg, s.element_bytes * table)) / bw
-    return (exposed(reduce - reduce_last, micro_compute * 2 / 3, k.dp_overlap) + reduce_last
-            + exposed(gather - gather_first, micro_compute / 3,
-                      1.0 if framework.hides_param_gather else k.param_gather_overlap) + gather_first)
+        reduced, gathered = grad_bytes * per_byte("reduce_scatter", size) / bw, s.element_bytes * per_byte(
+            "all_gather", size) / bw  # seconds a parameter
+        reduce, gather = reduce + reduced * (params - table), gather + gathered * (params - table)
+        table_reduce, table_gather = table_reduce + reduced * table, table_gather + gathered * table
+    hides_gather = 1.0 if framework.hides_param_gather else k.param_gather_overlap
+    return (exposed(reduce, micro_compute * 2 / 3, k.dp_overlap) + table_reduce
+            + exposed(gather, micro_compute / 3, hides_gather) + table_gather)
+
+
+def _table_per_rank(cfg: ModelConfig, s: Job) -> float:
+    """The embedding table's parameters on a rank: the vocabulary split over the tensor grid."""
+    return cfg.hidden * cfg.vocab / (s.x * s.y * s.z)

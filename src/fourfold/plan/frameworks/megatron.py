@@ -116,7 +116,7 @@ class Megatron(Framework):
         experts (without a shared one) move their tokens with the all-to-all dispatcher instead
         (`_dispatch`), exposed. `gemm_overlap` (Transformer Engine's userbuffers, NeMo's and
         Megatron-Bridge's tp_comm_overlap, sequence parallel): every one of those collectives runs
-        in chunks beside the GEMM that consumes or produces it, exposed only where it is longer."""
+        in chunks beside the GEMM that consumes or produces it (`_pipelined_with_gemms`)."""
         T = s.seq / s.cp * s.micro_batch / s.z
         dispatched = cfg.block.moe and not cfg.block.shared_ffn
         sublayers = 1 if dispatched else 2  # attention, and a dense MLP
@@ -170,7 +170,7 @@ def _column_parallel(block: BlockConfig, y: int, dispatched: bool) -> tuple[tupl
 
 
 def _pipelined_with_gemms(block: BlockConfig, T: float, y: int, gather: float, scatter: float, passes: int,
-                          gemm_tflops: float, k: Constants, sms: int = 0) -> float:
+                          gemm_tflops: float, k: Constants, sms: int) -> float:
     """One layer's sequence-parallel collectives each pipelined with its GEMM (the seconds of one
     all-gather and one reduce-scatter of the stream), as Transformer Engine's userbuffers run them
     (`initialize_ub`'s default methods, TE 1.9): the all-gathers into the column-parallel GEMMs (QKV,
