@@ -202,6 +202,7 @@ class _Compute:
                 + self.micro_batch_overhead)
 
 
+@functools.lru_cache(maxsize=256)  # (every candidate of a search asks it: a copy each is 15% of the search)
 def _with_exchange(traits: RunTraits, framework: Framework) -> RunTraits:
     """`traits` with its cp exchange: a measured run's own, else the framework profile's."""
     return traits if traits.cp_comm else dataclasses.replace(traits, cp_comm=framework.cp_comm)
