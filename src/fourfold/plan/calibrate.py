@@ -145,7 +145,7 @@ def log_errors(runs: list[Run], cal: Calibration) -> np.ndarray:
 
 
 def _calibration(start: Calibration, fitted: list[tuple[str | None, Knob]], theta,
-                 presets: dict[str, Profile] | None = None) -> Calibration:
+                 presets: dict[str, Profile]) -> Calibration:
     """`start` with the fitted constants `theta`: the software ones, and a profile per cluster (the
     constants not fitted: its preset's, `presets`)."""
     software = {k.name: k.value(float(t)) for (c, k), t in zip(fitted, theta) if c is None}
@@ -154,8 +154,8 @@ def _calibration(start: Calibration, fitted: list[tuple[str | None, Knob]], thet
         if c is not None:  # (every hardware knob of a cluster is fitted together)
             profiles.setdefault(c, {})[k.name] = k.value(float(t))
     kept = tuple(p for p in start.profiles if p.cluster not in profiles)
-    return replace(start, **software, profiles=kept + tuple(replace(presets[c], **v) if presets else Profile(c, **v)
-                                                            for c, v in sorted(profiles.items())))
+    fitted_profiles = tuple(replace(presets[c], **v) for c, v in sorted(profiles.items()))
+    return replace(start, **software, profiles=kept + fitted_profiles)
 
 
 # The fit's landscape has basins of nearly the same error that predict other runs differently (its
@@ -249,7 +249,11 @@ def folds(runs: list[Run]) -> list[str]:
 def cross_validate(runs: list[Run], **fit_options) -> tuple[list[float], list[Job]]:
     """Each run's step time predicted by constants fitted without its fold (`folds`), and the job
     it is of (`predicted_job`: of a run's alternatives, the fastest by those constants)."""
-    fold = folds(runs)
+    return _held_out(runs, folds(runs), **fit_options)
+
+
+def _held_out(runs: list[Run], fold: list[str], **fit_options) -> tuple[list[float], list[Job]]:
+    """Each run's step time and job (`predicted_job`) by constants fitted on the runs of the other folds."""
     predicted, jobs = [0.0] * len(runs), [r.jobs[0] for r in runs]
     for held_out in sorted(set(fold)):
         cal = fit([r for r, f in zip(runs, fold) if f != held_out], **fit_options)
@@ -424,13 +428,7 @@ def leave_out(runs: list[Run], key) -> tuple[list[HeldOut], list[float]]:
     cross-validation, which would cost a fit per value and fold). Also returns every run's held-out
     prediction."""
     names = [key(r) for r in runs]
-    predicted, chosen = [0.0] * len(runs), [r.jobs[0] for r in runs]
-    for name in sorted(set(names)):
-        cal = fit([r for r, n in zip(runs, names) if n != name])
-        for i, n in enumerate(names):
-            if n == name:
-                chosen[i], step = predicted_job(runs[i], cal)
-                predicted[i] = step.total
+    predicted, chosen = _held_out(runs, names)
     out = []
     for name in sorted(set(names)):
         held = [i for i, n in enumerate(names) if n == name]
