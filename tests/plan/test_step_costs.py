@@ -88,3 +88,12 @@ def test_pipeline_sends_carry_what_each_runtime_sends():
         shard = pipeline_sends(LLAMA, s.layout.sizes, 1, s.seq, 1, [0], 2, seq_parallel=sp)[0].numel
         assert FOURFOLD.pipeline_sends(LLAMA, s, s.seq)[0].numel == shard
         assert MEGATRON.pipeline_sends(LLAMA, s, s.seq)[0].numel == s.seq * LLAMA.hidden // 4
+
+
+def test_the_optimizer_step_moves_38_bytes_a_shard_parameter_and_zeroes_the_whole_gradient_buffer():
+    """ZeRO-1 over dp=8: the norm, fused AdamW and the bf16 cast on 1/8 of the rank's parameters,
+    the zeroing of every gradient of the rank (4 bytes each), at the HBM's rate."""
+    s = job(Layout(dp=8, y=2))
+    params = perf._params_per_rank(LLAMA, s, (LLAMA.layers,))[0]
+    optimizer = perf._compute(LLAMA, s, A100, constants(Calibration(), A100), MEGATRON).optimizer
+    assert optimizer == pytest.approx((38 * params / 8 + 4 * params) / (A100.gpu.hbm_tbs * 1e12))

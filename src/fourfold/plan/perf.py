@@ -183,6 +183,11 @@ def _a2a_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, fra
 # backward, which is 2.5 times its forward (five matmuls to two: Dao 2023, FlashAttention-2, the
 # FLOP count of its benchmarks): half a forward more than the rest.
 FLASH_BACKWARD_EXTRA = 0.5
+# The optimizer step's HBM traffic a parameter of the rank's shard, both runtimes (fp32 master weights
+# and gradients): the gradient norm reads the gradient (4 bytes); the fused AdamW kernel reads the
+# master weight, gradient and both moments and writes the weight and moments back (28); the weight is
+# cast to the model's bf16 copy (read 4, write 2).
+UPDATE_BYTES = 4 + 28 + 6
 
 
 @dataclass(frozen=True)
@@ -232,8 +237,10 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     head += T * vocab / (s.x * s.y) * framework.loss_bytes(s.element_bytes) / (cluster.gpu.hbm_tbs * 1e12)
     ranks = rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
     dense, experts = _params_per_rank(cfg, s, ranks)
-    # ZeRO-1: the dense parameters' shard of 1/(dp*cp), the experts' of 1/(dp*cp/ep)
-    optimizer = 16 * (dense + experts * s.layout.ep) / (s.dp * s.cp) / (cluster.gpu.hbm_tbs * 1e12)
+    # ZeRO-1: the update on the dense parameters' shard of 1/(dp*cp), the experts' of 1/(dp*cp/ep); the
+    # gradient buffer zeroed whole (every rank holds its stage's)
+    shard = (dense + experts * s.layout.ep) / (s.dp * s.cp)
+    optimizer = (UPDATE_BYTES * shard + 4 * (dense + experts)) / (cluster.gpu.hbm_tbs * 1e12)
     return _Compute(forward, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
 
