@@ -26,6 +26,7 @@ import numpy as np
 
 from fourfold.models.config import load_config
 from fourfold.plan.calibrate import (
+    dp_scaling_table,
     fit,
     generation,
     held_out_table,
@@ -119,41 +120,6 @@ def residuals(runs, source: str) -> None:
                   + ", ".join(f"{k} {v:.2f}" for k, v in parts.breakdown().items() if v))
 
 
-def dp_scaling(runs, source: str) -> None:
-    """Each grid and micro-batch of `source` measured at three or more dp (global batch fixed), its
-    step times fitted by least squares as T(dp) = W / dp + F (g - 1) / g, g = dp * cp the gradients'
-    group: W the replica's work, F what does not shrink as replicas are added (the ring collectives'
-    volume does not), and F over the micro-batches of the whole job (global batch / micro-batch).
-    Beside it the same fit of the model's own step times (the shipped constants), and the model's
-    priced data-parallel communication at the largest dp."""
-    cal = Calibration()
-    held = [r for r in runs if r.source == source and len(r.jobs) == 1]
-    grids: dict[tuple, list] = {}
-    for r in held:
-        j = r.jobs[0]
-        g = j.layout
-        grids.setdefault((g.x * g.y * g.z, g.cp, g.pp, j.micro_batch), []).append(r)
-    print(f"{'tp cp pp mb':>11} {'dp':>14} {'measured W':>10} {'F':>6} {'F/job mb':>8} {'model W':>7} {'F':>6}"
-          f" {'dp_comm':>7}")
-    for (tp, cp, pp, mb), mine in sorted(grids.items()):
-        if len({r.jobs[0].layout.dp for r in mine}) < 3:
-            continue
-        dps = np.array([r.jobs[0].layout.dp for r in mine], dtype=float)
-        group = dps * cp
-        basis = np.stack([1 / dps, (group - 1) / group], axis=1)
-        measured = np.linalg.lstsq(basis, np.array([r.seconds for r in mine]), rcond=None)[0]
-        parts = [predicted_job(r, cal)[1] for r in mine]
-        model = np.linalg.lstsq(basis, np.array([p.total for p in parts]), rcond=None)[0]
-        last = int(np.argmax(dps))
-        per_micro_batch = measured[1] * mb / mine[0].jobs[0].global_batch
-        print(f"{tp:>2} {cp:>2} {pp:>2} {mb:>2} {','.join(str(int(d)) for d in sorted(dps)):>14}"
-              f" {measured[0]:10.1f} {measured[1]:6.2f} {per_micro_batch * 1e3:5.1f} ms {model[0]:7.1f}"
-              f" {model[1]:6.2f} {parts[last].dp_comm:7.2f}")
-    print("seconds: W the step's work on one replica (the fit at dp 1), F the cost that does not shrink with dp,"
-          " F/job mb: F over the job's micro-batches a step; dp_comm: the model's exposed gradient reduce and"
-          " parameter gather at the largest dp")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(DATA), help="the folder of the shipped calibration CSVs")
@@ -164,7 +130,7 @@ def main() -> None:
     if args.residuals:
         return residuals(runs, args.residuals)
     if args.dp_scaling:
-        return dp_scaling(runs, args.dp_scaling)
+        return print(dp_scaling_table([r for r in runs if r.source == args.dp_scaling], Calibration()))
     print(f"{len(runs)} runs from {len({r.source for r in runs})} sources; not priced: "
           + "; ".join(f"rows of {needle} ({why})" for needle, why in NOT_PRICED))
     cal = fit(runs)

@@ -21,6 +21,7 @@ from fourfold.plan.calibrate import (
     SOFTWARE_KNOBS,
     UNSPLIT_HARDWARE,
     calibrate,
+    dp_scaling,
     fit,
     kind_errors,
     knobs,
@@ -329,6 +330,7 @@ def test_calibrate_command_on_a_csv_predicts_other_runs(tmp_path, capsys):
     assert main(fitted) == 0
     out = capsys.readouterr().out
     assert "fitted (cross-validated)" in out and "least tp*cp*pp" in out
+    assert re.search(r"pp1 cp2 x1 y4 z1 mb1 +2,4,8 ", out)  # the grids measured at three dp: how they scale
     saved = json.loads((tmp_path / "cal.json").read_text())
     assert saved["fit"]["runs"] == 33 and saved["fit"]["groups"] == 3 and 0 < saved["cv_error"] < 0.2
     cal = Calibration.load(str(tmp_path / "cal.json"))
@@ -345,6 +347,23 @@ def test_calibrate_command_on_a_csv_predicts_other_runs(tmp_path, capsys):
     first = printed["candidates"][0]  # the fastest, unless others are as fast within the error: then the simplest
     fastest = min(c["step_seconds"] for c in printed["candidates"])
     assert first["tie"] or first["step_seconds"] == fastest
+
+
+def test_a_grids_cost_that_adding_replicas_does_not_shrink_is_told_from_its_work():
+    """Runs made as 120 s of work a replica over dp plus 3 s that does not shrink (over the gradients'
+    group, (g - 1) / g): the fit gives both back, and that over the job's 64 micro-batches; a grid
+    measured at two dp is not fitted."""
+    cfg, a100 = load_config("llama-3.1-8b"), make_cluster("dgx-a100")
+    job = Job(Layout(pp=2, y=4), global_batch=64, micro_batch=1, seq=4096, seq_parallel=True, precision="bf16")
+    runs = [make_run(cfg, dataclasses.replace(job, layout=Layout(dp=dp, pp=2, y=4)), a100, MEGATRON,
+                     120 / dp + 3 * (dp - 1) / dp, "made") for dp in (2, 4, 8)]
+    runs += [make_run(cfg, dataclasses.replace(job, layout=Layout(dp=dp, y=8)), a100, MEGATRON, 100 / dp, "made")
+             for dp in (2, 4)]
+    (only,) = dp_scaling(runs, Calibration())
+    assert only.dps == (2, 4, 8) and only.run is runs[2]
+    assert only.work == pytest.approx(120) and only.fixed == pytest.approx(3)
+    assert only.fixed_per_micro_batch == pytest.approx(3 / 64)
+    assert only.model_work > 0 and only.model_fixed > 0  # the model's own: its bubble and gradients
 
 
 def _run_dir(path, grid: dict, seconds: list[float], checkpoint: bool = True, mfu: float | None = 0.3,

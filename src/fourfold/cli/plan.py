@@ -321,7 +321,7 @@ NO_FIT = 3
 
 def _calibrate(args) -> int:
     """`fourfold calibrate`: fit the constants to the runs given, cross-validate, write the JSON."""
-    from fourfold.plan.calibrate import calibrate, comparison, knobs, split_parts, split_table
+    from fourfold.plan.calibrate import calibrate, comparison, dp_scaling_table, knobs, split_parts, split_table
     from fourfold.plan.measured import read_csv, read_run_dir, shipped_runs
 
     machine = (args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs)
@@ -346,9 +346,9 @@ def _calibrate(args) -> int:
         print(f"profile of {p.cluster}: " + ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(p).items()
                                                       if k != "cluster"))
     print(comparison(runs, cross))
-    split = split_table(runs, cal)
-    if split:
-        print(split)
+    for table in (split_table(runs, cal), dp_scaling_table(runs, cal)):
+        if table:
+            print(table)
     fitted = len(knobs(runs, software))
     parts = sum(len(split_parts(r, cal)) for r in runs)  # a recorded split is one measurement a part
     if len(runs) + parts <= fitted:

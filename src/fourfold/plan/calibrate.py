@@ -399,6 +399,70 @@ def split_table(runs: list[Run], cal: Calibration) -> str | None:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class DpScaling:
+    """One grid and micro-batch measured at three or more dp (model, cluster, sequence and global
+    batch fixed), its step times fitted by least squares as T(dp) = work / dp + fixed * (g - 1) / g,
+    g = dp * cp, the gradients' group: `work` the step on one replica, `fixed` the part that does not
+    shrink as replicas are added (a ring collective's volume does not), the same fit of the model's
+    step times beside it (`model_work`, `model_fixed`)."""
+
+    run: Run  # the grid's run at its largest dp
+    dps: tuple[int, ...]
+    work: float
+    fixed: float
+    model_work: float
+    model_fixed: float
+
+    @property
+    def fixed_per_micro_batch(self) -> float:
+        """`fixed` over the job's micro-batches a step (every replica's): a cost that grows with dp at
+        each replica's every micro-batch looks constant here."""
+        job = self.run.jobs[0]
+        return self.fixed * job.micro_batch / job.global_batch
+
+
+def dp_scaling(runs: list[Run], cal: Calibration) -> list[DpScaling]:
+    """Each grid and micro-batch of `runs` measured at three or more dp (its runs of a published job)."""
+    grids: dict[tuple, list[Run]] = {}
+    for r in runs:
+        if len(r.jobs) == 1:
+            j, g = r.jobs[0], r.jobs[0].layout
+            key = (r.source, r.cfg, r.cluster, j.seq, j.global_batch, j.micro_batch, j.virtual, g.pp, g.cp,
+                   g.x, g.y, g.z, g.ep)
+            grids.setdefault(key, []).append(r)
+    out = []
+    for mine in grids.values():
+        if len({r.jobs[0].layout.dp for r in mine}) < 3:
+            continue
+        mine = sorted(mine, key=lambda r: r.jobs[0].layout.dp)
+        dps = np.array([r.jobs[0].layout.dp for r in mine], dtype=float)
+        group = dps * mine[0].jobs[0].layout.cp
+        basis = np.stack([1 / dps, (group - 1) / group], axis=1)
+        measured = np.linalg.lstsq(basis, [r.seconds for r in mine], rcond=None)[0]
+        model = np.linalg.lstsq(basis, [predicted_seconds(r, cal) for r in mine], rcond=None)[0]
+        out.append(DpScaling(mine[-1], tuple(int(d) for d in dps), *(float(v) for v in (*measured, *model))))
+    return out
+
+
+def dp_scaling_table(runs: list[Run], cal: Calibration) -> str | None:
+    """`dp_scaling` as a table; None where no grid was measured at three or more dp."""
+    rows = dp_scaling(runs, cal)
+    if not rows:
+        return None
+    lines = [f"{'source':<14} {'grid':<20} {'dp':>14} {'work':>8} {'fixed':>7} {'/job mb':>8} {'model':>8}"
+             f" {'fixed':>7}"]
+    for d in rows:
+        g, job = d.run.jobs[0].layout, d.run.jobs[0]
+        grid = f"pp{g.pp} cp{g.cp} x{g.x} y{g.y} z{g.z} mb{job.micro_batch}"
+        lines.append(f"{d.run.source[:14]:<14} {grid:<20} {','.join(map(str, d.dps)):>14} {d.work:8.2f} {d.fixed:7.2f}"
+                     f" {d.fixed_per_micro_batch * 1e3:5.1f} ms {d.model_work:8.2f} {d.model_fixed:7.2f}")
+    lines.append("seconds a step fitted as work / dp + fixed: work, one replica's step; fixed, what adding replicas "
+                 "does not shrink (the model's: its bubble and gradient collectives), and it over the job's "
+                 "micro-batches")
+    return "\n".join(lines)
+
+
 # ----- leave one source out ----------------------------------------------------------------------------
 
 def generation(run: Run) -> str:
