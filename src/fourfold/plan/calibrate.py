@@ -401,16 +401,18 @@ def split_table(runs: list[Run], cal: Calibration) -> str | None:
 
 @dataclass(frozen=True)
 class DpScaling:
-    """One grid and micro-batch measured at three or more dp (model, cluster, sequence and global
-    batch fixed), its step times fitted by least squares as T(dp) = work / dp + fixed * (g - 1) / g,
-    g = dp * cp, the gradients' group: `work` the step on one replica, `fixed` the part that does not
-    shrink as replicas are added (a ring collective's volume does not), the same fit of the model's
-    step times beside it (`model_work`, `model_fixed`)."""
+    """One grid and micro-batch measured at three or more dp (everything else of the job and run
+    the same: model, cluster, sequence, global batch, recompute, framework), its step times fitted
+    as T(dp) = work / dp + fixed * (g - 1) / g, g = dp * cp the gradients' group, by least squares
+    on the relative error: `work` the step on one replica, `fixed` the part that does not shrink as
+    replicas are added (a ring collective's volume does not), `worst` the fit's largest relative
+    error on a run; the same fit of the model's step times beside it (`model_work`, `model_fixed`)."""
 
     run: Run  # the grid's run at its largest dp
     dps: tuple[int, ...]
     work: float
     fixed: float
+    worst: float
     model_work: float
     model_fixed: float
 
@@ -422,26 +424,33 @@ class DpScaling:
         return self.fixed * job.micro_batch / job.global_batch
 
 
+def _work_and_fixed(dps: np.ndarray, cp: int, seconds: np.ndarray) -> tuple[np.ndarray, float]:
+    """(work, fixed) of T(dp) = work / dp + fixed * (g - 1) / g fitted on the relative error, and
+    the largest relative error of the fit."""
+    group = dps * cp
+    basis = np.stack([1 / dps, (group - 1) / group], axis=1)
+    coefficients = np.linalg.lstsq(basis / seconds[:, None], np.ones_like(seconds), rcond=None)[0]
+    return coefficients, float(np.max(np.abs(basis @ coefficients / seconds - 1)))
+
+
 def dp_scaling(runs: list[Run], cal: Calibration) -> list[DpScaling]:
     """Each grid and micro-batch of `runs` measured at three or more dp (its runs of a published job)."""
     grids: dict[tuple, list[Run]] = {}
     for r in runs:
         if len(r.jobs) == 1:
-            j, g = r.jobs[0], r.jobs[0].layout
-            key = (r.source, r.cfg, r.cluster, j.seq, j.global_batch, j.micro_batch, j.virtual, g.pp, g.cp,
-                   g.x, g.y, g.z, g.ep)
-            grids.setdefault(key, []).append(r)
+            j = r.jobs[0]
+            same = replace(j, layout=replace(j.layout, dp=1))
+            grids.setdefault((same, r.cfg, r.cluster, r.framework, r.overlap_dp, r.traits), []).append(r)
     out = []
     for mine in grids.values():
         if len({r.jobs[0].layout.dp for r in mine}) < 3:
             continue
         mine = sorted(mine, key=lambda r: r.jobs[0].layout.dp)
-        dps = np.array([r.jobs[0].layout.dp for r in mine], dtype=float)
-        group = dps * mine[0].jobs[0].layout.cp
-        basis = np.stack([1 / dps, (group - 1) / group], axis=1)
-        measured = np.linalg.lstsq(basis, [r.seconds for r in mine], rcond=None)[0]
-        model = np.linalg.lstsq(basis, [predicted_seconds(r, cal) for r in mine], rcond=None)[0]
-        out.append(DpScaling(mine[-1], tuple(int(d) for d in dps), *(float(v) for v in (*measured, *model))))
+        dps, cp = np.array([r.jobs[0].layout.dp for r in mine], dtype=float), mine[0].jobs[0].layout.cp
+        (work, fixed), worst = _work_and_fixed(dps, cp, np.array([r.seconds for r in mine]))
+        (model_work, model_fixed), _ = _work_and_fixed(dps, cp, np.array([predicted_seconds(r, cal) for r in mine]))
+        out.append(DpScaling(mine[-1], tuple(int(d) for d in dps), float(work), float(fixed), worst,
+                             float(model_work), float(model_fixed)))
     return out
 
 
@@ -450,16 +459,20 @@ def dp_scaling_table(runs: list[Run], cal: Calibration) -> str | None:
     rows = dp_scaling(runs, cal)
     if not rows:
         return None
-    lines = [f"{'source':<14} {'grid':<20} {'dp':>14} {'work':>8} {'fixed':>7} {'/job mb':>8} {'model':>8}"
-             f" {'fixed':>7}"]
-    for d in rows:
-        g, job = d.run.jobs[0].layout, d.run.jobs[0]
-        grid = f"pp{g.pp} cp{g.cp} x{g.x} y{g.y} z{g.z} mb{job.micro_batch}"
-        lines.append(f"{d.run.source[:14]:<14} {grid:<20} {','.join(map(str, d.dps)):>14} {d.work:8.2f} {d.fixed:7.2f}"
-                     f" {d.fixed_per_micro_batch * 1e3:5.1f} ms {d.model_work:8.2f} {d.model_fixed:7.2f}")
-    lines.append("seconds a step fitted as work / dp + fixed: work, one replica's step; fixed, what adding replicas "
-                 "does not shrink (the model's: its bubble and gradient collectives), and it over the job's "
-                 "micro-batches")
+    grids = [f"pp{d.run.jobs[0].layout.pp}v{d.run.jobs[0].virtual} cp{d.run.jobs[0].layout.cp}"
+             f" x{d.run.jobs[0].layout.x}y{d.run.jobs[0].layout.y}z{d.run.jobs[0].layout.z}"
+             f" ep{d.run.jobs[0].layout.ep} mb{d.run.jobs[0].micro_batch}" for d in rows]
+    width = max(len(g) for g in [*grids, "grid"])
+    lines = [f"{'source':<14} {'grid':<{width}} {'dp':>14} {'work':>8} {'fixed':>7} {'/job mb':>8} {'worst':>6}"
+             f" {'model':>8} {'fixed':>7}"]
+    for d, grid in zip(rows, grids):
+        lines.append(f"{d.run.source[:14]:<14} {grid:<{width}} {','.join(map(str, d.dps)):>14} {d.work:8.2f}"
+                     f" {d.fixed:7.2f} {d.fixed_per_micro_batch * 1e3:5.1f} ms {d.worst:6.1%} {d.model_work:8.2f}"
+                     f" {d.model_fixed:7.2f}")
+    lines.append("seconds a step fitted as work / dp + fixed * (g - 1) / g, g = dp * cp (least squares on the relative "
+                 "error; worst: its largest on a run): work, one replica's step; fixed, what adding replicas does not "
+                 "shrink (the model's: its bubble, gradient collectives and their buffer's passes), and it over the "
+                 "job's micro-batches a step")
     return "\n".join(lines)
 
 

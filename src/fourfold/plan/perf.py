@@ -183,11 +183,6 @@ def _a2a_seconds(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, fra
 # backward, which is 2.5 times its forward (five matmuls to two: Dao 2023, FlashAttention-2, the
 # FLOP count of its benchmarks): half a forward more than the rest.
 FLASH_BACKWARD_EXTRA = 0.5
-# The optimizer step's HBM traffic a parameter of the rank's shard, both runtimes (fp32 master weights
-# and gradients): the gradient norm reads the gradient (4 bytes); the fused AdamW kernel reads the
-# master weight, gradient and both moments and writes the weight and moments back (28); the weight is
-# cast to the model's bf16 copy (read 4, write 2).
-UPDATE_BYTES = 4 + 28 + 6
 
 
 @dataclass(frozen=True)
@@ -238,9 +233,10 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     ranks = rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
     dense, experts = _params_per_rank(cfg, s, ranks)
     # ZeRO-1: the update on the dense parameters' shard of 1/(dp*cp), the experts' of 1/(dp*cp/ep); the
-    # gradient buffer zeroed whole (every rank holds its stage's)
+    # gradient buffer's passes over every parameter the rank holds
+    shard_bytes, rank_bytes = framework.update_bytes(s.element_bytes)
     shard = (dense + experts * s.layout.ep) / (s.dp * s.cp)
-    optimizer = (UPDATE_BYTES * shard + 4 * (dense + experts)) / (cluster.gpu.hbm_tbs * 1e12)
+    optimizer = (shard_bytes * shard + rank_bytes * (dense + experts)) / (cluster.gpu.hbm_tbs * 1e12)
     return _Compute(forward, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
 
@@ -282,13 +278,16 @@ def _score_traffic(cfg: ModelConfig, s: Job, tokens: float, framework: Framework
 
 def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...]) -> tuple[float, float]:
     """(dense parameters, expert parameters) held by a rank of the most loaded pipeline stage: a
-    mixture's experts split over the ep ranks too (their gradients reduced over dp*cp/ep replicas)."""
+    mixture's experts split over the ep ranks too (their gradients reduced over dp*cp/ep replicas).
+    The vocabulary tables: the embedding's on the first stage, the head's on the last, both on the one
+    stage of a pipeline of one (a tied head's is the embedding's)."""
     matrices, vectors = layer_params(cfg)
     tp = s.x * s.y * s.z
     replicated = replicated_params(cfg.block)  # a mixture's router and shared gate: split over x only
     experts = expert_params(cfg.block)
     held = replicated / s.x - replicated / tp
-    dense = max(ranks) * ((matrices - experts + vectors) / tp + held) + _table_per_rank(cfg, s)
+    tables = 2 if s.pp == 1 and not cfg.tied else 1
+    dense = max(ranks) * ((matrices - experts + vectors) / tp + held) + tables * _table_per_rank(cfg, s)
     return dense, max(ranks) * experts / (tp * s.layout.ep)
 
 

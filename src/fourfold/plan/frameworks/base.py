@@ -80,6 +80,11 @@ class Framework(ABC):
         over the fp32 logits (they are far larger than the caches)."""
 
     @abstractmethod
+    def update_bytes(self, element_bytes: int) -> tuple[float, float]:
+        """HBM bytes of the optimizer step (fp32 master weights and gradients, model weights of
+        `element_bytes`): per parameter of the rank's ZeRO-1 shard, and per parameter the rank holds."""
+
+    @abstractmethod
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """Exposed tensor-parallel communication of one layer for one micro-batch (forward,

@@ -83,6 +83,15 @@ class Fourfold(Framework):
         subtracted 8, exp 8, divided 8), masked (8), scaled (8) and written over the logits (4 + e)."""
         return 72 + 4 * element_bytes
 
+    def update_bytes(self, element_bytes: int) -> tuple[float, float]:
+        """`parallel.optimizer.AdamW.step` with the default clip and weight decay, on the shard: the
+        global norm reads the gradient (4), the clip coefficient scales it in place (8), the decay
+        scales the master weight in place (8; the matrices, nearly every parameter), fused AdamW reads
+        weight, gradient and both moments and writes three back (28), the gather copies the weight to
+        the model's dtype (4 + e); on every parameter of the rank, the gradient buffer
+        zeroed (4: `GradientSync.release`)."""
+        return 4 + 8 + 8 + 28 + 4 + element_bytes, 4
+
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         b = s.element_bytes  # bf16 on GPUs

@@ -106,6 +106,15 @@ class Megatron(Framework):
         (8); backward the gradient scaled in place (8) and cast back to the logits' dtype (4 + e)."""
         return 48 + 2 * element_bytes
 
+    def update_bytes(self, element_bytes: int) -> tuple[float, float]:
+        """Megatron-Core 0.8's distributed optimizer on the shard: the gradient norm reads the
+        gradient (4; the clip's scaling runs only when the norm exceeds it, rare once training
+        settles), the fused Adam reads weight, gradient and both moments and writes three back (28,
+        the decay inside), the weight copied to the model's dtype (4 + e); on every
+        parameter of the rank, the gradient buffer's NaN check before its reduce-scatter
+        (`check_for_nan_in_grad`, Megatron-LM's default: a norm, 4) and its zeroing (4)."""
+        return 4 + 28 + 4 + element_bytes, 8
+
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """With sequence parallelism each sublayer all-gathers its input and reduce-scatters its output
