@@ -31,12 +31,14 @@ def job(layout: Layout, *, seq: int = 8192, micro_batch: int = 1, recompute: str
 
 def test_the_loss_moves_the_ranks_fp32_logits_through_hbm():
     """The head: its GEMMs (forward, dX, dW), then the cross-entropy's passes over the rank's
-    T x V/tp logits, 52 bytes a logit in Megatron-Core (bf16 logits), 80 in fourfold's chunked loss."""
+    T x V/tp logits, 52 bytes a logit in Megatron-Core (bf16 logits), 80 in fourfold's chunked loss;
+    on a pipeline of one, Megatron's DDP hook adding the embedding table's gradient into its fp32
+    accumulator (10 bytes a parameter; the head's own accumulates in its GEMM)."""
     s, k = job(Layout(dp=2, y=4)), constants(Calibration(), A100)
     T, V = s.seq, LLAMA.vocab / 4
     gemms = 6 * T * LLAMA.hidden * V / (A100.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, LLAMA.hidden, V, k))
     head = perf._compute(LLAMA, s, A100, k, MEGATRON).head
-    assert head == pytest.approx(gemms + T * V * 52 / (A100.gpu.hbm_tbs * 1e12))
+    assert head == pytest.approx(gemms + (T * V * 52 + 10 * LLAMA.hidden * V) / (A100.gpu.hbm_tbs * 1e12))
     assert FOURFOLD.loss_bytes(2) == 80 and MEGATRON.loss_bytes(2) == 52
 
 
@@ -111,3 +113,14 @@ def test_the_optimizer_step_moves_each_runtimes_bytes_over_its_shard_and_the_ran
     total = mixtral.parameter_count()
     held = total - experts + experts / 2
     assert optimizer == pytest.approx((54 * total / 8 + 4 * held) / hbm, rel=1e-3)
+
+
+def test_fourfold_adds_each_micro_batchs_gradients_into_their_accumulators_and_megatrons_gemms_do():
+    """fourfold's GradientSync adds autograd's bf16 gradient into the fp32 accumulator of every
+    parameter, every micro-batch (10 bytes a parameter); Megatron's weight-gradient GEMMs accumulate
+    into main_grad themselves. A layer of Llama 3.1 8B on tp2: its parameters over the tensor grid,
+    as the model counts them (a 32nd of the parameters outside the tables, within 0.1%)."""
+    s, k = job(Layout(dp=4, y=2)), constants(Calibration(), A100)
+    layer = {f.name: perf._compute(LLAMA, s, A100, k, f).layer for f in (FOURFOLD, MEGATRON)}
+    per_layer = (LLAMA.parameter_count() - 2 * LLAMA.hidden * LLAMA.vocab) / LLAMA.layers / 2
+    assert layer["fourfold"] - layer["megatron"] == pytest.approx(10 * per_layer / (A100.gpu.hbm_tbs * 1e12), rel=1e-3)

@@ -21,6 +21,7 @@ from fourfold.plan.measured import Run
 from fourfold.plan.perf import StepTime, model_flops_per_token, step_time
 from fourfold.plan.search import rank
 from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
 
 TOP1_MARGIN = 0.05  # a favourite within 5% of the measured best counts as right
 def predicted_job(run: Run, cal: Calibration) -> tuple[Job, StepTime]:
@@ -438,9 +439,10 @@ def dp_scaling(runs: list[Run], cal: Calibration) -> list[DpScaling]:
     grids: dict[tuple, list[Run]] = {}
     for r in runs:
         if len(r.jobs) == 1:
-            j = r.jobs[0]
-            same = replace(j, layout=replace(j.layout, dp=1))
-            grids.setdefault((same, r.cfg, r.cluster, r.framework, r.overlap_dp, r.traits), []).append(r)
+            j = r.jobs[0]  # the job but its dp (a layout of dp 1 need not be valid: ep must divide dp*cp)
+            grid = (replace(j, layout=Layout()), tuple(n for d, n in j.layout.sizes.items() if d != "dp"),
+                    j.layout.ep, j.layout.order)
+            grids.setdefault((grid, r.cfg, r.cluster, r.framework, r.overlap_dp, r.traits), []).append(r)
     out = []
     for mine in grids.values():
         if len({r.jobs[0].layout.dp for r in mine}) < 3:

@@ -30,11 +30,11 @@ class Profile:
 # and NVLink's efficiency are the presets' (`spec.hardware`).
 FITTED_A100 = Profile("dgx-a100", efficiency_max=0.8159, efficiency_half=152.94, intra_node_efficiency=0.8,
                       inter_node_efficiency=0.3)
-FITTED_H100 = Profile("dgx-h100", efficiency_max=0.7727, efficiency_half=295.22, intra_node_efficiency=0.8,
-                      inter_node_efficiency=0.9315)
+FITTED_H100 = Profile("dgx-h100", efficiency_max=0.7731, efficiency_half=295.22, intra_node_efficiency=0.8,
+                      inter_node_efficiency=0.9236)
 # every B200 run is FP8: its GEMM figures stand for FP8's too (fp8_speedup is at its bound)
-FITTED_B200 = Profile("dgx-b200", efficiency_max=0.9092, efficiency_half=281.25, intra_node_efficiency=0.8,
-                      inter_node_efficiency=0.4903)
+FITTED_B200 = Profile("dgx-b200", efficiency_max=0.9098, efficiency_half=281.25, intra_node_efficiency=0.8,
+                      inter_node_efficiency=0.4869)
 
 
 @dataclass(frozen=True)
@@ -45,19 +45,19 @@ class Calibration:
 
     # Defaults: fitted to the published Megatron-LM runs (`python benchmarks/planner_calibration.py`,
     # docs/planner.md "Calibration"); UNCALIBRATED below holds the guesses they replace.
-    attention_ratio: float = 0.4327  # flash attention's best rate as a fraction of the GEMMs' best (efficiency_max)
+    attention_ratio: float = 0.4323  # flash attention's best rate as a fraction of the GEMMs' best (efficiency_max)
     attention_half: float = 512  # keys a query attends in one kernel call at which attention runs at half that rate
     fp8_speedup: float = 1.8  # an FP8 GEMM's speed over a bf16 GEMM of the same shape (runs with FP8 linears)
     ring_overlap: float = 1.0  # fraction of ring attention's traffic that can hide behind block attention
     dp_overlap: float = 0.0  # fraction of the data-parallel reduce-scatter that hides behind the last backward
     param_gather_overlap: float = 0.0  # fraction of the parameter all-gather that hides behind the first forward
-    layer_overhead_us: float = 1201  # fixed cost of a layer's forward and backward on a micro-batch (launches)
+    layer_overhead_us: float = 1186  # fixed cost of a layer's forward and backward on a micro-batch (launches)
     micro_batch_overhead_us: float = 10000  # fixed cost of a micro-batch on a pipeline rank (host side: schedule, loss)
     latency_us: float | None = None  # cost of one collective step (None: the cluster preset's)
-    cv_error: float | None = 0.0868  # cross-validated mean error of a step time (fraction): leave one source out
+    cv_error: float | None = 0.0869  # cross-validated mean error of a step time (fraction): leave one source out
     # the same by kind of configuration (cp > 1, else pp > 1, else tensor parallel, else data only):
     # the band within which `plan` cannot tell a candidate of that kind from the fastest
-    cv_errors: tuple[tuple[str, float], ...] = (("cp", 0.0632), ("dp", 0.0131), ("pp", 0.0950), ("tp", 0.0176))
+    cv_errors: tuple[tuple[str, float], ...] = (("cp", 0.0635), ("dp", 0.0132), ("pp", 0.0947), ("tp", 0.0176))
     profiles: tuple[Profile, ...] = (FITTED_A100, FITTED_B200, FITTED_H100)  # the clusters the fit was measured on
 
     @classmethod

@@ -230,13 +230,21 @@ def _compute(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Constants, framewo
     head /= cluster.gpu.bf16_tflops * 1e12 * gemm_efficiency(T, cfg.hidden / s.x, vocab / s.y, cal)
     # the loss: passes over the rank's logits in fp32, bound by HBM bandwidth
     head += T * vocab / (s.x * s.y) * framework.loss_bytes(s.element_bytes) / (cluster.gpu.hbm_tbs * 1e12)
+    # the gradients accumulated outside the GEMMs, every micro-batch (`Framework.accumulate_bytes`): each
+    # layer's; the head's (a tied head's copy on the last stage of a pipeline), the embedding's where the
+    # last stage is the first too (a tied head's gradient is the embedding's there)
+    linear_bytes, table_bytes = framework.accumulate_bytes(s.element_bytes)
+    hbm = cluster.gpu.hbm_tbs * 1e12
+    per_layer += linear_bytes * sum(_layer_params_per_rank(cfg, s)) / hbm
+    head_bytes = (table_bytes if s.pp == 1 else 0.0) + (0.0 if cfg.tied and s.pp == 1 else linear_bytes)
+    head += head_bytes * _table_per_rank(cfg, s) / hbm
     ranks = rank_layers(cfg.layers, s.pp, s.virtual, s.stage_layers)
     dense, experts = _params_per_rank(cfg, s, ranks)
     # ZeRO-1: the update on the dense parameters' shard of 1/(dp*cp), the experts' of 1/(dp*cp/ep); the
     # gradient buffer's passes over every parameter the rank holds
     shard_bytes, rank_bytes = framework.update_bytes(s.element_bytes)
     shard = (dense + experts * s.layout.ep) / (s.dp * s.cp)
-    optimizer = (shard_bytes * shard + rank_bytes * (dense + experts)) / (cluster.gpu.hbm_tbs * 1e12)
+    optimizer = (shard_bytes * shard + rank_bytes * (dense + experts)) / hbm
     return _Compute(forward, per_layer + cal.layer_overhead_us * 1e-6, head, ranks, optimizer,
                     cal.micro_batch_overhead_us * 1e-6)
 
@@ -281,14 +289,20 @@ def _params_per_rank(cfg: ModelConfig, s: Job, ranks: tuple[int, ...]) -> tuple[
     mixture's experts split over the ep ranks too (their gradients reduced over dp*cp/ep replicas).
     The vocabulary tables: the embedding's on the first stage, the head's on the last, both on the one
     stage of a pipeline of one (a tied head's is the embedding's)."""
+    dense, experts = _layer_params_per_rank(cfg, s)
+    tables = 2 if s.pp == 1 and not cfg.tied else 1
+    return max(ranks) * dense + tables * _table_per_rank(cfg, s), max(ranks) * experts
+
+
+def _layer_params_per_rank(cfg: ModelConfig, s: Job) -> tuple[float, float]:
+    """(dense parameters, expert parameters) of one layer on a rank: the tensor grid's share, a
+    mixture's experts split over the ep ranks too."""
     matrices, vectors = layer_params(cfg)
     tp = s.x * s.y * s.z
     replicated = replicated_params(cfg.block)  # a mixture's router and shared gate: split over x only
     experts = expert_params(cfg.block)
     held = replicated / s.x - replicated / tp
-    tables = 2 if s.pp == 1 and not cfg.tied else 1
-    dense = max(ranks) * ((matrices - experts + vectors) / tp + held) + tables * _table_per_rank(cfg, s)
-    return dense, max(ranks) * experts / (tp * s.layout.ep)
+    return (matrices - experts + vectors) / tp + held, experts / (tp * s.layout.ep)
 
 
 def compute_bound(cfg: ModelConfig, s: Job, cluster: Cluster, cal: Calibration = Calibration(),

@@ -85,6 +85,12 @@ class Framework(ABC):
         `element_bytes`): per parameter of the rank's ZeRO-1 shard, and per parameter the rank holds."""
 
     @abstractmethod
+    def accumulate_bytes(self, element_bytes: int) -> tuple[float, float]:
+        """HBM bytes a micro-batch's backward moves to add a gradient of `element_bytes` into its fp32
+        accumulator outside the weight-gradient GEMM: per parameter of a linear layer (the head's
+        too), and per parameter of the embedding table."""
+
+    @abstractmethod
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """Exposed tensor-parallel communication of one layer for one micro-batch (forward,

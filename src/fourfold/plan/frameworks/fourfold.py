@@ -92,6 +92,11 @@ class Fourfold(Framework):
         zeroed (4: `GradientSync.release`)."""
         return 4 + 8 + 8 + 28 + 4 + element_bytes, 4
 
+    def accumulate_bytes(self, element_bytes: int) -> tuple[float, float]:
+        """`GradientSync._on_grad`: autograd's gradient added into the fp32 accumulator, every
+        parameter, every micro-batch (read 4 and e, write 4)."""
+        return 8 + element_bytes, 8 + element_bytes
+
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         b = s.element_bytes  # bf16 on GPUs

@@ -115,6 +115,12 @@ class Megatron(Framework):
         (`check_for_nan_in_grad`, Megatron-LM's default: a norm, 4) and its zeroing (4)."""
         return 4 + 28 + 4 + element_bytes, 8
 
+    def accumulate_bytes(self, element_bytes: int) -> tuple[float, float]:
+        """Megatron-LM's gradient_accumulation_fusion (its default with Transformer Engine): the
+        weight-gradient GEMMs accumulate into main_grad themselves; the embedding's gradient is added
+        by the DDP hook (`main_grad.add_(grad)`: read 4 and e, write 4)."""
+        return 0, 8 + element_bytes
+
     def tensor_comm(self, cfg: ModelConfig, s: Job, cluster: Cluster, k: Constants, forward_seconds: float,
                     gemm_tflops: float, gemm_overlap: bool = False) -> float:
         """With sequence parallelism each sublayer all-gathers its input and reduce-scatters its output
