@@ -126,14 +126,27 @@ MIXTURE = ModelConfig("mixtral", hidden=32, layers=2, heads=4, kv_heads=2, ffn=3
                       tied=False, eps=1e-5, experts=4, top_k=2)
 
 
-@pytest.mark.parametrize("sizes", [dict(dp=4, ep=2), dict(dp=2, x=2)], ids=["dp4ep2", "dp2x2"])
-def test_experts_wait_for_their_gathers(ranks, sizes):
+# GPT-OSS's experts have biases: summed over z and over the x or y rank filling each slice, besides the replicas
+BIASED_MIXTURE = ModelConfig.from_hf(dict(
+    model_type="gpt_oss", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, intermediate_size=32, vocab_size=64, max_position_embeddings=32, num_local_experts=4,
+    num_experts_per_tok=2, sliding_window=3, rope_parameters=dict(rope_type="default", rope_theta=10000.0)))
+
+
+@pytest.mark.parametrize(("cfg", "sizes"), [(MIXTURE, dict(dp=4, ep=2)), (MIXTURE, dict(dp=2, x=2)),
+                                            (BIASED_MIXTURE, dict(dp=4, x=2, ep=4)),
+                                            (BIASED_MIXTURE, dict(dp=2, z=2, y=2, ep=2))],
+                         ids=["dp4ep2", "dp2x2", "biased-dp4x2-ep4", "biased-dp2z2y2-ep2"])
+def test_experts_wait_for_their_gathers(ranks, cfg, sizes):
     """The experts run as one GEMM per linear, not through their modules' forwards: the mixture waits for
-    all its parameters' gathers (each run only when waited) before it reads them."""
-    serial = ranks.run(_serial, 1, MIXTURE, 0.5)[0]
-    weights, norms, _ = ranks.run(_train, 4, MIXTURE, sizes, True, 0.5, False, 0.001, OverlapOptions(), "none",
+    all its parameters' gathers (each run only when waited) before it reads them. Experts with biases
+    under expert parallelism and x, y or z: each bias's gradient summed over its tensor dims, then its
+    replicas (the trial's `--grid.dp 4 --grid.ep 4 --grid.x 2` crashed in the first backward)."""
+    serial = ranks.run(_serial, 1, cfg, 0.5)[0]
+    world = Layout(**sizes).world_size
+    weights, norms, _ = ranks.run(_train, world, cfg, sizes, True, 0.5, False, 0.001, OverlapOptions(), "none",
                                   False, False, True)[0]
-    _assert_equal(MIXTURE, (weights, norms), serial)
+    _assert_equal(cfg, (weights, norms), serial)
 
 
 def _assert_equal(cfg, got, expected, tolerance=1e-10):

@@ -3,6 +3,9 @@
 Each parameter's gradient is reduced over dp and cp, plus the tensor dims its layout names in
 `grad_sum` (a norm weight's tokens were split over z too), so one collective per bucket does
 both; an expert's weight under expert parallelism over its replicas only (`Grid.expert_group`).
+An expert's bias is summed over tensor dims too (GPT-OSS's: its tokens split over z, its slice
+filled by one x or y rank): no group spans the expert replicas and those dims, so its bucket is first
+all-reduced over the tensor dims, then reduced over the replicas (two small collectives a step).
 Buckets fill in the order gradients become final in backward (the order layers really run), each
 launched asynchronously when full; the rest are launched by `finish()`. Under
 gradient accumulation, hooks only accumulate until the micro-batch that is run with `sync=True`.
@@ -49,6 +52,7 @@ class Bucket:
     buffer: torch.Tensor | None = None  # the accumulators, padded to the group (main_grads are views)
     weights: torch.Tensor | None = None  # ZeRO-1: the parameters, padded to the group (they are views)
     gathering: Pending | None = None  # the updated parameters' all-gather in flight
+    tensor_sum: Group | None = None  # an expert bias bucket's tensor dims, summed before `group`
 
     def padded(self) -> int:
         return -(-self.numel // self.group.size) * self.group.size
@@ -108,6 +112,8 @@ class GradientSync:
         for r in range(4):
             for dims in itertools.combinations(("x", "y", "z"), r):
                 grid.group(("dp", "cp", *dims))
+                if dims and grid.layout.ep > 1:  # an expert bias bucket's tensor sum
+                    grid.group(dims)
         grid.expert_group("edp")
         self.sync = True
         self.buckets: list[Bucket] = []
@@ -141,11 +147,9 @@ class GradientSync:
         key = ("edp", *layout.grad_sum) if layout.expert else ("dp", "cp", *layout.grad_sum)
         bucket = self._open.get(key)
         if bucket is None:
-            # an expert's weights are whole over its tokens; its biases are summed over z, which `rules` keeps 1
-            if layout.expert and any(self.grid.size(d) > 1 for d in layout.grad_sum):
-                raise NotImplementedError(f"an expert weight summed over {layout.grad_sum} besides its replicas")
             group = self.grid.expert_group("edp") if layout.expert else self.grid.group(key)
-            bucket = self._open[key] = Bucket(group)
+            tensor_sum = self.grid.group(layout.grad_sum) if layout.expert and layout.grad_sum else None
+            bucket = self._open[key] = Bucket(group, tensor_sum=tensor_sum)
             self.buckets.append(bucket)
         bucket.params.append(p)
         bucket.ids.add(id(p))
@@ -154,6 +158,8 @@ class GradientSync:
             del self._open[key]
 
     def _launch(self, bucket: Bucket) -> None:
+        if bucket.tensor_sum is not None:
+            comm.all_reduce(bucket.buffer, bucket.tensor_sum)
         if self.shard:
             lo, hi = bucket.shard_range(True)
             bucket.pending = comm.reduce_scatter(bucket.buffer, bucket.group, async_op=True, out=bucket.buffer[lo:hi])

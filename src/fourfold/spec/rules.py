@@ -106,9 +106,6 @@ def problems(model: ModelConfig, job: Job, *, world: int | None = None, gpu: boo
     elif b.moe and model.experts % g.ep:
         add(f"ep={g.ep} must divide the experts ({model.experts}): each expert rank holds experts/ep of them",
             f"choose ep from {_divisors(math.gcd(model.experts, g.dp * g.cp))}")
-    elif b.moe and b.mlp_bias and g.ep > 1 and g.z > 1:
-        add(f"the experts' biases (GPT-OSS's) would need their gradients summed over z={g.z} and the expert "
-            f"replicas together, which fourfold does not do with ep={g.ep}", "use z=1 with expert parallelism")
     if b.rope and b.head_dim % 2:
         add(f"rotary embeddings need an even head dim (hidden/heads = {b.head_dim})",
             "use a model with an even head dim")
