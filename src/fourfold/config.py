@@ -35,6 +35,9 @@ class ModelSection:
     # of the tokens a rank routes per micro-batch, the most heavily weighted (Megatron's capacity
     # factor, "probs" drop policy); 0: dropless (transformers' arithmetic)
     capacity_factor: float = 0.0
+    # The pad token's embedding row (config.json's pad_token_id) is kept as transformers keeps it: no
+    # gradient from the lookup (nn.Embedding's padding_idx). true: train it like every row
+    train_padding_row: bool = False
 
 
 # [grid]: the sizes of the dims Layout declares, the placement order (innermost first, e.g.

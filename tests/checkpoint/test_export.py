@@ -18,7 +18,7 @@ from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
-from fourfold.train.resume import tokenizer_files
+from fourfold.data.corpus import tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,6 +128,28 @@ def test_the_end_token_named_by_the_source_tokenizer_config_survives_export(rank
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
     assert (tokenizer.eos_token, tokenizer.eos_token_id, config.eos_token_id) == ("<|im_end|>", 1, 1)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_keeps_every_tokenizer_file_and_the_chat_template(ranks, tmp_path):
+    """A tokenizer saved by transformers 5 keeps its chat template in chat_template.jinja (named ones in
+    additional_chat_templates/), beside special_tokens_map.json: the checkpoint copies them all and the
+    export carries them over, so the fine-tuned model renders conversations as its base did."""
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(_tokenizer(tmp_path / "tok" / "tokenizer.json")),
+                                                eos_token="<|endoftext|>")
+    fast.chat_template = {"default": template, "tool_use": template + "{{ tools }}"}
+    fast.save_pretrained(tmp_path / "base")
+    source = sorted(p.relative_to(tmp_path / "base").as_posix() for p in (tmp_path / "base").rglob("*") if p.is_file())
+    assert "chat_template.jinja" in source and "additional_chat_templates/tool_use.jinja" in source
+    ranks.run(_save_with, 1, "llama", tmp_path / "run", tmp_path / "base" / "tokenizer.json")
+    export(tmp_path / "run", tmp_path / "hf")
+    exported = {p.relative_to(tmp_path / "hf").as_posix() for p in (tmp_path / "hf").rglob("*") if p.is_file()}
+    assert set(source) <= exported, set(source) - exported
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.chat_template == {"default": template, "tool_use": template + "{{ tools }}"}
+    conversation = [{"role": "user", "content": "w3 w4"}]
+    assert tokenizer.apply_chat_template(conversation, tokenize=False) == "<|im_start|>w3 w4<|endoftext|>"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -232,6 +232,7 @@ def _publish(root: Path, final: Path, partial: Path, meta: dict, keep: int, file
         raise CheckpointError(f"ranks {unread[:8]} could not read back the files they wrote to {partial}; it is not "
                               f"published, and the previous checkpoint is kept")
     for name, source in files.items():
+        (partial / name).parent.mkdir(exist_ok=True)  # (a tokenizer's additional_chat_templates/)
         shutil.copyfile(source, partial / name)
     manifest = {name: record for entries in written for name, record in entries.items()}
     manifest.update(_records(partial, list(files)))

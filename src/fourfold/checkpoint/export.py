@@ -90,7 +90,7 @@ def _write_model(cfg: ModelConfig, path: Path, partial: Path, shard_bytes: int) 
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     token_ids = _write_tokenizer(cfg, path, partial)
     if token_ids.get("pad_token_id") is None:  # none named by the tokenizer: the one of the model fine-tuned, if any
-        token_ids["pad_token_id"] = checkpoint.read_meta(path).get("pad_token_id")
+        token_ids["pad_token_id"] = checkpoint.read_meta(path).get("pad_token_id", cfg.pad_token)
     (partial / "config.json").write_text(json.dumps(cfg.to_hf() | token_ids, indent=1))
     _write_generation_config(path, partial, token_ids)
 
@@ -112,7 +112,10 @@ def _write_tokenizer(cfg: ModelConfig, path: Path, out: Path) -> dict:
     50256), another token or none of the vocabulary."""
     if not (path / "tokenizer.json").is_file():
         return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    shutil.copyfile(path / "tokenizer.json", out / "tokenizer.json")
+    for name, source in corpus.tokenizer_files(path / "tokenizer.json").items():  # the chat template among them
+        if name != "tokenizer_config.json":  # (written below)
+            (out / name).parent.mkdir(exist_ok=True)
+            shutil.copyfile(source, out / name)
     # the user's own tokenizer_config.json (its class, EOS, chat template) when the run had one
     settings = (json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
                 if (path / "tokenizer_config.json").is_file() else {"tokenizer_class": "PreTrainedTokenizerFast"})

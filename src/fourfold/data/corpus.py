@@ -497,6 +497,28 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# Beside a tokenizer.json, what transformers saves of a tokenizer: its settings (EOS, class, a chat template
+# inline), special tokens, the chat template as transformers 5 writes it (chat_template.jinja, named ones in
+# additional_chat_templates/), and a slow tokenizer's vocabulary files
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+CHAT_TEMPLATES = "additional_chat_templates"
+
+
+def tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
+    """The files each checkpoint keeps a copy of (name there -> path): the tokenizer and every file
+    of it beside it (`TOKENIZER_FILES`, `CHAT_TEMPLATES`): without them an end token only
+    tokenizer_config.json names, or the chat template, is lost to `fourfold export` and a later fine-tune."""
+    tokenizer_path = Path(tokenizer_path)
+    folder = tokenizer_path.parent
+    out = {"tokenizer.json": tokenizer_path}
+    out.update((name, folder / name) for name in TOKENIZER_FILES if (folder / name).is_file())
+    templates = folder / CHAT_TEMPLATES
+    if templates.is_dir():
+        out.update((f"{CHAT_TEMPLATES}/{p.name}", p) for p in sorted(templates.iterdir()) if p.is_file())
+    return out
+
+
 def end_of_document(tokenizer_path: str | Path) -> int:
     """The id put after each document: the eos_token of the tokenizer_config.json beside the
     tokenizer, else the first of the usual end-of-text tokens it has."""

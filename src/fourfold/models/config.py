@@ -72,6 +72,10 @@ class ModelConfig:
     groups: int = 1
     top_groups: int = 1
     routed_scale: float = 1.0
+    # The embedding row of config.json's pad_token_id where the family's transformers class passes it as
+    # nn.Embedding's padding_idx: zero at initialisation, no gradient from the lookup (a tied head's
+    # gradient still reaches it, as in transformers). None: every row is trained.
+    pad_token: int | None = None
 
     def __post_init__(self) -> None:
         self.family_spec()  # an unknown family is refused here, by name
@@ -143,7 +147,12 @@ class ModelConfig:
         either honoured or refused, by name, with the reason."""
         from fourfold.models.registry import family_of_hf
 
-        return family_of_hf(d).from_hf(d)
+        family = family_of_hf(d)
+        cfg = family.from_hf(d)
+        pad = d.get("pad_token_id")
+        if family.padding_idx and isinstance(pad, int) and not isinstance(pad, bool) and -cfg.vocab <= pad < cfg.vocab:
+            cfg = dataclasses.replace(cfg, pad_token=pad % cfg.vocab)  # (nn.Embedding reads a negative one so)
+        return cfg
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -152,7 +161,8 @@ class ModelConfig:
         return cls(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None})
 
     def to_hf(self) -> dict:
-        return self.family_spec().to_hf(self)
+        out = self.family_spec().to_hf(self)
+        return out if self.pad_token is None else {**out, "pad_token_id": self.pad_token}
 
     def parameter_count(self) -> int:
         from fourfold.spec.counts import parameter_count

@@ -38,3 +38,6 @@ class Family:
     learned_positions: bool = False  # a [max_positions, hidden] table added to the embeddings (GPT-2)
     bos_is_eos: bool = False  # its tokenizers' convention when none names a beginning token (GPT-2)
     scaled_embedding: bool = False  # the embeddings multiplied by sqrt(hidden), in the model's dtype (Gemma)
+    # transformers builds its embedding as nn.Embedding(..., padding_idx=config.pad_token_id): that row
+    # starts at zero and gets no gradient from the lookup (every family but GPT-2)
+    padding_idx: bool = True

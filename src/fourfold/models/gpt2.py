@@ -56,4 +56,5 @@ def tensors(cfg: ModelConfig) -> dict[str, HFTensor]:
     return out
 
 
-FAMILY = Family("gpt2", ("gpt2",), from_hf, to_hf, block, tensors, learned_positions=True, bos_is_eos=True)
+FAMILY = Family("gpt2", ("gpt2",), from_hf, to_hf, block, tensors, learned_positions=True, bos_is_eos=True,
+                padding_idx=False)

@@ -67,11 +67,12 @@ class Model:
     stages); `pipeline` is None without pp."""
 
     def __init__(self, grid: Grid, job: Job, model_cfg: ModelConfig, *, dtype: torch.dtype, overlap: bool = True,
-                 seed: int = 0, std: float = 0.02, compile: bool = False, capacity_factor: float = 0.0):
+                 seed: int = 0, std: float = 0.02, compile: bool = False, capacity_factor: float = 0.0,
+                 train_padding_row: bool = False):
         overlaps = OverlapOptions() if overlap else OverlapOptions.off()
         opts = TensorOptions(seq_parallel=job.seq_parallel, overlap=overlaps,
                              keep_gathered_inputs=job.keep_gathered_inputs, dtype=dtype, compile=compile,
-                             capacity_factor=capacity_factor, fp8=job.fp8)
+                             capacity_factor=capacity_factor, fp8=job.fp8, train_padding_row=train_padding_row)
         common = dict(seed=seed, std=std, recompute=job.recompute)
         self.grid, self.microbatches, self.module_cfg = grid, job.microbatches, model_cfg
         self.pipeline = None

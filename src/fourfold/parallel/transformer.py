@@ -87,7 +87,8 @@ class Transformer(nn.Module):
         self.overlap = Overlapper(opts.overlap, grid.group("z"))  # one prefetch order for all layers
         out_std = std / (2 * cfg.layers) ** 0.5  # GPT-2's scaled init of the residual projections
         self.embed = ParallelEmbedding(grid, cfg.vocab, cfg.hidden, seed=seed, std=std,
-                                       seq_parallel=opts.seq_parallel, dtype=opts.dtype)
+                                       seq_parallel=opts.seq_parallel, dtype=opts.dtype,
+                                       padding_idx=None if opts.train_padding_row else cfg.pad_token)
         self.positions = PositionEmbedding(grid, cfg, opts, seed, std) if cfg.family_spec().learned_positions else None
         # keyed by global index so that parameter names stay the serial model's on a pipeline stage
         self.layers = nn.ModuleDict({

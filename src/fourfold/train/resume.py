@@ -127,15 +127,6 @@ def _on_rank_0(find, group):
     return found[0]
 
 
-def tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
-    """The files each checkpoint keeps a copy of (name there -> path): the tokenizer, and the
-    tokenizer_config.json beside it if there is one (its EOS, class, chat template: without it an
-    end token only that file names is lost to `fourfold export` and a later fine-tune)."""
-    tokenizer_path = Path(tokenizer_path)
-    config = tokenizer_path.with_name("tokenizer_config.json")
-    return {"tokenizer.json": tokenizer_path, **({"tokenizer_config.json": config} if config.is_file() else {})}
-
-
 def generation_settings(hf: str) -> tuple[dict[str, Path], int | None]:
     """What model.hf (`hf`: a Hugging Face directory, or "") says about generating, kept with each
     checkpoint for `fourfold export`: its generation_config.json (to copy in; name -> path) and its

@@ -42,7 +42,7 @@ from fourfold.train import elastic, expert_load, faults, timing
 from fourfold.train.evaluate import evaluate
 from fourfold.train.launch import StopRequest
 from fourfold.train.report import Reporter, header, loss_curve, peak_memory_gib, run_summary, start_event
-from fourfold.train.resume import agreed_source, generation_settings, tokenizer_files
+from fourfold.train.resume import agreed_source, generation_settings
 from fourfold.train.schedule import learning_rate, schedule_changes
 from fourfold.train.stop import StopAgreement, stop_message
 
@@ -95,7 +95,7 @@ class Trainer:
         self.job = cfg.job()
         self.model = Model(grid, self.job, model_cfg, dtype=torch_dtype(cfg.train.precision, grid.device),
                            overlap=cfg.train.overlap, seed=cfg.model.seed, std=cfg.model.init_std,
-                           capacity_factor=cfg.model.capacity_factor,
+                           capacity_factor=cfg.model.capacity_factor, train_padding_row=cfg.model.train_padding_row,
                            compile=cfg.train.compile)
         self.sync = GradientSync(self.model.module, grid, shard=cfg.optimizer.zero1)
         o = cfg.optimizer
@@ -131,7 +131,7 @@ class Trainer:
                                   f"to train; raise --train.steps, or start over with another --log.run_dir")
         self.saver = checkpoint.AsyncSaver() if cfg.checkpoint.async_save else None
         generation, self.pad_token_id = generation_settings(cfg.model.hf)
-        self.copied = tokenizer_files(tokenizer_path) | generation
+        self.copied = corpus.tokenizer_files(tokenizer_path) | generation
         self.loss_group = grid.loss_group()  # (made here: every rank makes its groups in one order)
         self.scale = 1.0 / (cfg.batch.global_batch * cfg.batch.seq)
         self.bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row

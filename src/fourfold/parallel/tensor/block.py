@@ -46,6 +46,8 @@ class TensorOptions:
     compile: bool = False
     capacity_factor: float = 0.0  # a mixture's expert capacity (`moe.within_capacity`); 0: dropless
     fp8: str = ""  # the linears' GEMMs in FP8 (`tensor.fp8`, train.fp8): "tensorwise" or "rowwise"; "": off
+    # model.train_padding_row: the pad token's embedding row trained too (transformers never does: `pad_token`)
+    train_padding_row: bool = False
 
 
 def torch_dtype(precision: str, device: torch.device) -> torch.dtype:

@@ -89,11 +89,26 @@ class _AddToGrad(torch.autograd.Function):
         return grad + ctx.more().to(grad.dtype), None
 
 
+def _zero_row(weight: torch.Tensor, matrix: ShardedMatrix, name: str, row: int) -> None:
+    """Zero this rank's elements of row `row` of the serial tensor `name` (a flat shard's pieces)."""
+    for p in matrix.pieces():
+        r = row - p.offset[0]
+        if p.name != name or not 0 <= r < p.window[0]:
+            continue
+        cols = p.window[1]
+        lo, hi = max(p.flat[0], r * cols), min(p.flat[1], (r + 1) * cols)
+        if lo < hi:
+            weight[p.local_start + lo - p.flat[0] : p.local_start + hi - p.flat[0]] = 0
+
+
 class ParallelEmbedding(ParallelModule):
+    """The vocabulary-parallel table's lookup. `padding_idx`, as nn.Embedding's: that row starts at
+    zero and gets no gradient from the lookup (transformers' embeddings, `ModelConfig.pad_token`)."""
+
     def __init__(self, grid: Grid, vocab: int, hidden: int, *, seed: int, std: float, seq_parallel: bool,
-                 dtype: torch.dtype, name: str = "embed"):
+                 dtype: torch.dtype, name: str = "embed", padding_idx: int | None = None):
         super().__init__()
-        self.grid, self.seq_parallel, self.name = grid, seq_parallel, name
+        self.grid, self.seq_parallel, self.name, self.padding_idx = grid, seq_parallel, name, padding_idx
         self.matrix = ShardedMatrix(grid, _vocab_rows(name, vocab, grid), hidden, "x-in", name)
         self.seed, self.std = seed, std
         self.weight = nn.Parameter(torch.empty(self.matrix.shard_numel, dtype=dtype))
@@ -106,6 +121,8 @@ class ParallelEmbedding(ParallelModule):
     def reset_parameters(self) -> None:
         self.weight.copy_(self.matrix.init_shard(self.seed, self.std, self.weight.dtype))
         _zero_padding(self.weight, self.matrix)
+        if self.padding_idx is not None:
+            _zero_row(self.weight, self.matrix, self.name, self.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [batch/z, seq] -> [batch/z, seq (/y with sequence parallelism), hidden/x]."""
@@ -117,7 +134,9 @@ class ParallelEmbedding(ParallelModule):
         table = self.matrix.unpad(all_gather_weight(weight, self.grid.group("z"), dim=0))
         local = ids - y_group.rank * rows
         inside = (local >= 0) & (local < rows)
-        partial = F.embedding(local.clamp(0, rows - 1), table) * inside.unsqueeze(-1).to(table.dtype)
+        pad = None if self.padding_idx is None else self.padding_idx - y_group.rank * rows
+        pad = pad if pad is not None and 0 <= pad < rows else None  # (the row is this y rank's)
+        partial = F.embedding(local.clamp(0, rows - 1), table, padding_idx=pad) * inside.unsqueeze(-1).to(table.dtype)
         if self.seq_parallel:
             return scatter_tokens(partial, y_group)
         return all_reduce_replicated(partial, y_group)

@@ -1,0 +1,131 @@
+"""The pad token's embedding row as transformers trains it: `nn.Embedding(padding_idx=pad_token_id)`
+gives that row no gradient from the lookup (a tied head's gradient still reaches it). With the pad
+token in the data (Qwen's <|endoftext|> is both pad and document end), three AdamW steps with
+clipping on 8-rank grids (dp, x/y/z, sequence parallel, the vocabulary split over y and padded, tied
+and untied) give transformers' losses, gradient norms and weights in float64; with
+model.train_padding_row the row is trained, and the run is no longer transformers'."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from fourfold.checkpoint.hf import load_hf, to_hf_tensors
+from fourfold.models.config import ModelConfig, load_config
+from fourfold.parallel import comm
+from fourfold.parallel.data import GradientSync
+from fourfold.parallel.grid import Grid
+from fourfold.parallel.model import Model, local_batch
+from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.tensor.params import full_weights
+from fourfold.spec.job import Job
+from fourfold.spec.layout import Layout
+from serial_reference import hf_adamw_groups, rms_norm_in_input_dtype
+
+PAD, VOCAB, BATCH, SEQ, STEPS, CLIP = 5, 61, 8, 16, 3, 1.0  # 61: padded to 62 rows on y=2
+HF = dict(model_type="qwen3", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          head_dim=8, intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=PAD)
+OPTIMIZER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _batch():
+    ids = np.random.default_rng(2).integers(0, VOCAB, (BATCH, SEQ + 1))
+    ids[:, ::4] = PAD  # the pad token as input and as target, a quarter of the tokens
+    return ids
+
+
+def _transformers_run(path):
+    """(losses, pre-clip gradient norms, final weights) of transformers' model, 3 steps."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    opt = torch.optim.AdamW(hf_adamw_groups(model, OPTIMIZER["weight_decay"]), **OPTIMIZER)
+    ids = torch.from_numpy(_batch())
+    losses, norms = [], []
+    for _ in range(STEPS):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", rms_norm_in_input_dtype)
+            logits = model(input_ids=ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        assert model.model.embed_tokens.weight.grad[PAD].abs().max() == 0 or model.config.tie_word_embeddings
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def reference(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("padded")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**HF, tie_word_embeddings=request.param)
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    with torch.no_grad():  # the pad row too, as a checkpoint trained elsewhere holds it
+        model.model.embed_tokens.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return str(path), _transformers_run(path)
+
+
+def _fourfold_run(path, sizes, seq_parallel, train_padding_row):
+    job = Job(Layout(**sizes), global_batch=BATCH, micro_batch=BATCH // sizes.get("dp", 1) // 2, seq=SEQ,
+              seq_parallel=seq_parallel, precision="float64")
+    grid = Grid(job.layout)
+    model = Model(grid, job, load_config(path), dtype=torch.float64, train_padding_row=train_padding_row)
+    load_hf(model.module, path)
+    opt = AdamW(GradientSync(model.module, grid), clip_norm=CLIP, **OPTIMIZER)
+    rows = np.arange(BATCH).reshape(job.dp, -1)[grid.coords["dp"]]
+    batch = local_batch(job, grid, _batch()[rows])
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = model.step(batch, opt.sync, 1.0 / (BATCH * SEQ))
+        opt.step()
+        losses.append(comm.all_reduce(loss, grid.loss_group()).item())
+        norms.append(opt.last_norm)
+    opt.sync.flush()
+    return losses, norms, to_hf_tensors(load_config(path), full_weights(model.module))
+
+
+def _relative(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+GRIDS = {"dp2x2y2": (dict(dp=2, x=2, y=2), False), "x2y2z2-sp": (dict(x=2, y=2, z=2), True)}
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_training_with_the_pad_token_equals_transformers(ranks, reference, grid):
+    path, (losses, norms, weights) = reference
+    sizes, seq_parallel = GRIDS[grid]
+    got_losses, got_norms, got = ranks.run(_fourfold_run, 8, path, sizes, seq_parallel, False)[0]
+    assert got_losses == pytest.approx(losses, rel=1e-10)
+    assert got_norms == pytest.approx(norms, rel=1e-10)  # the trial's: 58.1 against transformers' 0.43
+    for name, tensor in got.items():
+        assert _relative(tensor, weights[name]) < 1e-10, name
+
+
+def test_the_padding_row_is_trained_only_when_asked(ranks, reference):
+    path, (_, _, weights) = reference
+    _, _, got = ranks.run(_fourfold_run, 4, path, dict(dp=2, y=2), False, True)[0]
+    embed = "model.embed_tokens.weight"
+    assert _relative(got[embed][PAD], weights[embed][PAD]) > 1e-3
+
+
+def test_the_pad_token_is_read_from_config_json_and_written_back():
+    cfg = ModelConfig.from_hf(HF)
+    assert cfg.pad_token == PAD and cfg.to_hf()["pad_token_id"] == PAD
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    # GPT-2's embedding has no padding_idx: every row is trained, as transformers trains it
+    gpt2 = dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB, n_positions=32, pad_token_id=PAD)
+    assert ModelConfig.from_hf(gpt2).pad_token is None
+
+
+def _initial_table(path, sizes):
+    job = Job(Layout(**sizes), global_batch=4, micro_batch=2, seq=SEQ, precision="float64")
+    model = Model(Grid(job.layout), job, load_config(path), dtype=torch.float64)
+    return full_weights(model.module)["embed"]
+
+
+def test_a_model_started_from_scratch_has_a_zero_padding_row(ranks, reference):
+    """As transformers initialises nn.Embedding(padding_idx): on a grid splitting the table over y and z."""
+    table = ranks.run(_initial_table, 4, reference[0], dict(y=2, z=2))[0]
+    assert table[PAD].abs().max() == 0 and table[PAD + 1].abs().max() > 0
