@@ -16,7 +16,7 @@ from fourfold.plan.frameworks import FOURFOLD, MEGATRON, Megatron, named
 from fourfold.plan.frameworks.fourfold import ORDERS, Fourfold
 from fourfold.plan.memory import GIB, fourfold_memory, megatron_memory
 from fourfold.plan.perf import compute_bound, placement_bound, step_time
-from fourfold.plan.search import check, kind, rank, rounded_seconds, search
+from fourfold.plan.search import beats, check, kind, rank, rounded_seconds, search
 from fourfold.spec.hardware import make_cluster
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
@@ -100,18 +100,28 @@ def test_every_candidate_multiplies_out_and_divides(gpus, framework):
     def simplest(r: dict) -> tuple:
         return r["pp"] * r["cp"] * r["x"] * r["y"] * r["z"], r["ep"], r["virtual"], -r["micro_batch"]
 
-    left, listed, first = [r for r in fitting if not r["tight"]], fitting, True
+    left, tiers = [r for r in fitting if not r["tight"]], []
     while left:
         leader = min(left, key=lambda r: r["step_seconds"])
         tier = [r for r in left if r["step_seconds"] <= leader["step_seconds"] * (
             1 + max(band(kind(r)), band(kind(leader))))]
-        head, listed = listed[: len(tier)], listed[len(tier):]
-        assert sorted(map(id, head)) == sorted(map(id, tier))  # a tier's members are listed together,
-        assert [simplest(r) for r in head] == sorted(simplest(r) for r in head)  # simplest first
-        assert all(r["tie"] == (first and len(tier) > 1) for r in head)  # the fastest's tier: ties
-        left, first = [r for r in left if all(r is not t for t in tier)], False
-    ties = [r for r in fitting if r["tie"]]
+        tiers.append(sorted(tier, key=simplest))  # a tier's members listed together, simplest first,
+        left = [r for r in left if all(r is not t for t in tier)]
+    # except that a row another beats on both time and memory is never above it: it takes the place
+    expected, left = [], [r for tier in tiers for r in tier]
+    while left:
+        pick = left[0]
+        while any(beats(r, pick) for r in left):
+            pick = next(r for r in left if beats(r, pick))
+        expected.append(pick)
+        left.remove(pick)
+    tiered, listed = fitting[: len(expected)], fitting[len(expected):]
+    assert [id(r) for r in tiered] == [id(r) for r in expected]
+    tier_of = {id(r): i for i, tier in enumerate(tiers) for r in tier}
+    assert [r["tier"] for r in tiered] == [min(tier_of[id(r)] for r in tiered[i:]) for i in range(len(tiered))]
+    ties = [r for r in fitting if r["tie"]]  # the first tier's rows, where it has several
     assert fitting[: len(ties)] == ties and all(r["tier"] == 0 for r in ties)
+    assert len(ties) == (sum(r["tier"] == 0 for r in tiered) if len(ties) else 0)
     rest = [rounded_seconds(r["step_seconds"]) for r in listed]
     assert all(r["tight"] for r in listed) and rest == sorted(rest)
 
@@ -127,6 +137,37 @@ def test_without_a_known_error_the_plan_lists_by_time_alone():
     ranked = rank(rows, Calibration(cv_error=None, cv_errors=()))
     assert [(r["step_seconds"], r["cp"]) for r in ranked] == [(0.9, 4), (1.00001, 1), (1.0, 2), (1.2, 1)]
     assert not any(r["tie"] for r in ranked) and [r["tier"] for r in ranked] == [0, 1, 2, 3]
+
+
+def test_no_row_is_listed_above_one_that_beats_it_on_time_and_memory():
+    """The trial's DeepSeek-V3 on 256 GPUs listed mb2 (70.8 GiB, 22.70 s) above mb1 (64.1 GiB, 21.61 s):
+    one tier, the larger micro-batch simpler. The faster, smaller row comes first and keeps its tier; a
+    row it passes that was in a later tier joins the tier it is listed in."""
+    def row(seconds: float, gib: float, mb: int, pp: int = 32) -> dict:
+        return dict(fits=True, tight=False, step_seconds=seconds, memory_gib=gib, micro_batch=mb, dp=256 // pp,
+                    pp=pp, cp=1, x=1, y=1, z=1, ep=8)
+
+    cal = Calibration(cv_error=0.087, cv_errors=(("pp", 0.095),))
+    ranked = rank([row(22.703, 70.8, 2), row(21.606, 64.1, 1), row(22.647, 64.9, 4)], cal)
+    assert [(r["micro_batch"], r["tier"]) for r in ranked] == [(1, 0), (4, 0), (2, 0)]
+    # a row of the second tier (pp8: simpler) beaten by one of the first would lead its tier, not be passed
+    ranked = rank([row(10.0, 60.0, 1), row(10.8, 50.0, 1), row(11.5, 70.0, 8, pp=8)], cal)
+    assert [r["step_seconds"] for r in ranked] == [10.0, 10.8, 11.5]
+    for gpus in (16, 64):
+        found = [r for r in search(SMALL, gpus, CLUSTER, job(seq=4096, global_batch=128)) if r["tier"] is not None]
+        assert not [(i, j) for i in range(len(found)) for j in range(i + 1, len(found)) if beats(found[j], found[i])]
+        tiers = [r["tier"] for r in found]
+        assert tiers == sorted(tiers)
+
+
+def test_the_plan_says_why_its_first_row_leads(capsys):
+    from fourfold.cli.main import main
+
+    assert main(["plan", "--model", "llama-3.1-70b", "--gpus", "64", "--seq", "8192"]) == 0
+    out = capsys.readouterr().out
+    reason = next(line for line in out.splitlines() if line.startswith("first row: "))
+    assert "slower than the fastest (row " in reason or "the fastest" in reason, reason
+    assert len(reason) < 250, reason
 
 
 @given(gpus=st.sampled_from([16, 64, 128]), framework=st.sampled_from([FOURFOLD, MEGATRON]),

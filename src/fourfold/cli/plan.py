@@ -16,7 +16,7 @@ from fourfold.models.config import ModelConfig, load_config
 from fourfold.plan.constants import Calibration
 from fourfold.plan.frameworks import CP_COMMS, FRAMEWORKS, named
 from fourfold.plan.memory import GIB
-from fourfold.plan.search import HEADROOM, as_json, predict, search
+from fourfold.plan.search import HEADROOM, as_json, kind, predict, rounded_seconds, search, simplest
 from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
 from fourfold.spec.job import FP8_RECIPES, PRECISIONS, RECOMPUTE, Job
 from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout
@@ -200,18 +200,45 @@ def error_note(cal: Calibration) -> str:
     if cal.cv_error is None:
         return ("step times: the model's error is unknown with these constants (no cross-validation: "
                 "`fourfold calibrate` measures it)")
-    kinds = "; by kind: " + ", ".join(f"{k} {e:.1%}" for k, e in cal.cv_errors) if cal.cv_errors else ""
-    return (f"step times: +-{cal.cv_error:.1%} (the model's cross-validated error{kinds}); "
-            f"{TIE} within it of the fastest: "
-            f"as fast as far as the model can tell, listed simplest first (least tp*cp*pp, then the least ep, then "
-            f"the fewest virtual stages, then the largest micro-batch); measure them before choosing; the rest "
-            f"alike, in tiers (the last column): the fastest left and those within the error of it, simplest first")
+    kinds = "; " + ", ".join(f"{k} {e:.1%}" for k, e in cal.cv_errors) if cal.cv_errors else ""
+    return (f"step times +-{cal.cv_error:.1%} (the model's cross-validated error{kinds}); {TIE}: within it of the "
+            f"fastest; tier: rows it cannot tell apart, simplest first")
+
+
+def why_first(found: list[dict], cal: Calibration) -> str:
+    """The reason the first row leads, in a few words: the fastest; or as fast as the model can tell and
+    simpler in the first way the listing orders by; or faster and smaller than such a simpler row."""
+    first = found[0]
+    if first["tight"] or not first["fits"]:
+        return "first row: the fastest that fits (none leaves 5% of the memory free)"
+    rows = [r for r in found if r["fits"] and not r["tight"]]
+    fastest = min(rows, key=lambda r: r["step_seconds"])
+    if rounded_seconds(fastest["step_seconds"]) >= rounded_seconds(first["step_seconds"]):
+        return f"first row: the fastest that leaves {HEADROOM:.0%} of the memory free"
+    slower = (f"{first['step_seconds'] / fastest['step_seconds'] - 1:.1%} slower than the fastest (row "
+              f"{found.index(fastest) + 1}, {fastest['step_seconds']:.3f} s), within the model's "
+              f"+-{max(cal.error_band(kind(first)), cal.error_band(kind(fastest))):.1%}")
+    simpler_row = min((r for r in rows if r["tier"] == first["tier"]), key=simplest)
+    if simplest(simpler_row) < simplest(first):  # it leads because it beats a simpler row on both counts
+        return (f"first row: {slower}; above row {found.index(simpler_row) + 1}, which is simpler "
+                f"({_simpler(simpler_row, first)}), as it beats it on both time and memory: time them before choosing")
+    return f"first row: {slower}; first for {_simpler(first, fastest)}, which measured runs favour: time both"
+
+
+def _simpler(a: dict, b: dict) -> str:
+    """How `a` is simpler than `b`, in the first way the listing orders by (`simplest`)."""
+    ways = ("tp*cp*pp", "ep", "virtual stages", "micro-batch")
+    words = ("less model parallelism", "less expert parallelism", "fewer virtual stages", "a larger micro-batch")
+    for name, word, mine, theirs in zip(ways, words, simplest(a), simplest(b)):
+        if mine != theirs:
+            return f"{word}: {name} {abs(mine)} against {abs(theirs)}"
+    return "as simple"
 
 
 def passed_over(found: list[dict]) -> str:
     """How the first row was chosen, and the faster candidate a tight fit, if any, that it passed over."""
-    rule = (f"ranked: candidates that leave {HEADROOM:.0%} of the GPU's memory free first, in tiers from the fastest, "
-            f"then tight fits (yes*) fastest first, then what does not fit")
+    rule = (f"ranked: rows leaving {HEADROOM:.0%} of the memory free, in tiers (none above a row that beats it on "
+            f"time and memory), then tight fits (yes*) by time, then what does not fit")
     first = found[0]
     faster = [r for r in found if r["fits"] and r["tight"] and r["step_seconds"] < first["step_seconds"]]
     if first["tight"] or not faster:
@@ -299,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
                 print("nothing fits: add GPUs, enable recompute, or lower the micro-batch")
             else:
                 print(error_note(cal))
+                print(why_first(found, cal))
                 print(passed_over(found))
                 print(f"the first row again: {reproduce(args, found[0]['job'])['estimate']}\n"
                       f"run it:              {reproduce(args, found[0]['job'])['train']}")

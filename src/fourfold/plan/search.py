@@ -9,6 +9,8 @@ import itertools
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from fourfold.models.config import ModelConfig
 from fourfold.plan.constants import Calibration
 from fourfold.plan.costs import group_bandwidth
@@ -211,10 +213,7 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
     smaller model-parallel group, then less memory). Each result gets its `tier` (0: the fastest's;
     None: tight or not fitting) and `tie` (in the fastest's tier with another)."""
     def by_time(r: dict) -> tuple:
-        return (rounded_seconds(r["step_seconds"]), r["cp"], _model_parallel(r), r["memory_gib"])
-
-    def simplest(r: dict) -> tuple:
-        return (_model_parallel(r), r.get("ep", 1), r.get("virtual", 1), -r["micro_batch"])
+        return (rounded_seconds(r["step_seconds"]), r["cp"], model_parallel(r), r["memory_gib"])
 
     widest = cal.widest_band()
     for r in results:
@@ -232,11 +231,40 @@ def rank(results: list[dict], cal: Calibration) -> list[dict]:
             if r is leader or (margin and r["step_seconds"] <= leader["step_seconds"] * (1 + margin)):
                 r["tier"] = tier
         left, tier = [r for r in left if r["tier"] is None], tier + 1
+    listed = sorted(results, key=lambda r: (not r["fits"], r["tight"], r["tier"] or 0,
+                                            simplest(r) if r["tier"] is not None else (), *by_time(r)))
+    tiered = _beaten_after_their_betters([r for r in listed if r["tier"] is not None])
+    listed[: len(tiered)] = tiered  # (the others are listed by time: none beats an earlier one)
+    for later, r in zip(tiered[::-1][:-1], tiered[::-1][1:]):  # a row moved up joins the tier it is listed in
+        r["tier"] = min(r["tier"], later["tier"])
     first = sum(r["tier"] == 0 for r in results)
     for r in results:
         r["tie"] = first > 1 and r["tier"] == 0
-    return sorted(results, key=lambda r: (not r["fits"], r["tight"], r["tier"] or 0,
-                                          simplest(r) if r["tier"] is not None else (), *by_time(r)))
+    return listed
+
+
+def beats(a: dict, b: dict) -> bool:
+    """Whether `a` is faster than `b` and needs less memory, as the table shows them (four digits of
+    the step time, a tenth of a GiB)."""
+    return (rounded_seconds(a["step_seconds"]) < rounded_seconds(b["step_seconds"])
+            and round(a["memory_gib"], 1) < round(b["memory_gib"], 1))
+
+
+def _beaten_after_their_betters(rows: list[dict]) -> list[dict]:
+    """`rows` in their order, except that a row another beats on both step time and memory (`beats`) is
+    never listed above it: each place goes to the first row left, unless a row left beats it, then to
+    the first of those (and so on: a row that beats that one is faster still)."""
+    seconds = np.array([rounded_seconds(r["step_seconds"]) for r in rows])
+    gib = np.array([round(r["memory_gib"], 1) for r in rows])
+    left = np.ones(len(rows), dtype=bool)
+    out = []
+    while len(out) < len(rows):
+        i = int(np.argmax(left))  # the first row left
+        while (better := np.flatnonzero(left & (seconds < seconds[i]) & (gib < gib[i]))).size:
+            i = int(better[0])
+        out.append(rows[i])
+        left[i] = False
+    return out
 
 
 def kind(r: dict) -> str:
@@ -244,5 +272,10 @@ def kind(r: dict) -> str:
     return "cp" if r["cp"] > 1 else "pp" if r["pp"] > 1 else "tp" if r["x"] * r["y"] * r["z"] > 1 else "dp"
 
 
-def _model_parallel(r: dict) -> int:
+def simplest(r: dict) -> tuple:
+    """The listing's order within a tier: the least tp*cp*pp, ep and virtual stages, the largest micro-batch."""
+    return (model_parallel(r), r.get("ep", 1), r.get("virtual", 1), -r["micro_batch"])
+
+
+def model_parallel(r: dict) -> int:
     return r["pp"] * r["cp"] * r["x"] * r["y"] * r["z"]
