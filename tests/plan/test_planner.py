@@ -502,3 +502,25 @@ def test_cli_prices_each_cp_exchange(capsys):
     assert len(set(steps.values())) == 3
     assert main(["estimate", "--model", "llama-3.1-8b", "--cp", "2", "--dp", "2", "--cp-comm", "a2a"]) != 0
     assert "give --framework megatron" in capsys.readouterr().err
+
+
+def test_the_plan_echoes_its_inputs_and_prints_the_command_that_runs_it(capsys):
+    """The defaulted global batch is named (it sets the step time); more GPUs than a node run through
+    `fourfold slurm`; the run commands name the data (a placeholder: without data flags a run trains on
+    the bundled corpus), and the search reports its progress to whoever asks."""
+    from fourfold.cli.main import main
+
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "64", "--seq", "8192"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("llama 8.0B on 64 x h100-80gb (8 a node), fourfold profile; a step: 1,024 sequences "
+                               "(the default: --global-batch) x 8,192 tokens = 8.4M tokens, bf16"), lines[0]
+    run = next(line for line in lines if line.startswith("run it"))
+    assert run.startswith("run it on 8 nodes: fourfold slurm --nodes 8 --gpus-per-node 8 --output job.sbatch ")
+    assert "--data.files YOUR-CORPUS" in run and any("bundled King James Bible" in line for line in lines)
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--global-batch", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "a step: 64 sequences x 4,096 tokens" in lines[0]
+    assert next(line for line in lines if line.startswith("run it")).startswith("run it:              fourfold train ")
+    told = []
+    search(SMALL, 16, CLUSTER, job(global_batch=128), progress=lambda done, total: told.append((done, total)))
+    assert told and told[-1][0] <= told[-1][1] and [d for d, _ in told] == sorted(d for d, _ in told)

@@ -620,3 +620,13 @@ def test_a_resume_passes_over_a_damaged_latest_checkpoint(data, reference, tmp_p
     got, _ = _losses(tmp_path)
     assert got == {s: expected[s] for s in (3, 4, 5)}
     assert checkpoint.damage(damaged) == ""  # written again by the resumed run
+
+
+def test_the_header_names_the_data_the_run_trains_on():
+    """With no data flag the run trains on the bundled corpus: the header says so by name, not by a cache path."""
+    from fourfold.config import load_train_config
+    from fourfold.train.report import data_source
+
+    assert data_source(load_train_config(None, [])).startswith("the bundled King James Bible (no --data.text")
+    assert data_source(load_train_config(None, ["--data.files", "web/*.jsonl,code.parquet"])) == \
+        "web/*.jsonl,code.parquet"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -27,6 +28,9 @@ FLAGS = {"batch.global_batch": "--global-batch", "batch.micro_batch": "--micro-b
          "turn seq_parallel off": "give --no-seq-parallel"}
 
 
+GLOBAL_BATCH = 1024  # sequences a step when --global-batch is not given (said in the plan's first line)
+
+
 def positive(text: str) -> int:
     """An argparse type: a count of 1 or more (argparse names the flag in the error)."""
     value = int(text)
@@ -41,7 +45,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-us", type=float, help="cost per collective step, microseconds (default 10; "
                                                     "benchmarks/planner_ordering.py fits it on a measured run)")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
+    p.add_argument("--global-batch", type=int, help=f"sequences per optimizer step (default {GLOBAL_BATCH})")
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--recompute", choices=RECOMPUTE)
     p.add_argument("--seq-parallel", action=argparse.BooleanOptionalAction, default=True,
@@ -104,6 +108,39 @@ def _context(args):
     return cfg, cluster, cal
 
 
+def inputs_line(args, cfg: ModelConfig, cluster) -> str:
+    """What the plan is for, the defaults it took named: the model, the machine, a step's batch."""
+    n = cfg.parameter_count()
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    default = " (the default: --global-batch)" if args.global_batch_defaulted else ""
+    tokens = args.global_batch * args.seq
+    return (f"{cfg.family} {size} on {args.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} a node), "
+            f"{args.framework} profile; a step: {args.global_batch:,} sequences{default} x {args.seq:,} tokens = "
+            f"{tokens / 1e6:.1f}M tokens, {args.precision}")
+
+
+@contextlib.contextmanager
+def _progress_bar():
+    """A progress callback for the search: a bar on a terminal's stderr, nothing elsewhere."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc="searching", unit=" candidates", file=sys.stderr, leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            if done - bar.n >= 64 or done == total:
+                bar.update(done - bar.n)
+
+        yield progress
+
+
+def _per_node(args) -> int:
+    return make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs,
+                        args.latency_us).gpus_per_node
+
+
 def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
     cfg, cluster, cal = _context(args)
     sizes = {d: getattr(args, d) for d in DIMS}
@@ -118,9 +155,16 @@ def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
     return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, named(args.framework, args.cp_comm)), cal
 
 
-def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
-    """The commands that give `job` again: `fourfold estimate` (the same prediction) and the
-    `fourfold train` overrides that run it (what `train --grid.auto` hands its ranks)."""
+# The run commands' data: a placeholder the user replaces (no data flags would train on the bundled corpus)
+DATA = "YOUR-CORPUS"
+DATA_NOTE = (f"{DATA}: your text, JSONL, Parquet or Arrow files, or globs (README, Training); with no --data.* "
+             f"flag fourfold trains on the bundled King James Bible")
+
+
+def reproduce(args: argparse.Namespace, job: Job, gpus_per_node: int) -> dict[str, str]:
+    """The commands that give `job` again: `fourfold estimate` (the same prediction), the `fourfold
+    train` overrides that run it (what `train --grid.auto` hands its ranks) on `DATA`, and for more
+    GPUs than a node, the `fourfold slurm` line that writes its sbatch script."""
     machine = {"--cluster": args.cluster, "--gpu": args.gpu, "--gpus-per-node": args.gpus_per_node,
                "--intra-node-gbs": args.intra_node_gbs, "--inter-node-gbs": args.inter_node_gbs,
                "--latency-us": args.latency_us, "--calibrate": args.calibrate}
@@ -137,9 +181,15 @@ def reproduce(args: argparse.Namespace, job: Job) -> dict[str, str]:
     model = "--model.hf" if Path(args.model).is_dir() else "--model.preset"
     hardware = [v for key, value in (("gpu", args.gpu), ("cluster", args.cluster)) if value
                 for v in (f"--hardware.{key}", value)]
-    train = ["fourfold", "train", model, args.model, "--batch.seq", job.seq, "--batch.global_batch", job.global_batch,
-             "--train.precision", job.precision, *as_overrides(job_settings(job)), *hardware]
-    return {"estimate": shlex.join(map(str, estimate)), "train": shlex.join(map(str, train))}
+    overrides = [model, args.model, "--data.files", DATA, "--batch.seq", job.seq, "--batch.global_batch",
+                 job.global_batch, "--train.precision", job.precision, *as_overrides(job_settings(job)), *hardware]
+    out = {"estimate": shlex.join(map(str, estimate)), "train": shlex.join(map(str, ["fourfold", "train", *overrides]))}
+    if job.world_size > gpus_per_node:
+        nodes = -(-job.world_size // gpus_per_node)
+        slurm = ["fourfold", "slurm", "--nodes", nodes, "--gpus-per-node", gpus_per_node, "--output", "job.sbatch",
+                 *overrides]
+        out["slurm"] = shlex.join(map(str, slurm))
+    return out
 
 
 def _measure(cfg: ModelConfig, job: Job, r: dict) -> None:
@@ -262,12 +312,15 @@ def _print_one(r: dict, memory_only: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command != "calibrate":
+        args.global_batch_defaulted = args.global_batch is None
+        args.global_batch = args.global_batch or GLOBAL_BATCH
     try:
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command in ("memory", "estimate"):
             cfg, job, r, cal = _one(args)
-            r = as_json(r) | {"commands": reproduce(args, job)}
+            r = as_json(r) | {"commands": reproduce(args, job, _per_node(args))}
             if args.command == "memory":
                 timing = ("step_seconds", "tokens_per_second", "model_tflops_per_gpu", "mfu", "time_breakdown_seconds")
                 r = {k: v for k, v in r.items() if k not in timing}
@@ -288,29 +341,29 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--plot {args.plot}: the folder {Path(args.plot).parent} does not exist; create it or "
                              f"give a path in an existing folder")
         cfg, cluster, cal = _context(args)
+        if not args.json:
+            print(inputs_line(args, cfg, cluster), flush=True)
         start = time.perf_counter()
         mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
         recomputes = (args.recompute,) if args.recompute else RECOMPUTE
         # A table, or a JSON of the first --top, needs only the best (the search stops early);
         # a plot and --all need every candidate.
         top = None if args.plot or args.all else args.top if args.json else args.top or 10
-        found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
-                       rule80=not args.no_80_rule, include_unfit=args.all,
-                       framework=named(args.framework, args.cp_comm), top=top,
-                       virtuals=tuple(dict.fromkeys(args.virtual)) if args.virtual else None)
+        with _progress_bar() as progress:
+            found = search(cfg, args.gpus, cluster, _job(args), micro_batches=mbs, recomputes=recomputes, cal=cal,
+                           rule80=not args.no_80_rule, include_unfit=args.all,
+                           framework=named(args.framework, args.cp_comm), top=top,
+                           virtuals=tuple(dict.fromkeys(args.virtual)) if args.virtual else None, progress=progress)
         if not found.considered:  # not a question of memory: say what the rules refuse, with its fix
             simplest = problems(cfg, _job(args, Layout(dp=args.gpus)), gpu=True)
             raise ValueError("\n  ".join([f"the rules refuse every configuration of {args.gpus} GPUs; "
                                           f"with dp={args.gpus}:", *map(str, simplest)]))
         if args.json:
             shown = found[: args.top] if args.top else found
-            rows = [as_json(r) | {"commands": reproduce(args, r["job"])} for r in shown]
+            rows = [as_json(r) | {"commands": reproduce(args, r["job"], cluster.gpus_per_node)} for r in shown]
             print(json.dumps({"cv_error": cal.cv_error, "candidates": rows}))
         else:
-            n = cfg.parameter_count()
-            size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-            print(f"{cfg.family} {size} on {args.gpus} x {cluster.gpu.name}, "
-                  f"{args.framework} profile: {found.considered} candidates in {time.perf_counter() - start:.1f} s")
+            print(f"{found.considered} candidates in {time.perf_counter() - start:.1f} s")
             per_node = cluster.gpus_per_node
             if args.gpus > per_node and args.gpus % per_node:
                 print(f"note: {args.gpus} GPUs are not whole nodes of {per_node}: a grid's groups then straddle nodes "
@@ -328,8 +381,14 @@ def run(args: argparse.Namespace) -> int:
                 print(error_note(cal))
                 print(why_first(found, cal))
                 print(passed_over(found))
-                print(f"the first row again: {reproduce(args, found[0]['job'])['estimate']}\n"
-                      f"run it:              {reproduce(args, found[0]['job'])['train']}")
+                commands = reproduce(args, found[0]["job"], cluster.gpus_per_node)
+                print(f"the first row again: {commands['estimate']}")
+                if "slurm" in commands:
+                    print(f"run it on {-(-args.gpus // cluster.gpus_per_node)} nodes: {commands['slurm']}, then "
+                          f"sbatch job.sbatch")
+                else:
+                    print(f"run it:              {commands['train']}")
+                print(DATA_NOTE)
         if args.plot:
             from fourfold.plan.plots import plot_candidates
 

@@ -8,6 +8,7 @@ import heapq
 import itertools
 import math
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 
@@ -106,7 +107,8 @@ class Ranking(list):
 
 def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_batches=(1, 2, 4, 8),
            recomputes=RECOMPUTE, cal: Calibration = Calibration(), rule80: bool = True, include_unfit: bool = False,
-           framework: Framework = FOURFOLD, top: int | None = None, virtuals: tuple[int, ...] | None = None) -> Ranking:
+           framework: Framework = FOURFOLD, top: int | None = None, virtuals: tuple[int, ...] | None = None,
+           progress: Callable[[int, int], None] | None = None) -> Ranking:
     """Every job the framework accepts on `gpus`: each (dp, pp, cp, x, y, z), micro-batch, pipeline
     schedule (`schedules`; `virtuals`: the stages per pipeline rank to try instead of its own), order
     and recompute option of `base`, and for a mixture of experts each expert parallelism ep dividing
@@ -114,7 +116,8 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     ranked (`rank`); each result's `job` is the job itself. `top`: only the first `top` results (and
     every tie of the first) are wanted, exactly as a full search ranks them: jobs are evaluated in
     the order of a lower bound of their step time (`compute_bound`), and the search stops where
-    that bound passes every time it keeps."""
+    that bound passes every time it keeps. `progress(evaluated, candidates)` is told as the jobs are
+    evaluated (a large search takes minutes)."""
     orders = framework.placement_orders(cfg)
     # (bound, arrival, memory, job): a heap. A job enters with its compute bound; when it first
     # reaches the top its memory is estimated and, if it fits, it goes back with its tighter
@@ -136,8 +139,12 @@ def search(cfg: ModelConfig, gpus: int, cluster: Cluster, base: Job, *, micro_ba
     considered = len(queue)
     heapq.heapify(queue)
     results, kept = [], []
+    evaluated = 0
     while queue:
         bound, _, mem, job = heapq.heappop(queue)
+        if progress is not None and mem is None:
+            evaluated += 1
+            progress(min(evaluated, considered), considered)
         if top and len(kept) >= top and bound > _cutoff(kept, top, cal):
             break  # every job left is slower than what is kept
         if mem is None:

@@ -175,6 +175,14 @@ def start_event(cfg: TrainConfig, source: Path | None, skipped: list[tuple[Path,
     return event
 
 
+def data_source(cfg: TrainConfig) -> str:
+    """What the run trains on, as the user named it (or the bundled corpus, which nothing names)."""
+    data = cfg.data
+    if not (data.text or data.files or data.tokens):
+        return "the bundled King James Bible (no --data.text, --data.files or --data.tokens given)"
+    return data.tokens or ", ".join(filter(None, (data.text, data.files)))
+
+
 def header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader, tokens_path: Path, event: dict,
             device: torch.device, position: int = 0) -> list[str]:
     """Rank 0's lines at the start: what runs, where on, on what data, from where. `position`: the
@@ -189,7 +197,8 @@ def header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader,
              f"{model_cfg.parameter_count() / 1e6:,.1f}M parameters ({source})",
              f"grid: {event['grid']} ({dist.get_world_size()} rank{'s' * (dist.get_world_size() > 1)}), "
              f"precision {str(torch_dtype(cfg.train.precision, device)).removeprefix('torch.')}",
-             f"data: {len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows of {cfg.batch.seq}: "
+             f"data: {data_source(cfg)}, {len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows "
+             f"of {cfg.batch.seq}: "
              f"{schedule} = {epochs:.3g} epochs"]
     if event["from"] is None:
         lines.append("start: step 0" + (f", {cfg.model.hf}'s weights" if cfg.model.hf else ", random weights"))
