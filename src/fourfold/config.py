@@ -287,10 +287,39 @@ def config_keys() -> list[str]:
     return [f"{s.name}.{f.name}" for s in fields(TrainConfig) for f in fields(s.default_factory())]
 
 
+# What other frameworks (Megatron, torchtitan, transformers' Trainer, nanoGPT) call fourfold's keys
+OTHER_NAMES = {
+    "optimizer.lr": ("learning_rate", "max_lr", "lr_max", "peak_lr"),
+    "optimizer.min_lr": ("min_learning_rate", "lr_min", "final_lr"),
+    "optimizer.warmup": ("warmup_steps", "lr_warmup_steps", "lr_warmup_iters", "warmup_iters", "warmup_ratio"),
+    "optimizer.beta1": ("adam_beta1",), "optimizer.beta2": ("adam_beta2",),
+    "optimizer.clip": ("clip_grad", "grad_clip", "max_grad_norm", "clip_grad_norm", "gradient_clipping", "max_norm"),
+    "optimizer.zero1": ("use_distributed_optimizer",),
+    "train.steps": ("train_iters", "max_steps", "total_steps", "training_steps", "train_steps", "num_steps"),
+    "train.eval_every": ("eval_interval", "eval_steps", "eval_freq"),
+    "train.recompute": ("recompute_granularity", "activation_checkpointing", "gradient_checkpointing"),
+    "train.seq_parallel": ("sequence_parallel",), "train.precision": ("bf16", "fp16", "mixed_precision", "dtype"),
+    "batch.global_batch": ("global_batch_size", "batch_size"),
+    "batch.micro_batch": ("micro_batch_size", "per_device_train_batch_size", "local_batch_size"),
+    "batch.seq": ("seq_length", "seq_len", "max_seq_len", "max_seq_length", "sequence_length", "context_length",
+                  "block_size"),
+    "checkpoint.every": ("save_interval", "save_steps", "checkpoint_interval"),
+    "log.every": ("log_interval", "logging_steps", "log_freq"),
+    "grid.y": ("tensor_model_parallel_size", "tp"), "grid.pp": ("pipeline_model_parallel_size",),
+    "grid.cp": ("context_parallel_size",), "grid.ep": ("expert_model_parallel_size",),
+    "grid.dp": ("data_parallel_size", "data_parallel_replicate_degree"),
+}
+_OTHER = {other: ours for ours, names in OTHER_NAMES.items() for other in names}
+
+
 def did_you_mean(name: str, known: list[str]) -> str:
     """" (did you mean X?)" for the known name closest to `name` (a key given without its section,
-    e.g. eval_every, finds train.eval_every), or ""."""
+    e.g. eval_every, finds train.eval_every; another framework's name, learning_rate, finds
+    optimizer.lr), or ""."""
     bare = name.lstrip("-").replace("-", "_")
+    other = _OTHER.get(bare.split(".")[-1])
+    if other in known or f"--{other}" in known:
+        return f" (did you mean {other if other in known else f'--{other}'}?)"
     same_key = [k for k in known if k.lstrip("-").replace("-", "_").split(".")[-1] == bare]
     longer = [k for k in known if k.startswith(name)]  # what an abbreviation used to mean
     close = same_key or longer or difflib.get_close_matches(name, known, n=1, cutoff=0.6)

@@ -13,12 +13,12 @@ from fourfold import checkpoint
 from fourfold.checkpoint.export import export
 from fourfold.checkpoint.hf import to_hf_tensors
 from fourfold.data import corpus
+from fourfold.data.corpus import tokenizer_files
 from fourfold.models.config import ModelConfig
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.parallel.transformer import Transformer
 from fourfold.spec.layout import Layout
-from fourfold.data.corpus import tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 

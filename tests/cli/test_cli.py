@@ -38,12 +38,27 @@ def test_no_command_accepts_an_abbreviation():
     (["eval", "--hf", "d", "--tokens", "t.npy", "--seq", "64", "--nproc", "8"],
      "--nproc (did you mean --nproc-per-node?)"),
     (["train", "--grid", "dp=2"], "--grid (did you mean --grid.dp?)"),
+    # other frameworks' names (the trial's --optimizer.learning_rate was offered min_lr)
+    (["train", "--lr_warmup_steps", "10"], "--lr_warmup_steps (did you mean --optimizer.warmup?)"),
+    (["train", "--max-grad-norm", "1"], "--max-grad-norm (did you mean --optimizer.clip?)"),
 ])
 def test_unknown_options_are_named_with_a_suggestion(argv, expected, capsys):
     with pytest.raises(SystemExit) as exit:
         main(argv)
     assert exit.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, ours", [("optimizer.learning_rate", "optimizer.lr"), ("batch.seq_length", "batch.seq"),
+                                       ("train.max_steps", "train.steps"), ("optimizer.weight-decay", None)])
+def test_other_frameworks_key_names_are_offered_ours(key, ours, capsys):
+    from fourfold.config import ConfigError, load_train_config
+
+    if ours is None:  # a hyphen for an underscore is the same key
+        assert load_train_config(None, [f"--{key}", "0.2"]).optimizer.weight_decay == 0.2
+        return
+    with pytest.raises(ConfigError, match=f"unknown key {key} \\(did you mean {ours}\\?\\)"):
+        load_train_config(None, [f"--{key}", "3"])
 
 
 def test_only_the_unknown_option_is_named_among_valid_overrides(capsys):

@@ -345,10 +345,20 @@ def test_export_then_fine_tune_from_the_hugging_face_directory(data, stopped, tm
     fine = tmp_path / "fine"
     done = _fourfold("train", "--model.hf", hf, "--data.tokens", data["tokens"], "--data.tokenizer",
                      hf / "tokenizer.json",
-                     *_options(fine, "--train.steps", "2"))
+                     *_options(fine, "--train.steps", "2", "--log.every", "1", "--checkpoint.every", "0"))
     assert done.returncode == 0, done.stderr[-3000:]
     first, from_scratch = (_first_loss(r) for r in (fine, run))
     assert first < from_scratch - 0.1  # the same first batch, scored by the exported (trained) weights
+    # a scheduler's log: a line a step and one closing line, the records in log.jsonl (each saying its kind)
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    assert not any(line.startswith("{") for line in lines), done.stdout
+    assert re.fullmatch(rf"done: 2 steps, loss {first:.4f} -> \d+\.\d{{4}}, \d+\.\d s; checkpoint none "
+                        rf"\(checkpoint.every = 0\); records in {fine}/ \(log.jsonl, summary.json, loss.png\)",
+                        lines[-1]), lines[-1]
+    records = [json.loads(line) for line in (fine / "log.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records if r["kind"] != "timing"] == ["event", "step", "step"]
+    assert json.loads((fine / "summary.json").read_text())["checkpoint"] is None  # null, not "None"
 
 
 def _first_loss(run):

@@ -63,3 +63,18 @@ def test_a_slowed_rank_is_named_in_the_first_report(ranks, data, tmp_path, grid)
     assert all(w > waits[SLOW_RANK] + SLEEP / 2 for rank, w in waits.items() if rank != SLOW_RANK), waits
     summary = json.loads((Path(tmp_path) / "summary.json").read_text())
     assert summary["slowest_ranks"][0]["rank"] == SLOW_RANK and summary["slowest_ranks"][0]["reports"] == 2
+
+
+def test_cpu_ranks_sharing_cores_name_no_straggler(monkeypatch):
+    """The trial's 8 CPU ranks on 2 cores named stragglers on every run: the scheduler, not a rank, is slow."""
+    import os
+
+    import torch
+
+    from fourfold.train.timing import cores_shared
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+    assert cores_shared(torch.device("cpu")) and not cores_shared(torch.device("cuda"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert not cores_shared(torch.device("cpu"))

@@ -156,6 +156,11 @@ def test_run_learns_and_writes_everything(reference):
     assert summary["last_loss"] == losses[STEPS - 1]
     held_out = _held_out(reference)
     assert list(held_out) == [3, 6] and held_out[6] < held_out[3] and summary["eval_loss"] == held_out[6]
+    # loss.png against the steps trained: the held-out scores after 3 and 6 steps at 3 and 6, not 2 and 5
+    from fourfold.train.report import loss_points
+
+    trained, scored = loss_points(reference)
+    assert trained == {s + 1: loss for s, loss in losses.items()} and scored == held_out
 
 
 def test_tensorboard_and_wandb_get_every_number_of_the_log(reference):

@@ -4,7 +4,6 @@ checked and its data prepared before any rank starts."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -97,7 +96,9 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
-        print(json.dumps(summary))
+        from fourfold.train.report import closing_line
+
+        print(closing_line(dict(summary, run_dir=cfg.log.run_dir)))
     return 0
 
 

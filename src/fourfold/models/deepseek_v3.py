@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 from fourfold.models import llama
 from fourfold.models.config import ModelConfig, refuse_unknown, require
@@ -44,16 +43,21 @@ def _scale(rope: dict, qk_head_dim: int) -> float:
     return scale
 
 
+def notes(d: dict) -> list[str]:
+    """What a run of this config.json should be told once (the training header): the multi-token
+    prediction layers the published checkpoints have, which are not trained (refusing them would
+    refuse DeepSeek-V3 itself)."""
+    mtp = d.get("num_nextn_predict_layers") or d.get("num_mtp_layers") or 0
+    return [f"config.json has {mtp} multi-token prediction layer(s); fourfold trains the main model only, as "
+            f"transformers' DeepseekV3ForCausalLM does: their weights are left out of import, training and export"
+            ] if mtp else []
+
+
 def from_hf(d: dict) -> ModelConfig:
     refuse_unknown(d, FIELDS, "deepseek_v3")
     require(d, "deepseek_v3", hidden_act=("silu",), attention_dropout=(0, 0.0), pretraining_tp=(1, None),
             output_router_logits=(False,), topk_method=("noaux_tc",), scoring_func=("sigmoid",), moe_layer_freq=(1,))
     get = {**DEFAULTS, **d}.get
-    mtp = d.get("num_nextn_predict_layers") or d.get("num_mtp_layers") or 0
-    if mtp:  # (the published checkpoints have one: refusing them would refuse DeepSeek-V3 itself)
-        warnings.warn(f"config.json (deepseek_v3) has {mtp} multi-token prediction layer(s); fourfold reads and "
-                      "trains the main model only, as transformers' DeepseekV3ForCausalLM does: their weights are "
-                      "left out of import, training and export", stacklevel=2)
     if not get("q_lora_rank"):
         raise ValueError("config.json (deepseek_v3) has no q_lora_rank (queries projected directly, DeepSeek-V2-Lite's "
                          "way); fourfold's latent attention takes the query latent: use a model with q_lora_rank")
@@ -128,4 +132,4 @@ def tensors(cfg: ModelConfig) -> dict[str, HFTensor]:
     return {ours: HFTensor(theirs) for ours, theirs in names.items()}
 
 
-FAMILY = Family("deepseek_v3", ("deepseek_v3",), from_hf, to_hf, block, tensors)
+FAMILY = Family("deepseek_v3", ("deepseek_v3",), from_hf, to_hf, block, tensors, notes=notes)

@@ -2,10 +2,12 @@
 score's) to `Metrics.write`, which appends it to RUN/log.jsonl and writes each of its numbers as
 one scalar to TensorBoard (RUN/tensorboard) and to Weights & Biases, when they are on.
 
+Each line of log.jsonl says what it is in its "kind": "step", "eval", "timing" or "event" (`kind`).
 A training record's field F is the scalar "train/F" at its "step"; a held-out record's field
-eval_F is "eval/F" at the index of the last step it follows (eval_after_step - 1), as loss.png
-plots it; a timing record's field F (the ranks' split of the steps before `timing_after_step`,
-`train.timing`) "train/timing/F" there too. A field holding a dict is a scalar per number in it
+eval_F is "eval/F" at the index of the last step it follows (eval_after_step - 1; loss.png plots
+both against the steps trained, the step record's step + 1 and eval_after_step); a timing record's
+field F (the ranks' split of the steps before `timing_after_step`, `train.timing`) "train/timing/F"
+there too. A field holding a dict is a scalar per number in it
 (a mixture's "experts/layer0/max"). A skipped step's `skipped` is 1, and a None (no MFU on CPU, a
 skipped step's non-finite loss: log.jsonl is strict JSON), a text (`skipped_because`) or a list
 (the slowest ranks) is no scalar.
@@ -25,6 +27,13 @@ import json
 import math
 import uuid
 from pathlib import Path
+
+
+def kind(record: dict) -> str:
+    """What a record is, which log.jsonl says in its "kind" field: "step", "eval", "timing" or "event"."""
+    if "event" in record:
+        return "event"
+    return "eval" if "eval_after_step" in record else "timing" if "timing_after_step" in record else "step"
 
 
 def scalars(record: dict) -> tuple[int, dict[str, float]]:
@@ -84,7 +93,7 @@ class Metrics:
 
     def event(self, record: dict, text: str) -> None:
         """A record of the run's own (a start, a resume), and `text` saying it in TensorBoard."""
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps({"kind": "event", **record}) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:
             self.tensorboard.add_text("run/events", text, record["step"])
@@ -93,7 +102,7 @@ class Metrics:
     def write(self, record: dict) -> None:
         # strict JSON (no NaN, no Infinity: a parser may refuse them): a non-finite number is null
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        self.jsonl.write(json.dumps({"kind": kind(record), **record}, allow_nan=False) + "\n")
         self.jsonl.flush()
         step, values = scalars(record)
         if self.tensorboard is not None:
@@ -101,8 +110,8 @@ class Metrics:
                 self.tensorboard.add_scalar(tag, value, step)
             self.tensorboard.flush()  # in step with log.jsonl should the process be killed
         if self.wandb is not None:
-            kind = "eval" if "eval_after_step" in record else "train"
-            self.wandb.log({**values, f"{kind}/step": step})
+            prefix = "eval" if "eval_after_step" in record else "train"
+            self.wandb.log({**values, f"{prefix}/step": step})
 
     def close(self) -> None:
         self.jsonl.close()

@@ -18,6 +18,7 @@ from fourfold import extras
 from fourfold.config import LogSection, TrainConfig
 from fourfold.data import corpus
 from fourfold.models.config import ModelConfig
+from fourfold.models.registry import family_of_hf
 from fourfold.parallel.grid import Grid
 from fourfold.parallel.tensor.block import torch_dtype
 from fourfold.spec.layout import grid_text
@@ -38,7 +39,7 @@ class Reporter:
                  world: int, peak_tflops: float | None, config: dict):
         """`peak_tflops`: the GPU's, that MFU is measured against (None on CPU); `config`: the run's,
         as the records keep it."""
-        self.log, self.rank0 = log, dist.get_rank() == 0
+        self.log, self.rank0, self.steps = log, dist.get_rank() == 0, steps
         self.tokens_per_step, self.flops_per_token, self.world = tokens_per_step, flops_per_token, world
         self.peak = peak_tflops
         self.bar = None
@@ -72,20 +73,20 @@ class Reporter:
         record["tflops_per_gpu"] = self.flops_per_token * tokens / record["seconds"] / self.world / 1e12
         record["mfu"] = record["tflops_per_gpu"] / self.peak if self.peak else None
         self.metrics.write(record)
+        mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a (CPU)"
+        loss = f"{record['loss']:.3f}" if record["loss"] is not None else "n/a (skipped)"
+        figures = (f"loss {loss} | {record['tokens_per_s']:.0f} tok/s | {record['tflops_per_gpu']:.3f} TFLOP/s/rank | "
+                   f"MFU {mfu} | mem {record['peak_memory_gib']:.2f} GiB")
         if self.bar is not None:
-            mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a (CPU)"
-            loss = f"{record['loss']:.3f}" if record["loss"] is not None else "n/a (skipped)"
-            self.bar.set_postfix_str(f"loss {loss} | {record['tokens_per_s']:.0f} tok/s | "
-                                     f"{record['tflops_per_gpu']:.3f} TFLOP/s/rank | MFU {mfu} | "
-                                     f"mem {record['peak_memory_gib']:.2f} GiB")
+            self.bar.set_postfix_str(figures)
             self.bar.update(1)
-        elif record["step"] % self.log.every == 0:  # (each expert layer's figures: in log.jsonl only)
-            print(json.dumps({k: v for k, v in record.items() if k != "experts"}), flush=True)
+        elif record["step"] % self.log.every == 0:  # a scheduler's log: a line (the records: log.jsonl)
+            print(f"step {record['step'] + 1}/{self.steps}: {figures} | {record['seconds']:.3f} s", flush=True)
 
-    def timing(self, record: dict) -> None:
+    def timing(self, record: dict, name_stragglers: bool = True) -> None:
         """Rank 0: the ranks' split of the steps (`timing.timing_record`), and a line per straggler."""
         self.metrics.write(record)
-        for line in straggler_lines(record):
+        for line in straggler_lines(record) if name_stragglers else ():
             self.message(line)
 
     def evaluation(self, step: int, result: dict) -> None:
@@ -129,6 +130,25 @@ def run_summary(run_dir: Path, tokens_per_step: int) -> dict:
                 slowest_ranks=worst_ranks(timings))
 
 
+def closing_line(summary: dict) -> str:
+    """A finished run in one line (the whole of it: summary.json; every step: log.jsonl)."""
+    loss = (f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
+            if summary.get("first_loss") is not None and summary.get("last_loss") is not None else "no finite loss")
+    held_out = f", held-out {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else ""
+    saved = summary["checkpoint"] or "none (checkpoint.every = 0)"
+    return (f"done: {summary['steps']} steps, {loss}{held_out}, {summary['seconds']:.1f} s; checkpoint {saved}; "
+            f"records in {summary['run_dir']}/ (log.jsonl, summary.json, loss.png)")
+
+
+def loss_points(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """loss.png's points, against the steps trained: ({steps: training loss}, {steps: held-out loss}); the
+    step record s (0-based) comes after s + 1 steps, a held-out score after `eval_after_step` of them
+    (--train.eval_every 20: at 20, 40, ...)."""
+    records, evals, _ = metrics.trajectory(run_dir)
+    losses = {s + 1: r["loss"] for s, r in records.items() if _finite(r["loss"]) is not None}
+    return losses, {after: r["eval_loss"] for after, r in evals.items()}
+
+
 def loss_curve(run_dir: Path) -> Path:
     """Plot the run's losses (`metrics.trajectory`: after a resume, the attempt that went on) to loss.png."""
     import matplotlib
@@ -136,17 +156,14 @@ def loss_curve(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records, evals, _ = metrics.trajectory(run_dir)
-    losses = {s: r["loss"] for s, r in records.items() if _finite(r["loss"]) is not None}
-    # a held-out score after `eval_after_step` steps: plotted at the last one's index
-    held_out = {after - 1: r["eval_loss"] for after, r in evals.items()}
+    losses, held_out = loss_points(run_dir)
     steps = sorted(losses)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, [losses[s] for s in steps], label="training")
     if held_out:
         ax.plot(sorted(held_out), [held_out[s] for s in sorted(held_out)], "o-", label="held-out")
         ax.legend()
-    ax.set_xlabel("step")
+    ax.set_xlabel("steps trained")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(run_dir.name)
     ax.grid(alpha=0.3)
@@ -200,6 +217,9 @@ def header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader,
              f"data: {data_source(cfg)}, {len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows "
              f"of {cfg.batch.seq}: "
              f"{schedule} = {epochs:.3g} epochs"]
+    if cfg.model.hf:  # what the family says of this config.json (DeepSeek-V3's multi-token prediction layers)
+        hf = json.loads((Path(cfg.model.hf).expanduser() / "config.json").read_text())
+        lines += [f"note: {note}" for note in family_of_hf(hf).notes(hf)]
     if event["from"] is None:
         lines.append("start: step 0" + (f", {cfg.model.hf}'s weights" if cfg.model.hf else ", random weights"))
         return lines

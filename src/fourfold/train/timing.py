@@ -29,6 +29,18 @@ STRAGGLERS = 16  # ranks it names (a bad switch can slow thousands: their count 
 DEFAULT_MARGIN = {"cuda": 0.25, "cpu": 2.0}
 
 
+SHARED_CORES = ("stragglers: not named, the ranks share this machine's CPU cores (the scheduler moves their compute "
+                "times); each step's split is in log.jsonl")
+
+
+def cores_shared(device) -> bool:
+    """Whether this node's ranks are CPU processes sharing its cores (more ranks than cores)."""
+    if device.type != "cpu":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > cores
+
+
 def places(grid: Grid) -> list[dict] | None:
     """On rank 0, each rank's host, local rank and coordinates on the grid (once, at the start);
     None elsewhere."""

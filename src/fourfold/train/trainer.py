@@ -137,6 +137,11 @@ class Trainer:
         self.bad = torch.zeros((), dtype=torch.int64, device=grid.device)  # non-finite steps in a row
         self.window: list[dict] = []  # the steps not read yet, their numbers on the device
         self.places = timing.places(grid)  # (rank 0: each rank's host, local rank and coordinates)
+        # CPU ranks sharing cores: the scheduler, not a rank, makes one slower; no straggler is named
+        # (unless a log.straggler_margin is asked for)
+        self.name_stragglers = bool(cfg.log.straggler_margin) or not timing.cores_shared(grid.device)
+        if not self.name_stragglers:
+            self.reporter.message(timing.SHARED_CORES)
         # (rank 0: each rank's pipeline stage, which its compute is compared within)
         self.stages = [grid.layout.coords(r)["pp"] for r in range(grid.layout.world_size)] if grid.rank == 0 else None
 
@@ -232,7 +237,7 @@ class Trainer:
         """Rank 0: every rank's split of the window's steps recorded, the stragglers named."""
         margin = self.cfg.log.straggler_margin or timing.DEFAULT_MARGIN[self.grid.device.type]
         self.reporter.timing(timing.timing_record(self.window[-1]["step"] + 1, len(self.window), splits,
-                                                  self.places, self.stages, margin))
+                                                  self.places, self.stages, margin), self.name_stragglers)
 
     def evaluate(self, done: int) -> None:
         """The held-out loss after `done` steps, through the pipeline stages when there are."""
@@ -314,8 +319,8 @@ class Trainer:
         if stopped:
             self.reporter.message(stop_message(cfg, stopped, done))
         self.reporter.close()
-        summary = dict(step=done, checkpoint=str(checkpoint.latest(cfg.checkpoint_dir)),
-                       stopped=stopped.name if stopped else None)
+        latest = checkpoint.latest(cfg.checkpoint_dir)
+        summary = dict(step=done, checkpoint=str(latest) if latest else None, stopped=stopped.name if stopped else None)
         if self.grid.rank == 0:
             summary.update(run_summary(Path(cfg.log.run_dir), cfg.batch.global_batch * cfg.batch.seq))
             summary["loss_curve"] = str(loss_curve(Path(cfg.log.run_dir)))
