@@ -20,6 +20,7 @@ import dataclasses
 import resource
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -126,14 +127,55 @@ def _pipeline_step(pipeline: Pipeline, job: Job, ids: torch.Tensor, scale: float
         comm.send(pipeline.models[-1].lm_head.copy_grad, 0, pp)
 
 
+def _model(cfg: ModelConfig, job: Job, grid: Grid) -> Model:
+    return Model(grid, job, cfg, dtype=torch_dtype(job.precision, torch.device("cuda")))
+
+
+def _optimizer(model: Model, grid: Grid) -> AdamW:
+    return AdamW(GradientSync(model.module, grid), lr=1e-4, skip_non_finite=False)  # fake values
+
+
+def _training_step(cfg: ModelConfig, job: Job, model: Model, opt: AdamW) -> Callable[[], None]:
+    """A training step of the rank's model on fake ids, as the trainer runs it (under FakeTensorMode)."""
+    scale = 1.0 / (job.global_batch * job.seq)
+    tokens = (job.microbatches * (job.micro_batch // job.z), job.seq // job.cp)
+
+    def step() -> None:
+        ids = torch.randint(0, cfg.vocab, tokens)
+        if model.pipeline is None:
+            model.step(LocalBatch(ids, ids), opt.sync, scale)
+        else:
+            _pipeline_step(model.pipeline, job, ids, scale)
+        opt.step()
+
+    return step
+
+
+def _on_fake_gpus(job: Job) -> Job:
+    return dataclasses.replace(job, precision="bf16") if job.precision == "auto" else job  # "auto" on GPUs
+
+
+def train_step(cfg: ModelConfig, job: Job, *, rank: int = 0) -> None:
+    """One training step of rank `rank` of `job` alone, as `simulate` runs it, without its measurements:
+    that a job the rules accept builds, runs forward, backward and the update on this rank (the
+    sweep of every family on every grid form, tests/tools/test_families_on_grid_forms.py)."""
+    check(cfg, job, gpu=True)
+    job = _on_fake_gpus(job)
+    with fake_world(job.world_size, rank, "simulate"):
+        grid = Grid(job.layout)
+        with FakeTensorMode(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            model = _model(cfg, job, grid)
+            opt = _optimizer(model, grid)
+            _training_step(cfg, job, model, opt)()
+
+
 def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Simulation:
     """Run rank `rank` of `job` alone (see the module's doc); `steps` timed steps follow two
     counted ones (the second has the optimizer state of every later step)."""
     check(cfg, job, gpu=True)
     if not 0 <= rank < job.world_size:
         raise ValueError(f"--rank {rank} is outside a job of {job.world_size} ranks; give 0..{job.world_size - 1}")
-    if job.precision == "auto":  # what "auto" means on the GPUs this stands for
-        job = dataclasses.replace(job, precision="bf16")
+    job = _on_fake_gpus(job)
     startup: dict[str, float] = {}
     begun = time.perf_counter()
     with fake_world(job.world_size, rank, "simulate"):
@@ -144,22 +186,12 @@ def simulate(cfg: ModelConfig, job: Job, *, rank: int = 0, steps: int = 2) -> Si
             if job.layout.ep > 1:  # a mixture's token exchange and expert replicas (Grid.expert_group)
                 for kind in ("ep", "edp"):
                     grid.expert_group(kind)
-        tokens = (job.microbatches * (job.micro_batch // job.z), job.seq // job.cp)
         with FakeTensorMode(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             with _timed(startup, "model"):
-                model = Model(grid, job, cfg, dtype=torch_dtype(job.precision, torch.device("cuda")))
+                model = _model(cfg, job, grid)
             with _timed(startup, "optimizer"):
-                opt = AdamW(GradientSync(model.module, grid), lr=1e-4, skip_non_finite=False)  # fake values
-            scale = 1.0 / (job.global_batch * job.seq)
-
-            def step() -> None:
-                ids = torch.randint(0, cfg.vocab, tokens)
-                if model.pipeline is None:
-                    model.step(LocalBatch(ids, ids), opt.sync, scale)
-                else:
-                    _pipeline_step(model.pipeline, job, ids, scale)
-                opt.step()
-
+                opt = _optimizer(model, grid)
+            step = _training_step(cfg, job, model, opt)
             with LiveBytes([*model.module.parameters(), *opt.sync.main_grads.values()]) as counter:
                 for n in range(2):
                     counter.enter(f"step {n}")
