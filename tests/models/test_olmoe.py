@@ -38,8 +38,8 @@ OLMOE = dict(model_type="olmoe", hidden_size=32, num_hidden_layers=2, num_attent
              intermediate_size=16, num_experts=4, num_experts_per_tok=2, attention_bias=True,
              output_router_logits=True, router_aux_loss_coef=0.02, vocab_size=128, tie_word_embeddings=False,
              max_position_embeddings=64, pad_token_id=None)
-# (OlmoeConfig's pad_token_id 1 makes transformers' embedding freeze row 1's gradient, a token the random ids
-# hold; fourfold reads pad_token_id as metadata and trains every row, as Megatron does)
+# (OlmoeConfig's default pad_token_id 1 would keep row 1 untrained in both, as tests/models/test_padding_row.py
+# checks; None here, so that every row's gradient is compared)
 GRIDS = {  # name: (sizes, sequence parallel, recompute)
     "serial": (dict(), False, "none"),
     "x2y2z2-sp": (dict(x=2, y=2, z=2), True, "none"),  # published: statistics over y, the x ranks the same heads

@@ -54,16 +54,20 @@ def _transformers_run(path):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def reference(request, tmp_path_factory):
+def _reference(tmp_path_factory, tied: bool):
     path = tmp_path_factory.mktemp("padded")
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(**HF, tie_word_embeddings=request.param)
+    config = transformers.AutoConfig.for_model(**HF, tie_word_embeddings=tied)
     model = transformers.AutoModelForCausalLM.from_config(config).double()
     with torch.no_grad():  # the pad row too, as a checkpoint trained elsewhere holds it
         model.model.embed_tokens.weight.normal_(0, 0.5)
     model.save_pretrained(path)
     return str(path), _transformers_run(path)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return {tied: _reference(tmp_path_factory, tied) for tied in (False, True)}
 
 
 def _fourfold_run(path, sizes, seq_parallel, train_padding_row):
@@ -89,13 +93,13 @@ def _relative(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-GRIDS = {"dp2x2y2": (dict(dp=2, x=2, y=2), False), "x2y2z2-sp": (dict(x=2, y=2, z=2), True)}
+GRIDS = {"untied-dp2x2y2": (False, dict(dp=2, x=2, y=2), False), "tied-x2y2z2-sp": (True, dict(x=2, y=2, z=2), True)}
 
 
 @pytest.mark.parametrize("grid", GRIDS)
-def test_training_with_the_pad_token_equals_transformers(ranks, reference, grid):
-    path, (losses, norms, weights) = reference
-    sizes, seq_parallel = GRIDS[grid]
+def test_training_with_the_pad_token_equals_transformers(ranks, references, grid):
+    tied, sizes, seq_parallel = GRIDS[grid]
+    path, (losses, norms, weights) = references[tied]
     got_losses, got_norms, got = ranks.run(_fourfold_run, 8, path, sizes, seq_parallel, False)[0]
     assert got_losses == pytest.approx(losses, rel=1e-10)
     assert got_norms == pytest.approx(norms, rel=1e-10)  # the trial's: 58.1 against transformers' 0.43
@@ -103,8 +107,8 @@ def test_training_with_the_pad_token_equals_transformers(ranks, reference, grid)
         assert _relative(tensor, weights[name]) < 1e-10, name
 
 
-def test_the_padding_row_is_trained_only_when_asked(ranks, reference):
-    path, (_, _, weights) = reference
+def test_the_padding_row_is_trained_only_when_asked(ranks, references):
+    path, (_, _, weights) = references[False]
     _, _, got = ranks.run(_fourfold_run, 4, path, dict(dp=2, y=2), False, True)[0]
     embed = "model.embed_tokens.weight"
     assert _relative(got[embed][PAD], weights[embed][PAD]) > 1e-3
@@ -125,7 +129,7 @@ def _initial_table(path, sizes):
     return full_weights(model.module)["embed"]
 
 
-def test_a_model_started_from_scratch_has_a_zero_padding_row(ranks, reference):
+def test_a_model_started_from_scratch_has_a_zero_padding_row(ranks, references):
     """As transformers initialises nn.Embedding(padding_idx): on a grid splitting the table over y and z."""
-    table = ranks.run(_initial_table, 4, reference[0], dict(y=2, z=2))[0]
+    table = ranks.run(_initial_table, 4, references[True][0], dict(y=2, z=2))[0]
     assert table[PAD].abs().max() == 0 and table[PAD + 1].abs().max() > 0

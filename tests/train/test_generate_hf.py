@@ -40,18 +40,24 @@ def directory(request, tmp_path_factory):
     return path, model
 
 
-def test_greedy_generation_equals_transformers(directory, capsys):
-    path, hf = directory
-    model, tokenizer, window, eos = open_model(path)
-    prompt = tokenizer.encode(PROMPT).ids
+def _continued(path, prompt, new=NEW):
+    """(the tokenizer, the prompt's ids and their continuation) from `fourfold.train.generate`."""
+    opened = open_model(path)
+    ids = opened.tokenizer.encode(prompt).ids
     try:
-        ours = continue_ids(model, prompt, window, NEW, eos=eos)
+        return opened, ids, continue_ids(opened.model, ids, opened.window, new, stop_ids=opened.stop_ids)
     finally:
         dist.destroy_process_group()
-    assert eos is None  # the tokenizer names no end token: all NEW are generated
-    hf.generation_config.eos_token_id = None  # (a random model may emit its config's end token)
+
+
+def test_greedy_generation_equals_transformers(directory, capsys):
+    path, hf = directory
+    opened, prompt, ours = _continued(path, PROMPT)
+    tokenizer = opened.tokenizer
+    # the tokenizer names no end token; config.json's eos_token_id (transformers' default) stops both
+    assert opened.stop_ids == {hf.generation_config.eos_token_id}
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0].tolist()
-    assert ours == theirs and len(ours) == len(prompt) + NEW
+    assert ours == theirs
     assert main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out.strip() == tokenizer.decode(theirs)
 
@@ -62,26 +68,73 @@ def test_generation_stops_at_the_end_of_document_token_as_transformers_does(dire
     source, hf = directory
     path = tmp_path / "model"
     shutil.copytree(source, path)
-    model, tokenizer, window, _ = open_model(path)
-    prompt = tokenizer.encode(PROMPT).ids
-    try:
-        free = continue_ids(model, prompt, window, NEW)
-    finally:
-        dist.destroy_process_group()
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))  # (none: the tokenizer's alone)
+    _, prompt, free = _continued(path, PROMPT)
     end = free[len(prompt) + NEW // 2]
     config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": tokenizer.id_to_token(end)}))
-    model, tokenizer, window, eos = open_model(path)
-    try:
-        ours = continue_ids(model, prompt, window, NEW, eos=eos)
-    finally:
-        dist.destroy_process_group()
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": f"w{end}"}))
+    opened, _, ours = _continued(path, PROMPT)
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                          eos_token_id=end)[0].tolist()
-    assert eos == end and ours == theirs == free[: free.index(end, len(prompt)) + 1]
+    assert opened.stop_ids == {end} and ours == theirs == free[: free.index(end, len(prompt)) + 1]
     assert len(ours) <= len(prompt) + NEW // 2 + 1
     assert main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW)]) == 0
-    assert capsys.readouterr().out.strip() == tokenizer.decode(theirs)
+    assert capsys.readouterr().out.strip() == opened.tokenizer.decode(theirs)
+
+
+def test_a_chat_models_turns_end_where_its_generation_config_says(directory, tmp_path, capsys):
+    """An instruct model's generation_config.json lists its end-of-turn ids beside the end of text
+    (Llama 3's [128001, 128008, 128009]): a sample ends at any of them, as transformers' generate; a
+    stop string ends it too, kept in the output; --special-tokens shows the markers the text hides."""
+    source, hf = directory
+    path = tmp_path / "model"
+    shutil.copytree(source, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    _, prompt, free = _continued(path, PROMPT)
+    turn_end = free[len(prompt) + NEW // 2]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [VOCAB - 1, turn_end]}))
+    opened, _, ours = _continued(path, PROMPT)
+    hf.generation_config.eos_token_id = [VOCAB - 1, turn_end]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0].tolist()
+    assert opened.stop_ids == {VOCAB - 1, turn_end} and ours == theirs and ours[-1] == turn_end
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))  # the stop string alone
+    stop = f"w{free[len(prompt) + 2]}"  # the third new token's text (or an earlier one's, the same)
+    assert main(["generate", str(path), "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--stop", stop]) == 0
+    shown = capsys.readouterr().out.strip()
+    new = [f"w{t}" for t in free[len(prompt):]]
+    assert shown.endswith(stop) and shown.split()[len(PROMPT.split()):] == new[: new.index(stop) + 1]
+
+
+def test_chat_renders_the_models_template_and_prints_its_reply(directory, tmp_path, capsys):
+    """--chat: the prompt as a user's turn under the model's own chat template (as transformers'
+    apply_chat_template renders it, the generation prompt added); the reply is the new tokens only,
+    its turn's markers shown with --special-tokens."""
+    source, hf = directory
+    path = tmp_path / "model"
+    shutil.copytree(source, path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["w1", "w2"]})  # the turns' markers
+    tokenizer.chat_template = ("{% for m in messages %}w1 {{ m['role'] }} {{ m['content'] }} w2 {% endfor %}"
+                               "{% if add_generation_prompt %}w1 assistant {% endif %}")
+    tokenizer.save_pretrained(path)
+    conversation = [{"role": "system", "content": "w9 w8"}, {"role": "user", "content": PROMPT}]
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+    hf.generation_config.eos_token_id = None
+    # (the rendered roles are [UNK], id 0: an attention mask of ones, or transformers would take them for padding)
+    theirs = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0].tolist()
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"eos_token_id": None}))
+    reply = tokenizer.decode(theirs[len(ids):], skip_special_tokens=True)
+    assert main(["generate", str(path), "--chat", "--system", "w9 w8", "--prompt", PROMPT, "--max-new-tokens",
+                 str(NEW)]) == 0
+    assert capsys.readouterr().out.strip() == reply.strip()
+    messages = tmp_path / "conversation.json"
+    messages.write_text(json.dumps({"messages": conversation}))
+    assert main(["generate", str(path), "--messages", str(messages), "--special-tokens", "--max-new-tokens",
+                 str(NEW)]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer.decode(theirs[len(ids):], skip_special_tokens=False).strip()
 
 
 def test_a_directory_without_its_tokenizer_names_the_fix(directory, tmp_path, capsys):

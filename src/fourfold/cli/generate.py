@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from fourfold.config import ConfigError
 
@@ -16,13 +18,40 @@ def add_parser(commands) -> None:
     gen.add_argument("--max-new-tokens", type=int, default=48, help="tokens to sample after the prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--seed", type=int, default=0, help="the sampler's random seed")
+    gen.add_argument("--chat", action="store_true",
+                     help="the prompt is a user's turn, rendered with the model's chat template; prints the reply")
+    gen.add_argument("--system", default="", help="with --chat: a system turn before the prompt")
+    gen.add_argument("--messages", help="a JSON file of the conversation to answer ([{role, content}, ...] or "
+                                        "{\"messages\": [...]}), rendered with the chat template; prints the reply")
+    gen.add_argument("--template", default="default", help="which of the model's chat templates (e.g. tool_use)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the sample once it holds TEXT (repeatable); it always ends at the model's end-of-turn "
+                          "and end-of-document tokens")
+    gen.add_argument("--special-tokens", action="store_true", help="show special tokens (the turns' markers)")
+
+
+def _messages(path: str | None) -> list[dict] | None:
+    if path is None:
+        return None
+    try:
+        found = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--messages {path}: {e}; give a JSON file of [{{\"role\", \"content\"}}, ...]") from None
+    found = found.get("messages") if isinstance(found, dict) else found
+    if not (isinstance(found, list) and found and all(isinstance(m, dict) and "role" in m for m in found)):
+        raise ConfigError(f"--messages {path} holds no conversation; give a list of {{\"role\", \"content\"}} "
+                          f"objects, or {{\"messages\": [...]}}")
+    return found
 
 
 def run(args: argparse.Namespace) -> int:
     from fourfold.train.generate import generate
 
+    messages = _messages(args.messages)
     try:
-        print(generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed))
-    except ValueError as err:  # CheckpointError, JobError, a temperature or prompt it cannot take
+        print(generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed, chat=args.chat,
+                       system=args.system, messages=messages, template=args.template, stop_strings=args.stop,
+                       special_tokens=args.special_tokens))
+    except ValueError as err:  # CheckpointError, JobError, a temperature, prompt or template it cannot take
         raise ConfigError(str(err)) from None
     return 0
