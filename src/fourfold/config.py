@@ -198,6 +198,12 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     # ----- derived values ---------------------------------------------------------------------
+    def data_source(self) -> str:
+        """What the run trains on, as the user named it; the bundled corpus, which nothing names, by name."""
+        if not (self.data.text or self.data.files or self.data.tokens):
+            return "the bundled King James Bible (no --data.text, --data.files or --data.tokens given)"
+        return ", ".join(filter(None, (self.data.text, self.data.files))) or self.data.tokens
+
     def model_config(self) -> ModelConfig:
         return load_config(str(Path(self.model.hf).expanduser()) if self.model.hf else self.model.preset)
 

@@ -630,8 +630,7 @@ def test_a_resume_passes_over_a_damaged_latest_checkpoint(data, reference, tmp_p
 def test_the_header_names_the_data_the_run_trains_on():
     """With no data flag the run trains on the bundled corpus: the header says so by name, not by a cache path."""
     from fourfold.config import load_train_config
-    from fourfold.train.report import data_source
 
-    assert data_source(load_train_config(None, [])).startswith("the bundled King James Bible (no --data.text")
-    assert data_source(load_train_config(None, ["--data.files", "web/*.jsonl,code.parquet"])) == \
-        "web/*.jsonl,code.parquet"
+    assert load_train_config(None, []).data_source().startswith("the bundled King James Bible (no --data.text")
+    named = load_train_config(None, ["--data.files", "web/*.jsonl,code.parquet", "--data.tokens", "t.npy"])
+    assert named.data_source() == "web/*.jsonl,code.parquet"  # (the launcher hands the ranks its token file)

@@ -153,6 +153,8 @@ def _before_launch(cfg) -> list[str]:
     if changed:
         print(f"the model's settings differ from its checkpoint's ({'; '.join(changed)}): training goes on with "
               f"this config's", file=sys.stderr)  # (slurm prints its script on stdout)
+    if not (cfg.data.text or cfg.data.files or cfg.data.tokens):  # (the ranks are handed its token file)
+        print(f"data: {cfg.data_source()}", flush=True)
     files, tokens, windows = _prepared_data(cfg)
     try:  # a corpus of fewer windows than one global batch: known now, not on rank 0 after the launch
         corpus.TokenLoader(tokens, cfg.batch.seq, cfg.batch.global_batch, packing=cfg.data.packing, windows=windows)

@@ -192,14 +192,6 @@ def start_event(cfg: TrainConfig, source: Path | None, skipped: list[tuple[Path,
     return event
 
 
-def data_source(cfg: TrainConfig) -> str:
-    """What the run trains on, as the user named it (or the bundled corpus, which nothing names)."""
-    data = cfg.data
-    if not (data.text or data.files or data.tokens):
-        return "the bundled King James Bible (no --data.text, --data.files or --data.tokens given)"
-    return data.tokens or ", ".join(filter(None, (data.text, data.files)))
-
-
 def header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader, tokens_path: Path, event: dict,
             device: torch.device, position: int = 0) -> list[str]:
     """Rank 0's lines at the start: what runs, where on, on what data, from where. `position`: the
@@ -210,11 +202,12 @@ def header(cfg: TrainConfig, model_cfg: ModelConfig, loader: corpus.TokenLoader,
     epochs = sequences / windows
     schedule = (f"train.steps={steps} x {batch} sequences" if position == start * batch else
                 f"train.steps={steps}: {position:,} sequences before step {start}, then {batch} a step")
+    named = f"{cfg.data_source()}, " if cfg.data.text or cfg.data.files else ""  # (the launcher said the bundled one)
     lines = [f"model: {model_cfg.family}, {model_cfg.layers} layers, hidden {model_cfg.hidden}, "
              f"{model_cfg.parameter_count() / 1e6:,.1f}M parameters ({source})",
              f"grid: {event['grid']} ({dist.get_world_size()} rank{'s' * (dist.get_world_size() > 1)}), "
              f"precision {str(torch_dtype(cfg.train.precision, device)).removeprefix('torch.')}",
-             f"data: {data_source(cfg)}, {len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows "
+             f"data: {named}{len(loader.tokens):,} tokens ({tokens_path}), {windows:,} training windows "
              f"of {cfg.batch.seq}: "
              f"{schedule} = {epochs:.3g} epochs"]
     if cfg.model.hf:  # what the family says of this config.json (DeepSeek-V3's multi-token prediction layers)
