@@ -297,7 +297,7 @@ def config_keys() -> list[str]:
 OTHER_NAMES = {
     "optimizer.lr": ("learning_rate", "max_lr", "lr_max", "peak_lr"),
     "optimizer.min_lr": ("min_learning_rate", "lr_min", "final_lr"),
-    "optimizer.warmup": ("warmup_steps", "lr_warmup_steps", "lr_warmup_iters", "warmup_iters", "warmup_ratio"),
+    "optimizer.warmup": ("warmup_steps", "lr_warmup_steps", "lr_warmup_iters", "warmup_iters"),
     "optimizer.beta1": ("adam_beta1",), "optimizer.beta2": ("adam_beta2",),
     "optimizer.clip": ("clip_grad", "grad_clip", "max_grad_norm", "clip_grad_norm", "gradient_clipping", "max_norm"),
     "optimizer.zero1": ("use_distributed_optimizer",),
@@ -305,7 +305,7 @@ OTHER_NAMES = {
     "train.eval_every": ("eval_interval", "eval_steps", "eval_freq"),
     "train.recompute": ("recompute_granularity", "activation_checkpointing", "gradient_checkpointing"),
     "train.seq_parallel": ("sequence_parallel",), "train.precision": ("bf16", "fp16", "mixed_precision", "dtype"),
-    "batch.global_batch": ("global_batch_size", "batch_size"),
+    "batch.global_batch": ("global_batch_size",),  # (batch_size: per device in some, global in others)
     "batch.micro_batch": ("micro_batch_size", "per_device_train_batch_size", "local_batch_size"),
     "batch.seq": ("seq_length", "seq_len", "max_seq_len", "max_seq_length", "sequence_length", "context_length",
                   "block_size"),

@@ -121,6 +121,13 @@ def test_the_pad_token_is_read_from_config_json_and_written_back():
     # GPT-2's embedding has no padding_idx: every row is trained, as transformers trains it
     gpt2 = dict(model_type="gpt2", n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB, n_positions=32, pad_token_id=PAD)
     assert ModelConfig.from_hf(gpt2).pad_token is None
+    # a config.json naming none: its class's default, as transformers reads it (Gemma 3's 0, OLMoE's 1)
+    for cls, fields in ((transformers.Gemma3TextConfig, dict(model_type="gemma3_text")),
+                        (transformers.OlmoeConfig, dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2)),
+                        (transformers.Qwen3Config, dict(model_type="qwen3"))):
+        d = {k: v for k, v in dict(HF, **fields).items() if k not in ("pad_token_id", "head_dim")}
+        assert ModelConfig.from_hf(d).pad_token == cls().pad_token_id, cls
+        assert ModelConfig.from_hf(dict(d, pad_token_id=None)).pad_token is None
 
 
 def _initial_table(path, sizes):

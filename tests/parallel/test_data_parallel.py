@@ -134,13 +134,15 @@ BIASED_MIXTURE = ModelConfig.from_hf(dict(
 
 
 @pytest.mark.parametrize(("cfg", "sizes"), [(MIXTURE, dict(dp=4, ep=2)), (MIXTURE, dict(dp=2, x=2)),
-                                            (BIASED_MIXTURE, dict(dp=2, x=2, z=2, ep=2))],
-                         ids=["dp4ep2", "dp2x2", "biased-dp2x2z2-ep2"])
+                                            (BIASED_MIXTURE, dict(dp=2, x=2, z=2, ep=2)),
+                                            (BIASED_MIXTURE, dict(dp=4, x=2, ep=2))],
+                         ids=["dp4ep2", "dp2x2", "biased-dp2x2z2-ep2", "biased-dp4x2-ep2"])
 def test_experts_wait_for_their_gathers(ranks, cfg, sizes):
     """The experts run as one GEMM per linear, not through their modules' forwards: the mixture waits for
     all its parameters' gathers (each run only when waited) before it reads them. Experts with biases
     under expert parallelism and x and z: each bias's gradient summed over its tensor dims, then its
-    replicas (the trial's `--grid.dp 4 --grid.ep 4 --grid.x 2` crashed in the first backward)."""
+    replicas (two of them on dp4 x2 ep2; the trial's `--grid.dp 4 --grid.ep 4 --grid.x 2` crashed in the
+    first backward)."""
     serial = ranks.run(_serial, 1, cfg, 0.5)[0]
     world = Layout(**sizes).world_size
     weights, norms, _ = ranks.run(_train, world, cfg, sizes, True, 0.5, False, 0.001, OverlapOptions(), "none",

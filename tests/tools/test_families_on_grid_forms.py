@@ -1,4 +1,4 @@
-"""Every family on every grid form its rules accept: nothing accepted fails in the first step.
+"""Every family on grid forms covering every pair of dims its rules accept: none fails in its first step.
 
 A grid's form is the set of its dims above 1 (dp, pp, cp, x, y, z, and ep for a mixture). For each
 family (tests/tiny_models.py) a few jobs of up to 8 ranks, each dim 2, are chosen so that every pair of
@@ -6,7 +6,8 @@ dims the rules accept together runs together in one of them (the parallel pieces
 trial's crash was GPT-OSS's expert biases under ep with x), with sequence parallelism and recompute
 alternating; one rank of each (the last: the last pipeline stage, the highest coordinates) runs a
 training step under fake tensors as `fourfold simulate` runs it. A pair the rules refuse is refused
-in one line that names the fix. FOURFOLD_ALL_GRIDS=1 runs every accepted form instead."""
+in one line that names the fix. FOURFOLD_ALL_GRIDS=1 runs every accepted
+form of up to 8 ranks instead (each dim 2: at most three rank dims, and ep)."""
 
 import itertools
 import os
@@ -32,7 +33,7 @@ def _job(cfg: ModelConfig, dims: tuple[str, ...], n: int) -> Job:
                seq_parallel=n % 2 == 0, recompute=("none", "selective", "full")[n % 3], precision="bf16")
 
 
-def _forms(cfg: ModelConfig) -> tuple[list[tuple[str, ...]], set[frozenset], dict]:
+def _forms(cfg: ModelConfig) -> tuple[list[tuple[str, ...]], dict[frozenset, list]]:
     """(the forms to run: greedily, the fewest covering every accepted pair of dims; the pairs no
     accepted job has, with the problems of the smallest job of each)."""
     dims = RANK_DIMS + (("ep",) if cfg.experts else ())

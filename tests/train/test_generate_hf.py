@@ -114,8 +114,10 @@ def test_chat_renders_the_models_template_and_prints_its_reply(directory, tmp_pa
     shutil.copytree(source, path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     tokenizer.add_special_tokens({"additional_special_tokens": ["w1", "w2"]})  # the turns' markers
-    tokenizer.chat_template = ("{% for m in messages %}w1 {{ m['role'] }} {{ m['content'] }} w2 {% endfor %}"
-                               "{% if add_generation_prompt %}w1 assistant {% endif %}")
+    # (a training template's {% generation %} marks around the assistant's turns: rendered as their text)
+    tokenizer.chat_template = ("{% for m in messages %}w1 {{ m['role'] }} {% if m['role'] == 'assistant' %}"
+                               "{% generation %}{{ m['content'] }} w2{% endgeneration %}{% else %}{{ m['content'] }} w2"
+                               "{% endif %} {% endfor %}{% if add_generation_prompt %}w1 assistant {% endif %}")
     tokenizer.save_pretrained(path)
     conversation = [{"role": "system", "content": "w9 w8"}, {"role": "user", "content": PROMPT}]
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -130,11 +132,20 @@ def test_chat_renders_the_models_template_and_prints_its_reply(directory, tmp_pa
     assert main(["generate", str(path), "--chat", "--system", "w9 w8", "--prompt", PROMPT, "--max-new-tokens",
                  str(NEW)]) == 0
     assert capsys.readouterr().out.strip() == reply.strip()
+    conversation += [{"role": "assistant", "content": "w7 w6"}, {"role": "user", "content": "w4"}]
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+    theirs = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0].tolist()
     messages = tmp_path / "conversation.json"
     messages.write_text(json.dumps({"messages": conversation}))
     assert main(["generate", str(path), "--messages", str(messages), "--special-tokens", "--max-new-tokens",
                  str(NEW)]) == 0
     assert capsys.readouterr().out.strip() == tokenizer.decode(theirs[len(ids):], skip_special_tokens=False).strip()
+    # flags that only a conversation reads are refused without one, and a conversation takes no --prompt
+    assert main(["generate", str(path), "--system", "w9"]) == 2
+    assert "--system renders a conversation: add --chat" in capsys.readouterr().err
+    assert main(["generate", str(path), "--messages", str(messages), "--prompt", "w3"]) == 2
+    assert "--messages is the whole conversation" in capsys.readouterr().err
 
 
 def test_a_directory_without_its_tokenizer_names_the_fix(directory, tmp_path, capsys):

@@ -90,7 +90,9 @@ def _write_model(cfg: ModelConfig, path: Path, partial: Path, shard_bytes: int) 
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     token_ids = _write_tokenizer(cfg, path, partial)
     if token_ids.get("pad_token_id") is None:  # none named by the tokenizer: the one of the model fine-tuned, if any
-        token_ids["pad_token_id"] = checkpoint.read_meta(path).get("pad_token_id", cfg.pad_token)
+        token_ids["pad_token_id"] = checkpoint.read_meta(path).get("pad_token_id")
+    if token_ids["pad_token_id"] is None:  # (a model whose config names one: the row its training kept)
+        token_ids["pad_token_id"] = cfg.pad_token
     (partial / "config.json").write_text(json.dumps(cfg.to_hf() | token_ids, indent=1))
     _write_generation_config(path, partial, token_ids)
 

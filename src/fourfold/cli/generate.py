@@ -14,7 +14,7 @@ def add_parser(commands) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("checkpoint", help="a step-N checkpoint directory, a run's checkpoint directory (latest), or a "
                                         "Hugging Face directory (config.json, safetensors, tokenizer.json)")
-    gen.add_argument("--prompt", default="In the beginning", help="the text to continue")
+    gen.add_argument("--prompt", help="the text to continue (default: In the beginning); with --chat, the user's turn")
     gen.add_argument("--max-new-tokens", type=int, default=48, help="tokens to sample after the prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--seed", type=int, default=0, help="the sampler's random seed")
@@ -48,8 +48,13 @@ def run(args: argparse.Namespace) -> int:
     from fourfold.train.generate import generate
 
     messages = _messages(args.messages)
+    if messages and (args.prompt is not None or args.system):
+        raise ConfigError("--messages is the whole conversation: give it, or --prompt (and --system) with --chat")
+    if (args.system or args.template != "default") and not (args.chat or messages):
+        raise ConfigError(f"{'--system' if args.system else '--template'} renders a conversation: add --chat")
+    prompt = args.prompt if args.prompt is not None else "In the beginning"
     try:
-        print(generate(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed, chat=args.chat,
+        print(generate(args.checkpoint, prompt, args.max_new_tokens, args.temperature, args.seed, chat=args.chat,
                        system=args.system, messages=messages, template=args.template, stop_strings=args.stop,
                        special_tokens=args.special_tokens))
     except ValueError as err:  # CheckpointError, JobError, a temperature, prompt or template it cannot take

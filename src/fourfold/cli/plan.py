@@ -184,10 +184,10 @@ def reproduce(args: argparse.Namespace, job: Job, gpus_per_node: int) -> dict[st
     overrides = [model, args.model, "--data.files", DATA, "--batch.seq", job.seq, "--batch.global_batch",
                  job.global_batch, "--train.precision", job.precision, *as_overrides(job_settings(job)), *hardware]
     out = {"estimate": shlex.join(map(str, estimate)), "train": shlex.join(map(str, ["fourfold", "train", *overrides]))}
-    if job.world_size > gpus_per_node:
-        nodes = -(-job.world_size // gpus_per_node)
-        slurm = ["fourfold", "slurm", "--nodes", nodes, "--gpus-per-node", gpus_per_node, "--output", "job.sbatch",
-                 *overrides]
+    nodes = -(-job.world_size // gpus_per_node)
+    if nodes > 1 and job.world_size % nodes == 0:  # (12 GPUs of 8-GPU nodes: 2 nodes of 6)
+        slurm = ["fourfold", "slurm", "--nodes", nodes, "--gpus-per-node", job.world_size // nodes, "--output",
+                 "job.sbatch", *overrides]
         out["slurm"] = shlex.join(map(str, slurm))
     return out
 
@@ -252,27 +252,35 @@ def error_note(cal: Calibration) -> str:
                 "`fourfold calibrate` measures it)")
     kinds = "; " + ", ".join(f"{k} {e:.1%}" for k, e in cal.cv_errors) if cal.cv_errors else ""
     return (f"step times +-{cal.cv_error:.1%} (the model's cross-validated error{kinds}); {TIE}: within it of the "
-            f"fastest; tier: rows it cannot tell apart, simplest first")
+            f"fastest; tier: rows it cannot tell apart, simplest first unless another beats one on time and memory")
 
 
 def why_first(found: list[dict], cal: Calibration) -> str:
     """The reason the first row leads, in a few words: the fastest; or as fast as the model can tell and
     simpler in the first way the listing orders by; or faster and smaller than such a simpler row."""
     first = found[0]
-    if first["tight"] or not first["fits"]:
-        return "first row: the fastest that fits (none leaves 5% of the memory free)"
+    if not first["fits"]:
+        return "first row: nothing fits; the rows are listed by step time"
+    if first["tight"]:
+        return f"first row: the fastest that fits (none leaves {HEADROOM:.0%} of the memory free)"
     rows = [r for r in found if r["fits"] and not r["tight"]]
     fastest = min(rows, key=lambda r: r["step_seconds"])
     if rounded_seconds(fastest["step_seconds"]) >= rounded_seconds(first["step_seconds"]):
         return f"first row: the fastest that leaves {HEADROOM:.0%} of the memory free"
-    slower = (f"{first['step_seconds'] / fastest['step_seconds'] - 1:.1%} slower than the fastest (row "
-              f"{found.index(fastest) + 1}, {fastest['step_seconds']:.3f} s), within the model's "
+    slower = (f"{first['step_seconds'] / fastest['step_seconds'] - 1:.1%} slower than the fastest "
+              f"({_row(found, fastest)}, {fastest['step_seconds']:.3f} s), within the model's "
               f"+-{max(cal.error_band(kind(first)), cal.error_band(kind(fastest))):.1%}")
     simpler_row = min((r for r in rows if r["tier"] == first["tier"]), key=simplest)
     if simplest(simpler_row) < simplest(first):  # it leads because it beats a simpler row on both counts
-        return (f"first row: {slower}; above row {found.index(simpler_row) + 1}, which is simpler "
+        return (f"first row: {slower}; above {_row(found, simpler_row)}, which is simpler "
                 f"({_simpler(simpler_row, first)}), as it beats it on both time and memory: time them before choosing")
     return f"first row: {slower}; first for {_simpler(first, fastest)}, which measured runs favour: time both"
+
+
+def _row(found: list[dict], r: dict) -> str:
+    """A row by its place in the listing, and its grid where the table may not show it."""
+    at = found.index(r) + 1
+    return f"row {at}" if at <= 10 else f"row {at}: {grid_text(r)} mb{r['micro_batch']}"
 
 
 def _simpler(a: dict, b: dict) -> str:
@@ -314,7 +322,7 @@ def _print_one(r: dict, memory_only: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.command != "calibrate":
         args.global_batch_defaulted = args.global_batch is None
-        args.global_batch = args.global_batch or GLOBAL_BATCH
+        args.global_batch = GLOBAL_BATCH if args.global_batch is None else args.global_batch
     try:
         if args.command == "calibrate":
             return _calibrate(args)
@@ -385,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"the first row again: {commands['estimate']}")
                 if "slurm" in commands:
                     print(f"run it on {-(-args.gpus // cluster.gpus_per_node)} nodes: {commands['slurm']}, then "
-                          f"sbatch job.sbatch")
+                          f"sbatch job.sbatch")  # (the nodes: as `reproduce` counts them)
                 else:
                     print(f"run it:              {commands['train']}")
                 print(DATA_NOTE)

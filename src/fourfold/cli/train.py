@@ -98,7 +98,7 @@ def train(args: argparse.Namespace, argv: list[str], overrides: list[str]) -> in
     if int(os.environ["RANK"]) == 0 and not summary["stopped"]:  # a stopped run has said so in one line
         from fourfold.train.report import closing_line
 
-        print(closing_line(dict(summary, run_dir=cfg.log.run_dir)))
+        print(closing_line(summary, cfg.log.run_dir, cfg.checkpoint.every))
     return 0
 
 
@@ -154,7 +154,7 @@ def _before_launch(cfg) -> list[str]:
         print(f"the model's settings differ from its checkpoint's ({'; '.join(changed)}): training goes on with "
               f"this config's", file=sys.stderr)  # (slurm prints its script on stdout)
     if not (cfg.data.text or cfg.data.files or cfg.data.tokens):  # (the ranks are handed its token file)
-        print(f"data: {cfg.data_source()}", flush=True)
+        print(f"data: {cfg.data_source()}", file=sys.stderr)  # (slurm prints its script on stdout)
     files, tokens, windows = _prepared_data(cfg)
     try:  # a corpus of fewer windows than one global batch: known now, not on rank 0 after the launch
         corpus.TokenLoader(tokens, cfg.batch.seq, cfg.batch.global_batch, packing=cfg.data.packing, windows=windows)

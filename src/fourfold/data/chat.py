@@ -55,7 +55,22 @@ def special_tokens(folder: str | Path) -> dict[str, str]:
 
 def _sandbox():
     import jinja2
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (training templates mark the assistant's output so):
+        rendered as its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -63,7 +78,8 @@ def _sandbox():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     return env
@@ -77,7 +93,12 @@ def render(template: str, messages: list[dict], *, tools: list[dict] | None = No
     import jinja2
 
     try:
-        return _sandbox().from_string(template).render(messages=messages, tools=tools, documents=None,
-                                                       add_generation_prompt=add_generation_prompt, **(special or {}))
-    except jinja2.exceptions.TemplateError as e:
+        compiled = _sandbox().from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse (line {e.lineno}: {e.message}); give the model's own "
+                         f"template") from None
+    try:
+        return compiled.render(messages=messages, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **(special or {}))
+    except jinja2.exceptions.TemplateError as e:  # (raise_exception: what the template says of the conversation)
         raise ValueError(f"the chat template refuses this conversation: {e}") from None

@@ -501,7 +501,8 @@ def _cores() -> int:
 # inline), special tokens, the chat template as transformers 5 writes it (chat_template.jinja, named ones in
 # additional_chat_templates/), and a slow tokenizer's vocabulary files
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+                   "chat_template.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "merges.txt", "vocab.txt")
 CHAT_TEMPLATES = "additional_chat_templates"
 
 
@@ -513,6 +514,7 @@ def tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
     folder = tokenizer_path.parent
     out = {"tokenizer.json": tokenizer_path}
     out.update((name, folder / name) for name in TOKENIZER_FILES if (folder / name).is_file())
+    out.update((p.name, p) for p in sorted(folder.glob("*.tiktoken")))  # (GPT-OSS's and Kimi's vocabularies)
     templates = folder / CHAT_TEMPLATES
     if templates.is_dir():
         out.update((f"{CHAT_TEMPLATES}/{p.name}", p) for p in sorted(templates.iterdir()) if p.is_file())

@@ -149,7 +149,7 @@ class ModelConfig:
 
         family = family_of_hf(d)
         cfg = family.from_hf(d)
-        pad = d.get("pad_token_id")
+        pad = d.get("pad_token_id", family.default_pad)  # (transformers' class default when it names none)
         if family.padding_idx and isinstance(pad, int) and not isinstance(pad, bool) and -cfg.vocab <= pad < cfg.vocab:
             cfg = dataclasses.replace(cfg, pad_token=pad % cfg.vocab)  # (nn.Embedding reads a negative one so)
         return cfg
@@ -161,8 +161,9 @@ class ModelConfig:
         return cls(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None})
 
     def to_hf(self) -> dict:
-        out = self.family_spec().to_hf(self)
-        return out if self.pad_token is None else {**out, "pad_token_id": self.pad_token}
+        family = self.family_spec()
+        out = family.to_hf(self)  # (a null pad id written too: left out, the class default would be read back)
+        return {**out, "pad_token_id": self.pad_token} if family.padding_idx else out
 
     def parameter_count(self) -> int:
         from fourfold.spec.counts import parameter_count

@@ -41,5 +41,6 @@ class Family:
     # transformers builds its embedding as nn.Embedding(..., padding_idx=config.pad_token_id): that row
     # starts at zero and gets no gradient from the lookup (every family but GPT-2)
     padding_idx: bool = True
+    default_pad: int | None = None  # its config class's pad_token_id, when config.json names none
     # what a run of a config.json should be told once, in the training header (config.json fields -> lines)
     notes: Callable[[dict], list[str]] = lambda d: []

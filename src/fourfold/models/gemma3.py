@@ -104,4 +104,5 @@ def tensors(cfg: ModelConfig) -> dict[str, HFTensor]:
     return out
 
 
-FAMILY = Family("gemma3", ("gemma3_text",), from_hf, to_hf, block, tensors, scaled_embedding=True)
+FAMILY = Family("gemma3", ("gemma3_text",), from_hf, to_hf, block, tensors, scaled_embedding=True,
+                default_pad=0)

@@ -56,4 +56,4 @@ def block(cfg: ModelConfig) -> BlockConfig:
 
 
 # Qwen3-MoE's checkpoint names (self_attn.q_norm, k_norm; the experts one by one, mlp.gate the router)
-FAMILY = Family("olmoe", ("olmoe",), from_hf, to_hf, block, qwen3_moe.tensors)
+FAMILY = Family("olmoe", ("olmoe",), from_hf, to_hf, block, qwen3_moe.tensors, default_pad=1)

@@ -130,14 +130,15 @@ def run_summary(run_dir: Path, tokens_per_step: int) -> dict:
                 slowest_ranks=worst_ranks(timings))
 
 
-def closing_line(summary: dict) -> str:
-    """A finished run in one line (the whole of it: summary.json; every step: log.jsonl)."""
+def closing_line(summary: dict, run_dir: str, every: int) -> str:
+    """A finished run in one line (the whole of it: summary.json; every step: log.jsonl); `every`: its
+    checkpoint.every."""
     loss = (f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
             if summary.get("first_loss") is not None and summary.get("last_loss") is not None else "no finite loss")
     held_out = f", held-out {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else ""
-    saved = summary["checkpoint"] or "none (checkpoint.every = 0)"
+    saved = summary["checkpoint"] or ("none (checkpoint.every = 0)" if every == 0 else "none written (see above)")
     return (f"done: {summary['steps']} steps, {loss}{held_out}, {summary['seconds']:.1f} s; checkpoint {saved}; "
-            f"records in {summary['run_dir']}/ (log.jsonl, summary.json, loss.png)")
+            f"records in {run_dir}/ (log.jsonl, summary.json, loss.png)")
 
 
 def loss_points(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
