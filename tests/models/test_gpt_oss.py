@@ -22,6 +22,7 @@ from fourfold.models.config import METADATA, ModelConfig
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
 from fourfold.spec.rules import problems
+from hf_training import fourfold_steps, relative, transformers_steps
 from moe_on_grids import run_moe, run_moe_pipeline
 from runs import assert_exports_the_checkpoint, hub_model_run, step_losses, train_run
 from serial_reference import (
@@ -111,6 +112,25 @@ def test_through_pipeline_stages(ranks, reference):
     for param, g in reference.grads.items():
         errors[param] = [relative_error(hf_grads[param], g)]
     bad = {key: found for key, found in errors.items() if not all(e < 1e-10 for e in found)}
+    assert not bad, bad
+
+
+def test_training_on_expert_parallelism_with_x_equals_transformers(ranks, tmp_path):
+    """The trial's `--grid.dp 4 --grid.ep 4 --grid.x 2` (8 ranks), which crashed in the first backward:
+    three clipped AdamW steps through the trainer's Model, GradientSync and AdamW give transformers'
+    losses, gradient norms and weights (the experts' biases, summed over x, then their replicas)."""
+    config, model = saved_random_model(dict(GPT_OSS, output_router_logits=False), tmp_path,
+                                       lambda n: 1.0 if "router" in n or "sinks" in n else 0.05,
+                                       experts_implementation="eager", attn_implementation="eager")
+    ids = IDS.numpy()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling_gpt_oss.GptOssRMSNorm, "forward", rms_norm_in_input_dtype)
+        patch.setattr(modeling_gpt_oss.GptOssTopKRouter, "forward", _router_in_input_dtype)
+        losses, norms, weights = transformers_steps(model.train(), ids, 3)
+    got_losses, got_norms, got = ranks.run(fourfold_steps, 8, str(tmp_path), ids, dict(dp=4, x=2, ep=4), False, 3,
+                                           1)[0]
+    assert got_losses == pytest.approx(losses, rel=1e-10) and got_norms == pytest.approx(norms, rel=1e-10)
+    bad = {name: relative(t, weights[name]) for name, t in got.items() if not relative(t, weights[name]) < 1e-10}
     assert not bad, bad
 
 

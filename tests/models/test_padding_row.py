@@ -10,48 +10,24 @@ import pytest
 import torch
 import transformers
 
-from fourfold.checkpoint.hf import load_hf, to_hf_tensors
 from fourfold.models.config import ModelConfig, load_config
-from fourfold.parallel import comm
-from fourfold.parallel.data import GradientSync
 from fourfold.parallel.grid import Grid
-from fourfold.parallel.model import Model, local_batch
-from fourfold.parallel.optimizer import AdamW
+from fourfold.parallel.model import Model
 from fourfold.parallel.tensor.params import full_weights
 from fourfold.spec.job import Job
 from fourfold.spec.layout import Layout
-from serial_reference import hf_adamw_groups, rms_norm_in_input_dtype
+from hf_training import fourfold_steps, relative, transformers_steps
+from serial_reference import rms_norm_in_input_dtype
 
-PAD, VOCAB, BATCH, SEQ, STEPS, CLIP = 5, 61, 8, 16, 3, 1.0  # 61: padded to 62 rows on y=2
+PAD, VOCAB, BATCH, SEQ, STEPS = 5, 61, 8, 16, 3  # 61: padded to 62 rows on y=2
 HF = dict(model_type="qwen3", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
           head_dim=8, intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=PAD)
-OPTIMIZER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def _batch():
     ids = np.random.default_rng(2).integers(0, VOCAB, (BATCH, SEQ + 1))
     ids[:, ::4] = PAD  # the pad token as input and as target, a quarter of the tokens
     return ids
-
-
-def _transformers_run(path):
-    """(losses, pre-clip gradient norms, final weights) of transformers' model, 3 steps."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-    opt = torch.optim.AdamW(hf_adamw_groups(model, OPTIMIZER["weight_decay"]), **OPTIMIZER)
-    ids = torch.from_numpy(_batch())
-    losses, norms = [], []
-    for _ in range(STEPS):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", rms_norm_in_input_dtype)
-            logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        assert model.model.embed_tokens.weight.grad[PAD].abs().max() == 0 or model.config.tie_word_embeddings
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _reference(tmp_path_factory, tied: bool):
@@ -62,35 +38,15 @@ def _reference(tmp_path_factory, tied: bool):
     with torch.no_grad():  # the pad row too, as a checkpoint trained elsewhere holds it
         model.model.embed_tokens.weight.normal_(0, 0.5)
     model.save_pretrained(path)
-    return str(path), _transformers_run(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", rms_norm_in_input_dtype)
+        return str(path), transformers_steps(model, _batch(), STEPS)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     return {tied: _reference(tmp_path_factory, tied) for tied in (False, True)}
-
-
-def _fourfold_run(path, sizes, seq_parallel, train_padding_row):
-    job = Job(Layout(**sizes), global_batch=BATCH, micro_batch=BATCH // sizes.get("dp", 1) // 2, seq=SEQ,
-              seq_parallel=seq_parallel, precision="float64")
-    grid = Grid(job.layout)
-    model = Model(grid, job, load_config(path), dtype=torch.float64, train_padding_row=train_padding_row)
-    load_hf(model.module, path)
-    opt = AdamW(GradientSync(model.module, grid), clip_norm=CLIP, **OPTIMIZER)
-    rows = np.arange(BATCH).reshape(job.dp, -1)[grid.coords["dp"]]
-    batch = local_batch(job, grid, _batch()[rows])
-    losses, norms = [], []
-    for _ in range(STEPS):
-        loss = model.step(batch, opt.sync, 1.0 / (BATCH * SEQ))
-        opt.step()
-        losses.append(comm.all_reduce(loss, grid.loss_group()).item())
-        norms.append(opt.last_norm)
-    opt.sync.flush()
-    return losses, norms, to_hf_tensors(load_config(path), full_weights(model.module))
-
-
-def _relative(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 GRIDS = {"untied-dp2x2y2": (False, dict(dp=2, x=2, y=2), False), "tied-x2y2z2-sp": (True, dict(x=2, y=2, z=2), True)}
@@ -100,18 +56,18 @@ GRIDS = {"untied-dp2x2y2": (False, dict(dp=2, x=2, y=2), False), "tied-x2y2z2-sp
 def test_training_with_the_pad_token_equals_transformers(ranks, references, grid):
     tied, sizes, seq_parallel = GRIDS[grid]
     path, (losses, norms, weights) = references[tied]
-    got_losses, got_norms, got = ranks.run(_fourfold_run, 8, path, sizes, seq_parallel, False)[0]
+    got_losses, got_norms, got = ranks.run(fourfold_steps, 8, path, _batch(), sizes, seq_parallel, STEPS)[0]
     assert got_losses == pytest.approx(losses, rel=1e-10)
     assert got_norms == pytest.approx(norms, rel=1e-10)  # the trial's: 58.1 against transformers' 0.43
     for name, tensor in got.items():
-        assert _relative(tensor, weights[name]) < 1e-10, name
+        assert relative(tensor, weights[name]) < 1e-10, name
 
 
 def test_the_padding_row_is_trained_only_when_asked(ranks, references):
     path, (_, _, weights) = references[False]
-    _, _, got = ranks.run(_fourfold_run, 4, path, dict(dp=2, y=2), False, True)[0]
+    _, _, got = ranks.run(fourfold_steps, 4, path, _batch(), dict(dp=2, y=2), False, STEPS, 2, True)[0]
     embed = "model.embed_tokens.weight"
-    assert _relative(got[embed][PAD], weights[embed][PAD]) > 1e-3
+    assert relative(got[embed][PAD], weights[embed][PAD]) > 1e-3
 
 
 def test_the_pad_token_is_read_from_config_json_and_written_back():
