@@ -18,7 +18,7 @@ from fourfold.plan.constants import Calibration
 from fourfold.plan.frameworks import CP_COMMS, FRAMEWORKS, named
 from fourfold.plan.memory import GIB
 from fourfold.plan.search import HEADROOM, as_json, kind, predict, rounded_seconds, search, simplest
-from fourfold.spec.hardware import CLUSTERS, GPUS, make_cluster
+from fourfold.spec.hardware import CLUSTERS, GPUS, Cluster, make_cluster
 from fourfold.spec.job import FP8_RECIPES, PRECISIONS, RECOMPUTE, Job
 from fourfold.spec.layout import DEFAULT_ORDER, DIMS, GridError, Layout
 from fourfold.spec.rules import problems, with_flags
@@ -136,12 +136,7 @@ def _progress_bar():
         yield progress
 
 
-def _per_node(args) -> int:
-    return make_cluster(args.cluster, args.gpu, args.gpus_per_node, args.intra_node_gbs, args.inter_node_gbs,
-                        args.latency_us).gpus_per_node
-
-
-def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
+def _one(args) -> tuple[ModelConfig, Job, dict, Calibration, Cluster]:
     cfg, cluster, cal = _context(args)
     sizes = {d: getattr(args, d) for d in DIMS}
     if args.tp:
@@ -152,7 +147,8 @@ def _one(args) -> tuple[ModelConfig, Job, dict, Calibration]:
         sizes.update(x=1, y=args.tp, z=1)
     order = tuple(d.strip() for d in args.order.split(",")) if args.order else DEFAULT_ORDER
     job = _job(args, Layout(**sizes, order=order, ep=args.ep), args.virtual)
-    return cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, named(args.framework, args.cp_comm)), cal
+    return (cfg, job, predict(cfg, job, cluster, cal, not args.no_80_rule, named(args.framework, args.cp_comm)), cal,
+            cluster)
 
 
 # The run commands' data: a placeholder the user replaces (no data flags would train on the bundled corpus)
@@ -327,8 +323,8 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command in ("memory", "estimate"):
-            cfg, job, r, cal = _one(args)
-            r = as_json(r) | {"commands": reproduce(args, job, _per_node(args))}
+            cfg, job, r, cal, cluster = _one(args)
+            r = as_json(r) | {"commands": reproduce(args, job, cluster.gpus_per_node)}
             if args.command == "memory":
                 timing = ("step_seconds", "tokens_per_second", "model_tflops_per_gpu", "mfu", "time_breakdown_seconds")
                 r = {k: v for k, v in r.items() if k not in timing}

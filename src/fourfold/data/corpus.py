@@ -493,7 +493,8 @@ def _write_tokens(path: Path, arrays, dtype, total_bytes: int, progress: bool | 
         f.write(_npy_header(dtype, count))
 
 
-def _cores() -> int:
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -576,7 +577,7 @@ def prepare(text_path: str | None, vocab: int, cache_dir: str, *, files: str | l
     try:
         if not tok_path.exists():
             _train_bpe(_sample(inputs, field, sample, block), vocab, tok_path)
-        rejects = _tokenize(inputs, field, skip_bad, tok_path, ids_path, workers or _cores(), block, progress)
+        rejects = _tokenize(inputs, field, skip_bad, tok_path, ids_path, workers or usable_cores(), block, progress)
     except BaseException:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)

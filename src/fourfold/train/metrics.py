@@ -93,7 +93,7 @@ class Metrics:
 
     def event(self, record: dict, text: str) -> None:
         """A record of the run's own (a start, a resume), and `text` saying it in TensorBoard."""
-        self.jsonl.write(json.dumps({"kind": "event", **record}) + "\n")
+        self.jsonl.write(json.dumps({"kind": kind(record), **record}) + "\n")
         self.jsonl.flush()
         if self.tensorboard is not None:
             self.tensorboard.add_text("run/events", text, record["step"])

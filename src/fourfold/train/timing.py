@@ -16,6 +16,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from fourfold.data import corpus
 from fourfold.parallel import comm
 from fourfold.parallel.clock import KINDS
 from fourfold.parallel.grid import Grid
@@ -35,10 +36,7 @@ SHARED_CORES = ("stragglers: not named, the ranks share this machine's CPU cores
 
 def cores_shared(device) -> bool:
     """Whether this node's ranks are CPU processes sharing its cores (more ranks than cores)."""
-    if device.type != "cpu":
-        return False
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > cores
+    return device.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > corpus.usable_cores()
 
 
 def places(grid: Grid) -> list[dict] | None:
